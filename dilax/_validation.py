@@ -1,0 +1,164 @@
+"""Trace-time argument checks shared by every public op.
+
+Every check raises ``ValueError`` (``TypeError`` for dtypes and non-static config) with a
+message that names the argument and the rule it broke (SPEC.md, "Errors").
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MODES = ("mixture", "grouped")
+
+
+def _is_traced(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def static_int(value: Any, name: str) -> int:
+    """Returns ``value`` as a Python int, or raises if it is not a static integer."""
+    if _is_traced(value):
+        raise TypeError(
+            f"{name} must be a static Python int, got a traced value; mark it static "
+            "(e.g. jax.jit(..., static_argnames=...)) instead of passing it as an array"
+        )
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):
+        if isinstance(value, (jax.Array, np.ndarray)) and np.ndim(value) == 0 and np.issubdtype(
+            np.asarray(value).dtype, np.integer
+        ):
+            return int(value)
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def static_int_tuple(values: Any, name: str) -> tuple[int, ...]:
+    """Returns a tuple of Python ints; accepts an int, list, tuple or 1-D numpy array."""
+    if _is_traced(values):
+        raise TypeError(
+            f"{name} must be static Python ints, got a traced array; pass a tuple of ints"
+        )
+    if isinstance(values, (numbers.Integral, np.integer)) and not isinstance(values, bool):
+        return (int(values),)
+    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    return tuple(static_int(v, f"{name}[{i}]") for i, v in enumerate(values))
+
+
+def check_branches(
+    segment_lengths: Any, dilation_rates: Any
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Validates a dilated configuration: same length >= 1, positive, ``w % r == 0``."""
+    ws = static_int_tuple(segment_lengths, "segment_lengths")
+    rs = static_int_tuple(dilation_rates, "dilation_rates")
+    if len(ws) == 0:
+        raise ValueError("segment_lengths must hold at least one branch, got an empty sequence")
+    if len(ws) != len(rs):
+        raise ValueError(
+            "segment_lengths and dilation_rates must have the same length, got "
+            f"{len(ws)} segment_lengths {ws} and {len(rs)} dilation_rates {rs}"
+        )
+    for i, (w, r) in enumerate(zip(ws, rs)):
+        if w <= 0:
+            raise ValueError(f"segment_lengths[{i}] must be positive, got {w}")
+        if r <= 0:
+            raise ValueError(f"dilation_rates[{i}] must be positive, got {r}")
+        if w % r != 0:
+            raise ValueError(
+                f"segment_lengths[{i}]={w} must be divisible by dilation_rates[{i}]={r} "
+                "(each segment holds w / r dilated positions)"
+            )
+    return ws, rs
+
+
+def check_mode(mode: Any, num_heads: int, num_branches: int) -> str:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "grouped" and num_heads < num_branches:
+        raise ValueError(
+            f"mode='grouped' splits the heads into one group per branch and needs "
+            f"num_heads >= len(segment_lengths), got {num_heads} heads for {num_branches} branches"
+        )
+    return mode
+
+
+def check_float_array(x: Any, name: str) -> jax.Array:
+    if _is_traced(x) or isinstance(x, jax.Array):
+        arr = x
+    else:
+        try:
+            arr = jnp.asarray(x)
+        except Exception as e:  # noqa: BLE001 - re-raised with the argument's name
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}") from e
+    if not jnp.issubdtype(arr.dtype, jnp.floating):
+        raise TypeError(f"{name} must have a floating dtype (float32, bfloat16, float16), "
+                        f"got {arr.dtype}")
+    return arr
+
+
+def check_qkv(q: Any, k: Any, v: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Checks the ``(b, n, h, d)`` / ``(b, n, hk, d)`` layout, GQA divisibility and dtypes."""
+    q = check_float_array(q, "q")
+    k = check_float_array(k, "k")
+    v = check_float_array(v, "v")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(
+                f"{name} must have rank 4 with layout (batch, seq_len, heads, head_dim), "
+                f"got shape {tuple(x.shape)}"
+            )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
+    b, n, h, d = q.shape
+    bk, nk, hk, dk = k.shape
+    if bk != b:
+        raise ValueError(f"q and k must have the same batch size, got {b} and {bk}")
+    if nk != n:
+        raise ValueError(
+            f"q and k must have the same seq_len (axis 1 of (b, n, h, d)), got {n} and {nk}"
+        )
+    if dk != d:
+        raise ValueError(f"q and k must have the same head_dim, got {d} and {dk}")
+    if min(b, h, hk, d) <= 0:
+        raise ValueError(f"batch, heads and head_dim must be positive, got q {q.shape}, k {k.shape}")
+    if n <= 0:
+        raise ValueError(f"seq_len must be >= 1, got q {q.shape}")
+    if h % hk != 0:
+        raise ValueError(
+            f"the number of query heads must be a multiple of the number of key/value heads "
+            f"(h % hk == 0 for GQA/MQA), got h={h}, hk={hk}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k and v must have the same dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}"
+        )
+    return q, k, v
+
+
+def check_scale(scale: Any, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / float(np.sqrt(head_dim))
+    if _is_traced(scale):
+        raise TypeError("scale must be a static Python float (or None), got a traced value")
+    if isinstance(scale, bool) or not isinstance(scale, (numbers.Real, np.floating, np.integer)):
+        if isinstance(scale, (jax.Array, np.ndarray)) and np.ndim(scale) == 0:
+            scale = float(scale)
+        else:
+            raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not np.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite positive float, got {scale}")
+    return scale
+
+
+def check_bool(value: Any, name: str) -> bool:
+    if _is_traced(value):
+        raise TypeError(f"{name} must be a static Python bool, got a traced value")
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)

@@ -1,0 +1,253 @@
+"""Dilated (LongNet) attention: SPEC.md's two modes on top of the blockwise core.
+
+A branch ``(w, r)`` is computed segment-major with reshapes only: the padded sequence is viewed
+as ``(b, S, w/r, r, h, d)`` (segment, dilated index, offset slot, head), each head takes the
+slot of its offset with static slices, and all segments of all heads that share the branch go
+through *one* :func:`dilax.core.attention_core` call with the segments folded into the batch.
+Branch outputs come back in the same view (zeros at unselected positions, ``lse = -inf``) and
+are merged in float32 with their log-sum-exp weights (mixture) or scaled by ``1/G`` (grouped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import OrderedDict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from dilax import _validation as V
+from dilax.core import BlockSizes, attention_core, merge_attention_states
+from dilax.reference import dilated_attention_reference, group_sizes
+
+IMPLEMENTATIONS = ("reference", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class BranchPlan:
+    """Static layout of one core call: which heads, which offsets, how they pair with K/V.
+
+    Virtual kv head ``u`` reads kv head ``kv_heads[u]`` at slot ``kv_slots[u]``; it serves the
+    ``q_per_kv`` query heads ``q_heads[u*q_per_kv:(u+1)*q_per_kv]`` (all at that same slot).
+    """
+
+    w: int  # effective segment length (w capped at round_up(n, r))
+    r: int
+    num_segments: int
+    q_heads: tuple[int, ...]
+    q_slots: tuple[int, ...]
+    kv_heads: tuple[int, ...]
+    kv_slots: tuple[int, ...]
+    q_per_kv: int
+    kv_len: tuple[tuple[int, ...], ...]  # (S, U) valid dilated keys per segment and kv head
+
+    @property
+    def seg_len(self) -> int:
+        return self.w // self.r
+
+
+@functools.lru_cache(maxsize=512)
+def plan_branch(
+    n: int, num_heads: int, num_kv_heads: int, w: int, r: int, heads: tuple[int, ...],
+    offsets: tuple[int, ...],
+) -> BranchPlan:
+    """Builds the :class:`BranchPlan` of branch ``(w, r)`` for ``heads`` at ``offsets``."""
+    w_eff = min(w, -(-n // r) * r)  # w > n: one segment covering the whole sequence
+    num_segments = -(-n // w_eff)
+    per_kv = num_heads // num_kv_heads
+    # Pair query heads by (kv head, slot); sorting by slot first gives strided runs for slices.
+    pairs: OrderedDict[tuple[int, int], list[int]] = OrderedDict()
+    for j, o in sorted(zip(heads, offsets), key=lambda t: (t[1], t[0] // per_kv, t[0])):
+        pairs.setdefault((o, j // per_kv), []).append(j)
+    sizes = {len(v) for v in pairs.values()}
+    if len(sizes) == 1:
+        q_per_kv = sizes.pop()
+        groups = list(pairs.items())
+    else:  # uneven GQA split: one virtual kv head per query head (K/V slices of n/r rows)
+        q_per_kv = 1
+        groups = [((o, j // per_kv), [j]) for (o, _), js in pairs.items() for j in js]
+    q_heads = tuple(j for _, js in groups for j in js)
+    slot_of = dict(zip(heads, offsets))
+    q_slots = tuple(slot_of[j] for j in q_heads)
+    kv_slots = tuple(o for (o, _), _ in groups)
+    kv_heads = tuple(c for (_, c), _ in groups)
+    m = w_eff // r
+    kv_len = tuple(
+        tuple(int(np.clip(-(-(n - s * w_eff - o) // r), 0, m)) for o in kv_slots)
+        for s in range(num_segments)
+    )
+    return BranchPlan(w_eff, r, num_segments, q_heads, q_slots, kv_heads, kv_slots, q_per_kv,
+                      kv_len)
+
+
+def _static_take(x: jax.Array, indices: tuple[int, ...], axis: int) -> jax.Array:
+    """``jnp.take`` with static indices as strided slices + one concatenate (no gather)."""
+    if indices == tuple(range(x.shape[axis])):
+        return x
+    pieces, i = [], 0
+    while i < len(indices):
+        start = indices[i]
+        stride = indices[i + 1] - start if i + 1 < len(indices) else 1
+        if stride <= 0:
+            stride = 1
+        j = i + 1
+        while j < len(indices) and indices[j] - indices[j - 1] == stride:
+            j += 1
+        if j == i + 1:
+            stride = 1
+        pieces.append(lax.slice_in_dim(x, start, indices[j - 1] + 1, stride, axis))
+        i = j
+    return pieces[0] if len(pieces) == 1 else lax.concatenate(pieces, axis)
+
+
+def _split_slots(x: jax.Array, plan: BranchPlan, heads: tuple[int, ...], slots: tuple[int, ...],
+                 n: int) -> jax.Array:
+    """``(b, n, H, d)`` -> ``(b*S, w/r, len(heads), d)``: head ``heads[i]`` at ``slots[i]``."""
+    b, _, H, d = x.shape
+    S, w, r = plan.num_segments, plan.w, plan.r
+    x = jnp.pad(x, ((0, 0), (0, S * w - n), (0, 0), (0, 0))) if S * w != n else x
+    x = x.reshape(b, S, w // r, r * H, d)  # flat index slot * H + head
+    x = _static_take(x, tuple(o * H + j for j, o in zip(heads, slots)), axis=3)
+    return x.reshape(b * S, w // r, len(heads), d)
+
+
+def _merge_slots(y: jax.Array, plan: BranchPlan, heads: tuple[int, ...], b: int, n: int,
+                 fill) -> jax.Array:
+    """Inverse of :func:`_split_slots` for ``y: (b*S, w/r, len(heads), ...)`` -> ``(b, n, H', ...)``.
+
+    ``H'`` is ``len(heads)`` with heads in ascending order; unselected slots get ``fill``.
+    """
+    S, w, r = plan.num_segments, plan.w, plan.r
+    order = sorted(range(len(heads)), key=lambda i: heads[i])
+    y = _static_take(y, tuple(order), axis=2)
+    slots = np.array([plan.q_slots[i] for i in order])
+    tail = y.shape[3:]
+    y = y.reshape(b, S, w // r, 1, len(heads), *tail)
+    onehot = jnp.asarray(np.arange(r)[:, None] == slots[None, :])  # (r, H')
+    onehot = onehot.reshape((1, 1, 1, r, len(heads)) + (1,) * len(tail))
+    full = jnp.where(onehot, y, jnp.asarray(fill, y.dtype))
+    full = full.reshape(b, S * w, len(heads), *tail)
+    return full[:, :n] if S * w != n else full
+
+
+def _run_branch(q, k, v, plan: BranchPlan, scale, is_causal, block_sizes):
+    """One branch for ``plan.q_heads``: returns full-layout ``(out, lse)`` of those heads,
+    heads in ascending order, ``(b, n, H', d)`` and ``(b, n, H')``."""
+    b, n, h, d = q.shape
+    U, G = len(plan.kv_heads), plan.q_per_kv
+    qd = _split_slots(q, plan, plan.q_heads, plan.q_slots, n).reshape(-1, plan.seg_len, U, G, d)
+    kd = _split_slots(k, plan, plan.kv_heads, plan.kv_slots, n)
+    vd = _split_slots(v, plan, plan.kv_heads, plan.kv_slots, n)
+    kv_len = jnp.tile(jnp.asarray(np.array(plan.kv_len, np.int32)), (b, 1))  # (b*S, U)
+    out, lse = attention_core(qd, kd, vd, scale=scale, is_causal=is_causal, kv_len=kv_len,
+                              block_sizes=block_sizes)
+    H = len(plan.q_heads)
+    out = _merge_slots(out.reshape(-1, plan.seg_len, H, d), plan, plan.q_heads, b, n, 0)
+    lse = _merge_slots(lse.reshape(-1, plan.seg_len, H), plan, plan.q_heads, b, n, -jnp.inf)
+    return out, lse
+
+
+def dilated_branches(
+    n: int, num_heads: int, num_kv_heads: int, segment_lengths: tuple[int, ...],
+    dilation_rates: tuple[int, ...], mode: str,
+) -> list[BranchPlan]:
+    """The static core calls of a configuration (one per branch, per group in grouped mode)."""
+    plans = []
+    if mode == "mixture":
+        heads = tuple(range(num_heads))
+        for w, r in zip(segment_lengths, dilation_rates):
+            plans.append(plan_branch(n, num_heads, num_kv_heads, w, r, heads,
+                                     tuple(j % r for j in heads)))
+    else:
+        start = 0
+        for i, (size, w, r) in enumerate(
+            zip(group_sizes(num_heads, len(segment_lengths)), segment_lengths, dilation_rates)
+        ):
+            heads = tuple(range(start, start + size))
+            plans.append(plan_branch(n, num_heads, num_kv_heads, w, r, heads, (i % r,) * size))
+            start += size
+    return plans
+
+
+def dilated_attention_xla(q, k, v, segment_lengths, dilation_rates, *, is_causal, scale, mode,
+                          block_sizes=None, return_lse=False):
+    """XLA path. Arguments must be validated (see :func:`dilated_attention`)."""
+    b, n, h, d = q.shape
+    plans = dilated_branches(n, h, k.shape[2], segment_lengths, dilation_rates, mode)
+    if mode == "mixture":
+        out = lse = None
+        for plan in plans:
+            o_i, lse_i = _run_branch(q, k, v, plan, scale, is_causal, block_sizes)
+            if out is None:
+                out, lse = o_i.astype(jnp.float32), lse_i
+            else:
+                out, lse = merge_attention_states(out, lse, o_i, lse_i)
+    else:
+        outs, lses = [], []
+        for plan in plans:
+            o_i, lse_i = _run_branch(q, k, v, plan, scale, is_causal, block_sizes)
+            outs.append(o_i.astype(jnp.float32) / len(plans))
+            lses.append(lse_i)
+        out = jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]
+        lse = jnp.concatenate(lses, axis=2) if len(lses) > 1 else lses[0]
+    out = out.astype(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def dilated_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_lengths: tuple[int, ...] | list[int] | int,
+    dilation_rates: tuple[int, ...] | list[int] | int,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    mode: str = "mixture",
+    implementation: str | None = None,
+    block_sizes: BlockSizes | None = None,
+) -> jax.Array:
+    """Dilated attention (LongNet), exactly as specified in SPEC.md.
+
+    Args:
+      q: ``(b, n, h, d)`` queries.
+      k, v: ``(b, n, hk, d)`` keys and values, ``h % hk == 0`` (GQA/MQA without repeating K/V).
+      segment_lengths: ``(w_0, ...)``, one per branch; any ``n >= 1`` is allowed (the last
+        segment is shorter when ``n % w != 0``; ``w > n`` means one segment).
+      dilation_rates: ``(r_0, ...)``, same length, ``w_i % r_i == 0``.
+      is_causal: restrict query ``p`` to keys ``t <= p`` (within its segment).
+      scale: logit scale, default ``1 / sqrt(d)``.
+      mode: ``"mixture"`` (every head runs every branch with offset ``j % r``, branches merged
+        with their softmax mass, LongNet Eq. 10) or ``"grouped"`` (dilated-attention-pytorch:
+        head groups, one branch each, output divided by the number of branches).
+      implementation: ``None`` (best available), ``"xla"`` or ``"reference"`` (explicit mask;
+        small ``n`` only).
+      block_sizes: optional :class:`dilax.core.BlockSizes` for the blockwise core.
+
+    Returns:
+      ``(b, n, h, d)`` in ``q.dtype``. Queries selected by no branch get 0.
+
+    Raises:
+      ValueError / TypeError at trace time for malformed inputs (see SPEC.md, "Errors").
+    """
+    q, k, v = V.check_qkv(q, k, v)
+    ws, rs = V.check_branches(segment_lengths, dilation_rates)
+    mode = V.check_mode(mode, q.shape[2], len(ws))
+    is_causal = V.check_bool(is_causal, "is_causal")
+    scale = V.check_scale(scale, q.shape[3])
+    if implementation is None:
+        implementation = "xla"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {(None,) + IMPLEMENTATIONS}, got {implementation!r}"
+        )
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"block_sizes must be a dilax.BlockSizes, got {type(block_sizes).__name__}")
+    if implementation == "reference":
+        return dilated_attention_reference(q, k, v, ws, rs, is_causal=is_causal, scale=scale,
+                                           mode=mode)
+    return dilated_attention_xla(q, k, v, ws, rs, is_causal=is_causal, scale=scale, mode=mode,
+                                 block_sizes=block_sizes)

@@ -1,0 +1,124 @@
+"""Mask-based reference of SPEC.md: the test oracle (small n only).
+
+It builds the explicit ``(h, n, n)`` count matrix ``C`` of a dilated configuration and runs
+dense attention with bias ``log C``. Nothing here is fast; everything here is simple enough to
+check by eye against the spec.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def branch_mask(n: int, w: int, r: int, offset: int, is_causal: bool) -> np.ndarray:
+    """Boolean ``(n, n)`` mask of one branch ``(w, r)`` with offset ``offset`` (SPEC.md)."""
+    pos = np.arange(n)
+    sel = pos % r == offset
+    same_segment = (pos[:, None] // w) == (pos[None, :] // w)
+    mask = sel[:, None] & sel[None, :] & same_segment
+    if is_causal:
+        mask &= pos[None, :] <= pos[:, None]
+    return mask
+
+
+def group_sizes(num_heads: int, num_groups: int) -> tuple[int, ...]:
+    """Grouped mode head split: ``h // G`` each, the first ``h % G`` groups one more."""
+    base, extra = divmod(num_heads, num_groups)
+    return tuple(base + (1 if i < extra else 0) for i in range(num_groups))
+
+
+@functools.lru_cache(maxsize=64)
+def _dilated_counts_cached(n, num_heads, segment_lengths, dilation_rates, mode, is_causal):
+    counts = np.zeros((num_heads, n, n), np.float32)
+    if mode == "mixture":
+        for j in range(num_heads):
+            for w, r in zip(segment_lengths, dilation_rates):
+                counts[j] += branch_mask(n, w, r, j % r, is_causal)
+    else:
+        start = 0
+        for i, (size, w, r) in enumerate(
+            zip(group_sizes(num_heads, len(segment_lengths)), segment_lengths, dilation_rates)
+        ):
+            m = branch_mask(n, w, r, i % r, is_causal)
+            counts[start : start + size] = m
+            start += size
+    counts.setflags(write=False)
+    return counts
+
+
+def dilated_counts(
+    n: int,
+    num_heads: int,
+    segment_lengths: tuple[int, ...],
+    dilation_rates: tuple[int, ...],
+    mode: str = "mixture",
+    is_causal: bool = False,
+) -> np.ndarray:
+    """``C[j, p, t]``: number of branches in which query ``p`` of head ``j`` may attend ``t``.
+
+    Returns a read-only float32 array of shape ``(h, n, n)``.
+    """
+    return _dilated_counts_cached(
+        int(n), int(num_heads), tuple(segment_lengths), tuple(dilation_rates), mode,
+        bool(is_causal),
+    )
+
+
+def masked_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, counts: jax.Array | np.ndarray, scale: float
+) -> jax.Array:
+    """Dense attention with multiplicity weights: ``sum_t C e^s v / sum_t C e^s``, 0 if no key.
+
+    Args:
+      q: ``(b, n, h, d)``; k, v: ``(b, m, hk, d)`` with ``h % hk == 0``.
+      counts: ``(h or 1, n, m)`` or ``(b, h or 1, n, m)`` non-negative weights, 0 = masked.
+      scale: logit scale.
+    Returns:
+      ``(b, n, h, d)`` in ``q.dtype``; softmax statistics in float32.
+    """
+    h, hk = q.shape[2], k.shape[2]
+    rep = h // hk
+    k = jnp.repeat(k, rep, axis=2)
+    v = jnp.repeat(v, rep, axis=2)
+    s = jnp.einsum(
+        "bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32,
+        precision=jax.lax.Precision.HIGHEST,
+    ) * scale
+    counts = jnp.asarray(counts, jnp.float32)
+    if counts.ndim == 3:
+        counts = counts[None]
+    allowed = counts > 0
+    s = jnp.where(allowed, s + jnp.log(jnp.where(allowed, counts, 1.0)), -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    p = jnp.exp(s - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum(
+        "bhqk,bkhd->bqhd", p, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    )
+    return out.astype(q.dtype)
+
+
+def dilated_attention_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_lengths: tuple[int, ...],
+    dilation_rates: tuple[int, ...],
+    *,
+    is_causal: bool = False,
+    scale: float,
+    mode: str = "mixture",
+) -> jax.Array:
+    """Dilated attention from the explicit mask (SPEC.md). Arguments must be validated."""
+    n, h = q.shape[1], q.shape[2]
+    counts = dilated_counts(n, h, segment_lengths, dilation_rates, mode, is_causal)
+    out = masked_attention(q, k, v, counts, scale)
+    if mode == "grouped":
+        out = (out.astype(jnp.float32) / len(segment_lengths)).astype(q.dtype)
+    return out
