@@ -125,7 +125,9 @@ def check_qkv(q: Any, k: Any, v: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     if dk != d:
         raise ValueError(f"q and k must have the same head_dim, got {d} and {dk}")
     if min(b, h, hk, d) <= 0:
-        raise ValueError(f"batch, heads and head_dim must be positive, got q {q.shape}, k {k.shape}")
+        raise ValueError(
+            f"batch, heads and head_dim must be positive, got q {q.shape}, k {k.shape}"
+        )
     if n <= 0:
         raise ValueError(f"seq_len must be >= 1, got q {q.shape}")
     if h % hk != 0:

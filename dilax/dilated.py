@@ -116,7 +116,7 @@ def _split_slots(x: jax.Array, plan: BranchPlan, heads: tuple[int, ...], slots: 
 
 def _merge_slots(y: jax.Array, plan: BranchPlan, heads: tuple[int, ...], b: int, n: int,
                  fill) -> jax.Array:
-    """Inverse of :func:`_split_slots` for ``y: (b*S, w/r, len(heads), ...)`` -> ``(b, n, H', ...)``.
+    """Inverse of :func:`_split_slots`: ``(b*S, w/r, len(heads), ...)`` -> ``(b, n, H', ...)``.
 
     ``H'`` is ``len(heads)`` with heads in ascending order; unselected slots get ``fill``.
     """
