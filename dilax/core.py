@@ -25,22 +25,56 @@ _F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Query/key block sizes of the blockwise core (static, hashable)."""
+    """Block sizes of the blockwise core (static, hashable).
 
-    block_q: int = 256
-    block_k: int = 512
+    The forward visits key blocks of ``block_k`` for a row of ``block_q`` queries; the backward
+    visits query blocks of ``block_q_dkv`` for a column of ``block_k_dkv`` keys. On CPU the
+    iterated block should be short and the row/column long, so that every step is a few
+    million multiply-adds that XLA spreads over all cores.
+    """
+
+    block_q: int = 1024
+    block_k: int = 256
+    block_q_dkv: int | None = None  # default: block_k
+    block_k_dkv: int | None = None  # default: block_q
 
     def __post_init__(self):
-        for name in ("block_q", "block_k"):
+        for name in ("block_q", "block_k", "block_q_dkv", "block_k_dkv"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if value is None and name.endswith("dkv"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"BlockSizes.{name} must be a positive int, got {value!r}")
 
+    @property
+    def backward(self) -> tuple[int, int]:
+        """``(block_q_dkv, block_k_dkv)``."""
+        bq = self.block_q_dkv if self.block_q_dkv is not None else self.block_k
+        bk = self.block_k_dkv if self.block_k_dkv is not None else self.block_q
+        return bq, bk
 
-def default_block_sizes(len_q: int, len_k: int, head_dim: int) -> BlockSizes:
-    """Per-shape defaults, tuned for CPU caches (see benchmarks/README.md)."""
-    del head_dim
-    return BlockSizes(block_q=min(256, len_q), block_k=min(512, len_k))
+
+_SCORE_BUDGET = 1 << 21  # floats in one (heads, rows, block) score tile: 8 MiB
+
+
+def _pow2_at_most(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+def default_block_sizes(len_q: int, len_k: int, num_heads: int, is_causal: bool) -> BlockSizes:
+    """Per-shape defaults tuned on a 2-core x86 CPU (see benchmarks/README.md).
+
+    The short (iterated) side is 256; the long side fills a score tile of ~2M floats, capped at
+    512 when causal so that blocks entirely in the future are skipped at a fine grain.
+    """
+    short = 256
+    long_cap = 512 if is_causal else 4096
+    long = max(short, min(long_cap, _pow2_at_most(_SCORE_BUDGET // (num_heads * short))))
+    bq = len_q if len_q <= long else long
+    bk = len_k if len_k <= short else short
+    bq_dkv = len_q if len_q <= short else short
+    bk_dkv = len_k if len_k <= long else long
+    return BlockSizes(bq, bk, bq_dkv, bk_dkv)
 
 
 def _cdiv(a, b):
@@ -56,18 +90,29 @@ def _pad_axis(x, axis, size):
     return jnp.pad(x, widths)
 
 
-def _block_mask(k_start, block_k, kv_len, q_pos, k_offset, is_causal):
-    """Allowed ``(Hk, 1, bq or 1, bk)`` mask for one block pair."""
+def _head_major_q(x):
+    # (bq, Hk, G, ...) -> (Hk, G, bq, ...)
+    return jnp.moveaxis(x, 0, 2)
+
+
+def _mask(k_start, block_k, kv_len, q_pos, k_offset, is_causal):
+    """Allowed ``(Hk or 1, 1, bq or 1, bk)`` mask of one block pair (``kv_len`` may be None)."""
     k_idx = k_start + lax.iota(jnp.int32, block_k)
-    mask = (k_idx[None, :] < kv_len[:, None])[:, None, None, :]
+    mask = None
+    if kv_len is not None:
+        mask = (k_idx[None, :] < kv_len[:, None])[:, None, None, :]
     if is_causal:
-        mask = mask & ((k_offset + k_idx)[None, :] <= q_pos[:, None])[None, None]
+        c = ((k_offset + k_idx)[None, :] <= q_pos[:, None])[None, None]
+        mask = c if mask is None else mask & c
     return mask
 
 
-def _scores(qb, kb, scale):
-    # qb: (bq, Hk, G, d), kb: (bk, Hk, d) -> (Hk, G, bq, bk) in float32
-    return jnp.einsum("qhgd,khd->hgqk", qb, kb, preferred_element_type=_F32) * scale
+def _zero_invalid_keys(x, k_start, kv_len):
+    """Zeroes rows of ``x: (Hk, bk, d)`` at or beyond ``kv_len`` (NaN padding never leaks)."""
+    if kv_len is None:
+        return x
+    valid = (k_start + lax.iota(jnp.int32, x.shape[1]))[None, :] < kv_len[:, None]
+    return jnp.where(valid[..., None], x, jnp.zeros((), x.dtype))
 
 
 def _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, block_q, block_k):
@@ -77,44 +122,61 @@ def _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, block_q, blo
     qp = _pad_axis(q, 1, nq * block_q)
     kp = _pad_axis(k, 1, nk * block_k)
     vp = _pad_axis(v, 1, nk * block_k)
+    if kv_len is None and nk * block_k != Lk:
+        kv_len = jnp.full((B, Hk), Lk, jnp.int32)
 
     def row(idx):
         bi, qi = idx // nq, idx % nq
         qb = lax.dynamic_slice(qp, (bi, qi * block_q, 0, 0, 0), (1, block_q, Hk, G, d))[0]
-        kl = kv_len[bi]
-        q_pos = q_offset + qi * block_q + lax.iota(jnp.int32, block_q)
-        hi = _cdiv(jnp.max(kl), block_k)
+        qb = _head_major_q(qb * jnp.asarray(scale, q.dtype))  # (Hk, G, bq, d)
+        kl = None if kv_len is None else kv_len[bi]
+        q_first = q_offset + qi * block_q
+        q_pos = q_first + lax.iota(jnp.int32, block_q)
+        hi = nk if kl is None else jnp.minimum(nk, _cdiv(jnp.max(kl), block_k))
         if is_causal:
-            last_visible = q_offset + qi * block_q + block_q - 1 - k_offset
-            hi = jnp.minimum(hi, jnp.where(last_visible >= 0, last_visible // block_k + 1, 0))
+            last = q_first + block_q - 1 - k_offset
+            hi = jnp.clip(jnp.where(last >= 0, last // block_k + 1, 0), 0, hi)
+            # Key blocks entirely at or before the first query need no causal mask.
+            full = jnp.clip(jnp.where(q_first - k_offset + 1 >= 0,
+                                      (q_first - k_offset + 1) // block_k, 0), 0, hi)
+        else:
+            full = hi
 
-        def body(j, carry):
-            m, l, acc = carry
-            kb = lax.dynamic_slice(kp, (bi, j * block_k, 0, 0), (1, block_k, Hk, d))[0]
-            vb = lax.dynamic_slice(vp, (bi, j * block_k, 0, 0), (1, block_k, Hk, d))[0]
-            mask = _block_mask(j * block_k, block_k, kl, q_pos, k_offset, is_causal)
-            s = jnp.where(mask, _scores(qb, kb, scale), -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            p = jnp.exp(s - m_safe[..., None])
-            corr = jnp.exp(m - m_safe)
-            l = l * corr + jnp.sum(p, axis=-1)
-            # Zero keys beyond kv_len so NaN/inf padding can never leak through 0 * x.
-            kmask = (j * block_k + lax.iota(jnp.int32, block_k))[:, None] < kl[None, :]
-            vb = jnp.where(kmask[..., None], vb, jnp.zeros((), vb.dtype))
-            pv = jnp.einsum("hgqk,khd->hgqd", p.astype(v.dtype), vb, preferred_element_type=_F32)
-            return m_new, l, acc * corr[..., None] + pv
+        def make_body(causal_block):
+            def body(j, carry):
+                m, l, acc = carry
+                k0 = j * block_k
+                kb = lax.dynamic_slice(kp, (bi, k0, 0, 0), (1, block_k, Hk, d))[0].swapaxes(0, 1)
+                vb = lax.dynamic_slice(vp, (bi, k0, 0, 0), (1, block_k, Hk, d))[0].swapaxes(0, 1)
+                s = jnp.einsum("hgqd,hkd->hgqk", qb, kb, preferred_element_type=_F32)
+                mask = _mask(k0, block_k, kl, q_pos, k_offset, causal_block)
+                if mask is not None:
+                    s = jnp.where(mask, s, -jnp.inf)
+                    vb = _zero_invalid_keys(vb, k0, kl)
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                p = jnp.exp(s - m_safe[..., None])
+                corr = jnp.exp(m - m_safe)
+                l = l * corr + jnp.sum(p, axis=-1)
+                pv = jnp.einsum("hgqk,hkd->hgqd", p.astype(v.dtype), vb,
+                                preferred_element_type=_F32)
+                return m_new, l, acc * corr[..., None] + pv
 
-        init = (
+            return body
+
+        carry = (
             jnp.full((Hk, G, block_q), -jnp.inf, _F32),
             jnp.zeros((Hk, G, block_q), _F32),
             jnp.zeros((Hk, G, block_q, d), _F32),
         )
-        m, l, acc = lax.fori_loop(0, hi, body, init)
+        carry = lax.fori_loop(0, full, make_body(False), carry)
+        if is_causal:
+            carry = lax.fori_loop(full, hi, make_body(True), carry)
+        m, l, acc = carry
         has_key = l > 0
         out = acc / jnp.where(has_key, l, 1.0)[..., None]
         lse = jnp.where(has_key, m + jnp.log(jnp.where(has_key, l, 1.0)), -jnp.inf)
-        return out.transpose(2, 0, 1, 3).astype(q.dtype), lse.transpose(2, 0, 1)
+        return jnp.moveaxis(out, 2, 0).astype(q.dtype), jnp.moveaxis(lse, 2, 0)
 
     out, lse = lax.map(row, jnp.arange(B * nq, dtype=jnp.int32))
     out = out.reshape(B, nq * block_q, Hk, G, d)[:, :Lq]
@@ -127,7 +189,7 @@ def _backward(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale, 
     B, Lq, Hk, G, d = q.shape
     Lk = k.shape[1]
     nq, nk = _cdiv(Lq, block_q), _cdiv(Lk, block_k)
-    # delta_p = rowsum(dO * O) - dlse: the lse cotangent enters ds exactly like -delta.
+    # delta = rowsum(dO * O) - dlse: the lse cotangent enters ds exactly like -delta.
     delta = jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1) - dlse.astype(_F32)
     lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
     qp = _pad_axis(q, 1, nq * block_q)
@@ -136,70 +198,90 @@ def _backward(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale, 
     deltap = _pad_axis(delta, 1, nq * block_q)
     kp = _pad_axis(k, 1, nk * block_k)
     vp = _pad_axis(v, 1, nk * block_k)
+    if kv_len is None and nk * block_k != Lk:
+        kv_len = jnp.full((B, Hk), Lk, jnp.int32)
+    q_scale = jnp.asarray(scale, q.dtype)
 
     def column(dq, idx):
         bi, kj = idx // nk, idx % nk
-        kb = lax.dynamic_slice(kp, (bi, kj * block_k, 0, 0), (1, block_k, Hk, d))[0]
-        vb = lax.dynamic_slice(vp, (bi, kj * block_k, 0, 0), (1, block_k, Hk, d))[0]
-        kl = kv_len[bi]
-        kmask = (kj * block_k + lax.iota(jnp.int32, block_k))[:, None] < kl[None, :]
-        vb = jnp.where(kmask[..., None], vb, jnp.zeros((), vb.dtype))
-        kb_safe = jnp.where(kmask[..., None], kb, jnp.zeros((), kb.dtype))
-        lo = 0
-        hi = jnp.where(kj * block_k < jnp.max(kl), nq, 0)
+        k0 = kj * block_k
+        kb = lax.dynamic_slice(kp, (bi, k0, 0, 0), (1, block_k, Hk, d))[0].swapaxes(0, 1)
+        vb = lax.dynamic_slice(vp, (bi, k0, 0, 0), (1, block_k, Hk, d))[0].swapaxes(0, 1)
+        kl = None if kv_len is None else kv_len[bi]
+        kb = _zero_invalid_keys(kb, k0, kl)
+        vb = _zero_invalid_keys(vb, k0, kl)
+        hi = nq if kl is None else jnp.where(k0 < jnp.max(kl), nq, 0)
         if is_causal:
-            first = k_offset + kj * block_k - q_offset
-            lo = jnp.clip(first // block_q, 0, nq)
+            lo = jnp.clip((k_offset + k0 - q_offset) // block_q, 0, nq)
+            # Query blocks whose first query sees the whole key block need no causal mask.
+            full_lo = jnp.clip(_cdiv(k_offset + k0 + block_k - 1 - q_offset, block_q), lo, nq)
+        else:
+            lo = full_lo = 0
+        hi = jnp.maximum(hi, lo)
+        full_lo = jnp.minimum(full_lo, hi)
 
-        def body(qi, carry):
-            dk, dv, dq = carry
-            qb = lax.dynamic_slice(qp, (bi, qi * block_q, 0, 0, 0), (1, block_q, Hk, G, d))[0]
-            dob = lax.dynamic_slice(dop, (bi, qi * block_q, 0, 0, 0), (1, block_q, Hk, G, d))[0]
-            lse_b = lax.dynamic_slice(lsep, (bi, qi * block_q, 0, 0), (1, block_q, Hk, G))[0]
-            del_b = lax.dynamic_slice(deltap, (bi, qi * block_q, 0, 0), (1, block_q, Hk, G))[0]
-            q_pos = q_offset + qi * block_q + lax.iota(jnp.int32, block_q)
-            mask = _block_mask(kj * block_k, block_k, kl, q_pos, k_offset, is_causal)
-            s = jnp.where(mask, _scores(qb, kb, scale), -jnp.inf)
-            p = jnp.exp(s - lse_b.transpose(1, 2, 0)[..., None])  # (Hk, G, bq, bk)
-            dv = dv + jnp.einsum("hgqk,qhgd->khd", p.astype(dout.dtype), dob,
-                                 preferred_element_type=_F32)
-            dp = jnp.einsum("qhgd,khd->hgqk", dob, vb, preferred_element_type=_F32)
-            ds = p * (dp - del_b.transpose(1, 2, 0)[..., None])
-            dk = dk + jnp.einsum("hgqk,qhgd->khd", ds, qb.astype(_F32),
-                                 preferred_element_type=_F32)
-            dq_b = jnp.einsum("hgqk,khd->qhgd", ds, kb_safe.astype(_F32),
-                              preferred_element_type=_F32)
-            cur = lax.dynamic_slice(dq, (bi, qi * block_q, 0, 0, 0), (1, block_q, Hk, G, d))
-            dq = lax.dynamic_update_slice(dq, cur + dq_b[None], (bi, qi * block_q, 0, 0, 0))
-            return dk, dv, dq
+        def make_body(causal_block):
+            def body(qi, carry):
+                dk, dv, dq = carry
+                q0 = qi * block_q
+                qb = lax.dynamic_slice(qp, (bi, q0, 0, 0, 0), (1, block_q, Hk, G, d))[0]
+                qb = _head_major_q(qb * q_scale)
+                dob = _head_major_q(
+                    lax.dynamic_slice(dop, (bi, q0, 0, 0, 0), (1, block_q, Hk, G, d))[0])
+                lse_b = _head_major_q(
+                    lax.dynamic_slice(lsep, (bi, q0, 0, 0), (1, block_q, Hk, G))[0])
+                del_b = _head_major_q(
+                    lax.dynamic_slice(deltap, (bi, q0, 0, 0), (1, block_q, Hk, G))[0])
+                s = jnp.einsum("hgqd,hkd->hgqk", qb, kb, preferred_element_type=_F32)
+                q_pos = q_offset + q0 + lax.iota(jnp.int32, block_q)
+                mask = _mask(k0, block_k, kl, q_pos, k_offset, causal_block)
+                if mask is not None:
+                    s = jnp.where(mask, s, -jnp.inf)
+                p = jnp.exp(s - lse_b[..., None])  # (Hk, G, bq, bk); masked -> 0
+                dv = dv + jnp.einsum("hgqk,hgqd->hkd", p.astype(dout.dtype), dob,
+                                     preferred_element_type=_F32)
+                dp = jnp.einsum("hgqd,hkd->hgqk", dob, vb, preferred_element_type=_F32)
+                ds = (p * (dp - del_b[..., None])).astype(q.dtype)
+                dk = dk + jnp.einsum("hgqk,hgqd->hkd", ds, qb, preferred_element_type=_F32)
+                dq_b = jnp.einsum("hgqk,hkd->hgqd", ds, kb, preferred_element_type=_F32)
+                cur = lax.dynamic_slice(dq, (bi, 0, 0, q0, 0), (1, Hk, G, block_q, d))
+                dq = lax.dynamic_update_slice(dq, cur + dq_b[None], (bi, 0, 0, q0, 0))
+                return dk, dv, dq
 
-        init = (jnp.zeros((block_k, Hk, d), _F32), jnp.zeros((block_k, Hk, d), _F32), dq)
-        dk, dv, dq = lax.fori_loop(lo, jnp.maximum(hi, lo), body, init)
-        return dq, (dk * scale, dv)
+            return body
 
-    dq0 = jnp.zeros((B, nq * block_q, Hk, G, d), _F32)
+        carry = (jnp.zeros((Hk, block_k, d), _F32), jnp.zeros((Hk, block_k, d), _F32), dq)
+        if is_causal:
+            carry = lax.fori_loop(lo, full_lo, make_body(True), carry)
+            carry = lax.fori_loop(full_lo, hi, make_body(False), carry)
+        else:
+            carry = lax.fori_loop(lo, hi, make_body(False), carry)
+        dk, dv, dq = carry
+        return dq, (dk.swapaxes(0, 1), dv.swapaxes(0, 1))
+
+    dq0 = jnp.zeros((B, Hk, G, nq * block_q, d), _F32)
     dq, (dk, dv) = lax.scan(column, dq0, jnp.arange(B * nk, dtype=jnp.int32))
-    dq = (dq[:, :Lq] * scale).astype(q.dtype)
+    dq = (jnp.moveaxis(dq, 3, 1)[:, :Lq] * scale).astype(q.dtype)
     dk = dk.reshape(B, nk * block_k, Hk, d)[:, :Lk].astype(k.dtype)
     dv = dv.reshape(B, nk * block_k, Hk, d)[:, :Lk].astype(v.dtype)
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _core(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, block_q, block_k):
-    return _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, block_q, block_k)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _core(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, blocks):
+    return _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, *blocks[:2])
 
 
-def _core_fwd(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, block_q, block_k):
-    out, lse = _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, block_q, block_k)
+def _core_fwd(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, blocks):
+    out, lse = _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, *blocks[:2])
     return (out, lse), (q, k, v, kv_len, q_offset, k_offset, out, lse)
 
 
-def _core_bwd(scale, is_causal, block_q, block_k, res, cotangents):
+def _core_bwd(scale, is_causal, blocks, res, cotangents):
     q, k, v, kv_len, q_offset, k_offset, out, lse = res
     dout, dlse = cotangents
     dq, dk, dv = _backward(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale,
-                           is_causal, block_q, block_k)
+                           is_causal, *blocks[2:])
     return dq, dk, dv, None, None, None
 
 
@@ -225,7 +307,8 @@ def attention_core(
       k, v: ``(B, Lk, Hk, d)``.
       scale: logit scale (static float).
       is_causal: key ``t`` is visible to query ``p`` iff ``k_offset + t <= q_offset + p``.
-      kv_len: int ``(B, Hk)``; keys at index ``>= kv_len`` are masked (default ``Lk``).
+      kv_len: int, broadcastable to ``(B, Hk)``; keys at index ``>= kv_len`` are masked.
+        ``None`` (default) means all ``Lk`` keys are valid and skips the mask entirely.
       q_offset, k_offset: global positions of index 0 (int scalars, may be traced).
       block_sizes: static block sizes; default :func:`default_block_sizes`.
 
@@ -236,14 +319,15 @@ def attention_core(
     B, Lq, Hk, G, d = q.shape
     Lk = k.shape[1]
     if block_sizes is None:
-        block_sizes = default_block_sizes(Lq, Lk, d)
-    bq, bk = min(block_sizes.block_q, Lq), min(block_sizes.block_k, Lk)
-    if kv_len is None:
-        kv_len = jnp.full((B, Hk), Lk, jnp.int32)
-    kv_len = jnp.minimum(jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (B, Hk)), Lk)
+        block_sizes = default_block_sizes(Lq, Lk, Hk * G, bool(is_causal))
+    bq_dkv, bk_dkv = block_sizes.backward
+    blocks = (min(block_sizes.block_q, Lq), min(block_sizes.block_k, Lk), min(bq_dkv, Lq),
+              min(bk_dkv, Lk))
+    if kv_len is not None:
+        kv_len = jnp.minimum(jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (B, Hk)), Lk)
     q_offset = jnp.asarray(q_offset, jnp.int32)
     k_offset = jnp.asarray(k_offset, jnp.int32)
-    return _core(q, k, v, kv_len, q_offset, k_offset, float(scale), bool(is_causal), bq, bk)
+    return _core(q, k, v, kv_len, q_offset, k_offset, float(scale), bool(is_causal), blocks)
 
 
 def merge_attention_states(

@@ -141,7 +141,9 @@ def _run_branch(q, k, v, plan: BranchPlan, scale, is_causal, block_sizes):
     qd = _split_slots(q, plan, plan.q_heads, plan.q_slots, n).reshape(-1, plan.seg_len, U, G, d)
     kd = _split_slots(k, plan, plan.kv_heads, plan.kv_slots, n)
     vd = _split_slots(v, plan, plan.kv_heads, plan.kv_slots, n)
-    kv_len = jnp.tile(jnp.asarray(np.array(plan.kv_len, np.int32)), (b, 1))  # (b*S, U)
+    kv_len = None
+    if any(length != plan.seg_len for row in plan.kv_len for length in row):
+        kv_len = jnp.tile(jnp.asarray(np.array(plan.kv_len, np.int32)), (b, 1))  # (b*S, U)
     out, lse = attention_core(qd, kd, vd, scale=scale, is_causal=is_causal, kv_len=kv_len,
                               block_sizes=block_sizes)
     H = len(plan.q_heads)

@@ -66,7 +66,7 @@ def configs(draw):
     n = draw(st.integers(1, 3 * max(ws) + 3))
     b = draw(st.integers(1, 2))
     causal = draw(st.booleans())
-    bs = draw(st.sampled_from([None, BlockSizes(4, 8), BlockSizes(8, 4), BlockSizes(3, 5)]))
+    bs = draw(st.sampled_from([None, BlockSizes(4, 8), BlockSizes(8, 4), BlockSizes(3, 5, 5, 3)]))
     return dict(b=b, n=n, h=h, hk=hk, d=d, ws=ws, rs=rs, mode=mode, causal=causal, bs=bs)
 
 
