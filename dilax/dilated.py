@@ -174,6 +174,23 @@ def dilated_branches(
     return plans
 
 
+def attended_pairs(
+    n: int, num_heads: int, segment_lengths: tuple[int, ...], dilation_rates: tuple[int, ...],
+    mode: str = "mixture", is_causal: bool = False,
+) -> int:
+    """Number of (head, query, key) score entries a configuration computes, summed over branches.
+
+    This is ``C.sum()`` of the reference count matrix, in closed form (no ``n x n`` array), and
+    the FLOP count of the attention is ``4 * d`` per pair forward.
+    """
+    total = 0
+    for plan in dilated_branches(n, num_heads, num_heads, tuple(segment_lengths),
+                                 tuple(dilation_rates), mode):
+        c = np.asarray(plan.kv_len, np.int64)  # selected positions per (segment, head)
+        total += int((c * (c + 1) // 2).sum() if is_causal else (c * c).sum())
+    return total
+
+
 def dilated_attention_xla(q, k, v, segment_lengths, dilation_rates, *, is_causal, scale, mode,
                           block_sizes=None, return_lse=False):
     """XLA path. Arguments must be validated (see :func:`dilated_attention`)."""

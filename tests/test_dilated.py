@@ -273,3 +273,14 @@ def test_no_gather_and_nothing_quadratic_in_hlo():
     hlo = f.lower(q, k, v).compile().as_text()
     assert " gather(" not in hlo and " scatter(" not in hlo
     assert f"{n},{n}" not in hlo.replace(" ", "")
+
+
+@pytest.mark.parametrize("mode", ["mixture", "grouped"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attended_pairs_equals_reference_mask_count(mode, causal):
+    from dilax.dilated import attended_pairs
+
+    for n, h, ws, rs in [(37, 5, (8, 16), (1, 2)), (50, 6, (6, 12, 24), (1, 2, 3)),
+                         (19, 3, (64, 4), (4, 2))]:
+        expected = dilax.dilated_counts(n, h, ws, rs, mode, causal).sum()
+        assert attended_pairs(n, h, ws, rs, mode, causal) == expected

@@ -1,0 +1,115 @@
+"""Timing, FLOP and memory helpers shared by every benchmark command."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dilax.memory import memory_report
+
+MATMUL_N = 2048
+
+
+def machine_description() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+    }
+
+
+def block(x):
+    return jax.block_until_ready(x)
+
+
+def time_fn(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
+    """Wall-clock seconds of ``repeats`` calls after ``warmup`` calls (results blocked on)."""
+    for _ in range(warmup):
+        block(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        block(fn())
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+class MatmulProbe:
+    """Same-run fp32 matmul throughput, the yardstick for % of machine peak.
+
+    The machine is noisy, so it is re-measured next to every row and the row is compared with
+    the probe taken beside it.
+    """
+
+    def __init__(self, n: int = MATMUL_N, dtype=jnp.float32):
+        self.n = n
+        self.a = jax.random.normal(jax.random.PRNGKey(1), (n, n), dtype)
+        self.fn = jax.jit(lambda a: a @ a)
+        block(self.fn(self.a))
+
+    def gflops(self, repeats: int = 5) -> float:
+        t = statistics.median(time_fn(lambda: self.fn(self.a), repeats, warmup=1))
+        return 2 * self.n**3 / t / 1e9
+
+
+@dataclasses.dataclass
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+
+    @classmethod
+    def of(cls, seconds: list[float]) -> Timing:
+        return cls(1e3 * statistics.median(seconds), 1e3 * min(seconds), 1e3 * max(seconds))
+
+
+def forward_and_backward(fn: Callable[..., jax.Array], *args):
+    """``jit``-ed forward and forward+backward (gradients w.r.t. every argument)."""
+    fwd = jax.jit(fn)
+    ct = jax.random.normal(jax.random.PRNGKey(7), jax.eval_shape(fn, *args).shape, args[0].dtype)
+
+    def loss(*a):
+        return jnp.vdot(fn(*a).astype(jnp.float32), ct.astype(jnp.float32))
+
+    bwd = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))
+    return fwd, bwd
+
+
+def peak_bytes(jitted, *args) -> int:
+    return memory_report(jitted, *args).peak_bytes
+
+
+def random_qkv(b: int, n: int, h: int, hk: int, d: int, dtype) -> tuple[jax.Array, ...]:
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+    q = jax.random.normal(k1, (b, n, h, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(k2, (b, n, hk, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(k3, (b, n, hk, d), jnp.float32).astype(dtype)
+    return q, k, v
+
+
+def qkvo_bytes(b: int, n: int, h: int, hk: int, d: int, dtype) -> int:
+    """Bytes of q, k, v and the output: the floor no attention can go below."""
+    item = np.dtype(jnp.dtype(dtype)).itemsize
+    return item * b * n * d * (2 * h + 2 * hk)

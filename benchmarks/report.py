@@ -1,0 +1,120 @@
+"""Writes benchmark results as JSON, a Markdown table and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from dilax.memory import format_bytes
+
+
+def _fmt(x: Any, spec: str = ".1f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    cfg = result.get("config", {})
+    m = result.get("machine", {})
+    lines = [
+        f"### `{result['command']}` — {m.get('date', '')}, {m.get('cpu', '')} "
+        f"({m.get('cores', '?')} cores, {m.get('backend', '')}, jax {m.get('jax', '')})",
+        "",
+        f"b={cfg.get('batch')}, h={cfg.get('heads')}, hk={cfg.get('kv_heads')}, "
+        f"d={cfg.get('head_dim')}, {cfg.get('dtype')}, segment_lengths="
+        f"{tuple(cfg.get('segment_lengths', ()))}, dilation_rates="
+        f"{tuple(cfg.get('dilation_rates', ()))}, causal={cfg.get('causal')}",
+        "",
+    ]
+    rows = result.get("rows", [])
+    if result["command"] == "max-seq":
+        lines += ["| row | n | pass | status | memory (XLA) | seconds |",
+                  "|---|---:|---|---|---:|---:|"]
+        for r in rows:
+            mem = format_bytes(r["memory_bytes"]) if "memory_bytes" in r else "—"
+            lines.append(f"| {r['row']} | {r['n']:,} | {r['pass_']} | {r.get('status', '')} | "
+                         f"{mem} | {_fmt(r.get('seconds'))} |")
+    else:
+        lines += [
+            "| row | n | pass | median ms (min–max) | GFLOP/s | % matmul | vs dense | vs torch "
+            "| peak memory | × qkvo | tokens/s |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in rows:
+            if "skipped" in r:
+                lines.append(f"| {r['row']} | {r['n']:,} | {r['pass_']} | skipped: "
+                             f"{r['skipped']} | | | | | | | |")
+                continue
+            t = (f"{r['ms_median']:.1f} ({r['ms_min']:.1f}–{r['ms_max']:.1f})"
+                 if "ms_median" in r else "—")
+            mem = format_bytes(r["memory_bytes"]) if "memory_bytes" in r else "—"
+            lines.append(
+                f"| {r['row']} | {r['n']:,} | {r['pass_']} | {t} | {_fmt(r.get('gflops'))} | "
+                f"{_fmt(r.get('pct_matmul'), '.0f')} | {_fmt(r.get('vs_dense'), '.2f')} | "
+                f"{_fmt(r.get('vs_torch'), '.2f')} | {mem} | "
+                f"{_fmt(r.get('memory_over_floor'), '.2f')} | "
+                f"{_fmt(r.get('tokens_per_s'), ',.0f')} |"
+            )
+    summary = result.get("summary")
+    if summary:
+        lines += ["", "Summary: `" + json.dumps(summary) + "`"]
+    mm = [r["matmul_gflops"] for r in rows if r.get("matmul_gflops")]
+    if mm:
+        lines += ["", f"Same-run fp32 2048² matmul: {min(mm):.0f}–{max(mm):.0f} GFLOP/s "
+                  "(% matmul compares each row with the probe taken beside it). "
+                  "FLOPs: 4·d per attended (query, key) pair forward, 14·d forward+backward."]
+    return "\n".join(lines) + "\n"
+
+
+def plots(result: dict[str, Any], out_dir: str, name: str) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    rows = [r for r in result.get("rows", []) if "n" in r]
+    paths = []
+    for key, ylabel, fname in (("ms_median", "time (ms)", f"{name}_time.png"),
+                               ("memory_bytes", "peak memory (MiB)", f"{name}_memory.png")):
+        series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+        for r in rows:
+            if key in r:
+                val = r[key] / 2**20 if key == "memory_bytes" else r[key]
+                series.setdefault((r["row"], r["pass_"]), []).append((r["n"], val))
+        series = {k: v for k, v in series.items() if len(v) >= 2}
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for (row, pas), pts in sorted(series.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{row} {pas}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length n")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"dilax {name}: {ylabel} vs n")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(out_dir, fname)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write_outputs(result: dict[str, Any], out_dir: str, name: str) -> dict[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    json_path = os.path.join(out_dir, f"{name}.json")
+    with open(json_path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    text = markdown(result)
+    md_path = os.path.join(out_dir, f"{name}.md")
+    with open(md_path, "w") as f:
+        f.write(text)
+    out = {"json": json_path, "markdown": md_path, "markdown_text": text}
+    for i, p in enumerate(plots(result, out_dir, name)):
+        out[f"plot{i}"] = p
+    return out
