@@ -8,12 +8,11 @@ Each kernel sits beside its XLA reference, in the style of ``jax.experimental.pa
   compact per-query-block tables of active key blocks.
 * :func:`dilated_attention_pallas`: :func:`dilax.dilated_attention` on the flash kernel.
 * :class:`KernelConfig` / :func:`default_config`: static tiles, warps, stages;
-  :func:`pallas_kernels.autotune.autotune` picks one on the running device.
+  ``pallas_kernels.autotune.autotune`` picks one on the running device.
 
 Nothing GPU-only is imported at module import time.
 """
 
-from pallas_kernels.autotune import autotune
 from pallas_kernels.block_sparse import (
     block_sparse_flash_attention,
     block_sparse_reference,
@@ -26,7 +25,6 @@ from pallas_kernels.flash_attention import flash_attention, flash_attention_refe
 
 __all__ = [
     "KernelConfig",
-    "autotune",
     "block_sparse_flash_attention",
     "block_sparse_reference",
     "default_config",

@@ -341,8 +341,10 @@ def backward_rows(out, lse, dout, dlse, len_pad: int):
     ``delta = rowsum(dO * O) - dlse`` (the lse cotangent enters ``ds`` like ``-delta``);
     ``lse`` is ``+inf`` on rows without a key and on padding, so recomputed ``p`` is 0 there.
     """
+    empty = lse == _NEG_INF
     delta = jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1) - dlse.astype(_F32)
-    lse = jnp.where(lse == _NEG_INF, _POS_INF, lse)
+    delta = jnp.where(empty, 0.0, delta)  # p = 0 on these rows; keep a NaN dlse out of 0 * x
+    lse = jnp.where(empty, _POS_INF, lse)
     delta = pad_to(delta.transpose(0, 2, 3, 1), {3: len_pad})
     lse = pad_to(lse.transpose(0, 2, 3, 1), {3: len_pad}, value=_POS_INF)
     return lse, delta
