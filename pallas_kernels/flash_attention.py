@@ -446,7 +446,13 @@ def resolve_config(
     if isinstance(block_sizes, KernelConfig):
         return block_sizes
     if isinstance(block_sizes, BlockSizes):
-        return KernelConfig(block_q=block_sizes.block_q, block_k=block_sizes.block_k)
+        try:
+            return KernelConfig(block_q=block_sizes.block_q, block_k=block_sizes.block_k)
+        except ValueError as e:
+            raise ValueError(
+                f"block_sizes={block_sizes} cannot drive the Pallas kernels: block_q and block_k "
+                "must be powers of two (Triton tiles)"
+            ) from e
     raise TypeError(
         "block_sizes must be a pallas_kernels.KernelConfig, a dilax.BlockSizes or None, got "
         f"{type(block_sizes).__name__}"

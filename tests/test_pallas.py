@@ -210,6 +210,8 @@ def test_kernel_config_validation():
     q, k, v = _grouped_inputs(1, 8, 8, 1, 1, 16, jnp.float32)
     with pytest.raises(TypeError, match="block_sizes"):
         flash_attention(q, k, v, scale=1.0, block_sizes=(16, 16), interpret=True)
+    with pytest.raises(ValueError, match="powers of two"):
+        flash_attention(q, k, v, scale=1.0, block_sizes=dilax.BlockSizes(3, 5), interpret=True)
     with pytest.raises(ValueError, match=r"\(B, Lk, Hk, d\)"):
         flash_attention(q, k[:, :, :, :8], v[:, :, :, :8], scale=1.0, interpret=True)
     with pytest.raises(TypeError, match="dtype"):
