@@ -133,9 +133,13 @@ def _merge_slots(y: jax.Array, plan: BranchPlan, heads: tuple[int, ...], b: int,
     return full[:, :n] if S * w != n else full
 
 
-def _run_branch(q, k, v, plan: BranchPlan, scale, is_causal, block_sizes):
+def _run_branch(q, k, v, plan: BranchPlan, scale, is_causal, block_sizes,
+                attention_fn=attention_core):
     """One branch for ``plan.q_heads``: returns full-layout ``(out, lse)`` of those heads,
-    heads in ascending order, ``(b, n, H', d)`` and ``(b, n, H')``."""
+    heads in ascending order, ``(b, n, H', d)`` and ``(b, n, H')``.
+
+    ``attention_fn`` has the signature of :func:`dilax.core.attention_core` (e.g. a Pallas
+    kernel with the same calling convention)."""
     b, n, h, d = q.shape
     U, G = len(plan.kv_heads), plan.q_per_kv
     qd = _split_slots(q, plan, plan.q_heads, plan.q_slots, n).reshape(-1, plan.seg_len, U, G, d)
@@ -144,8 +148,8 @@ def _run_branch(q, k, v, plan: BranchPlan, scale, is_causal, block_sizes):
     kv_len = None
     if any(length != plan.seg_len for row in plan.kv_len for length in row):
         kv_len = jnp.tile(jnp.asarray(np.array(plan.kv_len, np.int32)), (b, 1))  # (b*S, U)
-    out, lse = attention_core(qd, kd, vd, scale=scale, is_causal=is_causal, kv_len=kv_len,
-                              block_sizes=block_sizes)
+    out, lse = attention_fn(qd, kd, vd, scale=scale, is_causal=is_causal, kv_len=kv_len,
+                            block_sizes=block_sizes)
     H = len(plan.q_heads)
     out = _merge_slots(out.reshape(-1, plan.seg_len, H, d), plan, plan.q_heads, b, n, 0)
     lse = _merge_slots(lse.reshape(-1, plan.seg_len, H), plan, plan.q_heads, b, n, -jnp.inf)
@@ -192,14 +196,17 @@ def attended_pairs(
 
 
 def dilated_attention_xla(q, k, v, segment_lengths, dilation_rates, *, is_causal, scale, mode,
-                          block_sizes=None, return_lse=False):
-    """XLA path. Arguments must be validated (see :func:`dilated_attention`)."""
+                          block_sizes=None, return_lse=False, attention_fn=attention_core):
+    """XLA path. Arguments must be validated (see :func:`dilated_attention`).
+
+    ``attention_fn``: the per-branch core, :func:`dilax.core.attention_core` by default; any
+    function with its calling convention (e.g. ``pallas_kernels.flash_attention``) works."""
     b, n, h, d = q.shape
     plans = dilated_branches(n, h, k.shape[2], segment_lengths, dilation_rates, mode)
     if mode == "mixture":
         out = lse = None
         for plan in plans:
-            o_i, lse_i = _run_branch(q, k, v, plan, scale, is_causal, block_sizes)
+            o_i, lse_i = _run_branch(q, k, v, plan, scale, is_causal, block_sizes, attention_fn)
             if out is None:
                 out, lse = o_i.astype(jnp.float32), lse_i
             else:
@@ -207,7 +214,7 @@ def dilated_attention_xla(q, k, v, segment_lengths, dilation_rates, *, is_causal
     else:
         outs, lses = [], []
         for plan in plans:
-            o_i, lse_i = _run_branch(q, k, v, plan, scale, is_causal, block_sizes)
+            o_i, lse_i = _run_branch(q, k, v, plan, scale, is_causal, block_sizes, attention_fn)
             outs.append(o_i.astype(jnp.float32) / len(plans))
             lses.append(lse_i)
         out = jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]

@@ -1,0 +1,484 @@
+"""Block-sparse flash attention driven by compact block tables, beside its XLA reference.
+
+A pattern with block size ``B`` is given by its compact tables (SPEC.md, "Block-sparse"):
+
+* ``kv_block_indices: int32 (H_pat, nq_blocks, max_active)``: the active key blocks of each
+  query block, ascending; entries at and beyond the count are padding (ignored);
+* ``kv_block_counts: int32 (H_pat, nq_blocks)``;
+
+with ``H_pat = 1`` (shared by every head) or ``H_pat = Hk * G`` (one row per query head, head
+``c * G + g``). Splash attention (TPU) scalar-prefetches such tables so that its BlockSpec
+index maps pick the key block of each grid step. On GPU (Triton) a program cannot carry an
+accumulator across grid steps, so the analogue used here is: the table row of the program's
+query block is delivered by the BlockSpec index map, and the program's key loop runs over the
+``count`` listed blocks only, dynamic-slicing K/V (resident in HBM/L2) at ``index * B``.
+Compute therefore scales with the number of active blocks; nothing of size ``n x n`` exists.
+
+The backward needs the transposed tables (the query blocks that attend each key block) for the
+dk/dv kernel. Pass them (``q_block_indices``, ``q_block_counts``) when the pattern has them;
+otherwise they are derived with :func:`transpose_block_tables` (numpy when the tables are
+concrete, XLA scatter + stable sort when traced; the latter is ``O(nq_blocks * nk_blocks)``
+integers per pattern head).
+
+With ``is_causal`` key ``t`` is visible to query ``p`` iff ``t <= p``: listed blocks entirely
+above the diagonal are dropped from the tables, the cut inside the diagonal block is an
+element mask. A query with no key gets ``out = 0``, ``lse = -inf``, zero gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from dilax.reference import masked_attention
+from pallas_kernels.config import MIN_BLOCK, KernelConfig, triton_compiler_params
+from pallas_kernels.flash_attention import (
+    backward_rows,
+    check_grouped_qkv,
+    dkdv_loop,
+    dq_loop,
+    for_each_group,
+    online_softmax,
+    pad_to,
+    padded_head_dim,
+)
+
+__all__ = [
+    "block_mask_from_tables",
+    "block_sparse_flash_attention",
+    "block_sparse_reference",
+    "tables_from_block_mask",
+    "transpose_block_tables",
+]
+
+_F32 = jnp.float32
+
+
+# --------------------------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------------------------
+
+
+def tables_from_block_mask(block_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Compact tables of a boolean ``(H, nq_blocks, nk_blocks)`` block mask (numpy).
+
+    Returns ``indices (H, nq_blocks, max(1, max_count))`` (ascending, padded with the last
+    active index, or 0) and ``counts (H, nq_blocks)``, both int32.
+    """
+    block_mask = np.asarray(block_mask, bool)
+    counts = block_mask.sum(-1).astype(np.int32)
+    width = max(1, int(counts.max(initial=0)))
+    order = np.argsort(~block_mask, axis=-1, kind="stable")[..., :width].astype(np.int32)
+    pos = np.arange(width)
+    last = np.take_along_axis(order, np.maximum(counts - 1, 0)[..., None], axis=-1)
+    indices = np.where(pos < counts[..., None], order, np.where(counts[..., None] > 0, last, 0))
+    return indices.astype(np.int32), counts
+
+
+def block_mask_from_tables(indices, counts, num_k_blocks: int):
+    """Inverse of :func:`tables_from_block_mask`: ``(H, nq_blocks, num_k_blocks)`` bool.
+
+    Works on numpy and on traced arrays (one scatter-add)."""
+    xp = np if isinstance(indices, np.ndarray) and isinstance(counts, np.ndarray) else jnp
+    H, nq, A = indices.shape
+    valid = xp.arange(A)[None, None, :] < counts[..., None]
+    cols = xp.where(valid, indices, num_k_blocks)  # invalid entries land out of range
+    h_idx = xp.broadcast_to(xp.arange(H)[:, None, None], (H, nq, A))
+    q_idx = xp.broadcast_to(xp.arange(nq)[None, :, None], (H, nq, A))
+    if xp is np:
+        mask = np.zeros((H, nq, num_k_blocks + 1), bool)
+        mask[h_idx, q_idx, cols] = True
+        return mask[..., :num_k_blocks]
+    mask = jnp.zeros((H, nq, num_k_blocks), jnp.int32)
+    mask = mask.at[h_idx, q_idx, cols].add(1, mode="drop")
+    return mask > 0
+
+
+def _causal_cut(block_mask, xp):
+    nq, nk = block_mask.shape[1:]
+    return block_mask & (xp.arange(nk)[None, None, :] <= xp.arange(nq)[None, :, None])
+
+
+def transpose_block_tables(indices, counts, num_k_blocks: int, is_causal: bool = False):
+    """Tables of the transposed pattern: for each key block, the query blocks that attend it.
+
+    Returns ``(q_indices (H, num_k_blocks, width), q_counts (H, num_k_blocks))`` int32; numpy
+    (tight ``width``) for numpy inputs, jax arrays (``width = nq_blocks``) for traced ones.
+    """
+    mask = block_mask_from_tables(indices, counts, num_k_blocks)
+    if isinstance(mask, np.ndarray):
+        if is_causal:
+            mask = _causal_cut(mask, np)
+        return tables_from_block_mask(mask.transpose(0, 2, 1))
+    if is_causal:
+        mask = _causal_cut(mask, jnp)
+    mask_t = mask.transpose(0, 2, 1)
+    q_counts = jnp.sum(mask_t, axis=-1, dtype=jnp.int32)
+    q_indices = jnp.argsort(~mask_t, axis=-1, stable=True).astype(jnp.int32)
+    return q_indices, q_counts
+
+
+def _causal_counts(indices, counts):
+    """Counts restricted to blocks ``j <= i`` (the tables are ascending, so a prefix)."""
+    nq, A = indices.shape[1:]
+    xp = np if isinstance(indices, np.ndarray) and isinstance(counts, np.ndarray) else jnp
+    valid = (xp.arange(A)[None, None, :] < counts[..., None]) & (
+        indices <= xp.arange(nq)[None, :, None]
+    )
+    return valid.sum(-1).astype(np.int32)
+
+
+def _check_tables(indices, counts, name_i, name_c, num_heads, rows, cols, what_rows):
+    if indices.ndim != 3 or counts.ndim != 2:
+        raise ValueError(
+            f"{name_i} must be (H_pat, {what_rows}, max_active) and {name_c} (H_pat, "
+            f"{what_rows}), got {name_i} {tuple(indices.shape)} and {name_c} "
+            f"{tuple(counts.shape)}"
+        )
+    if not (jnp.issubdtype(indices.dtype, jnp.integer) and jnp.issubdtype(counts.dtype,
+                                                                         jnp.integer)):
+        raise TypeError(
+            f"{name_i} and {name_c} must be integer arrays, got {indices.dtype} and "
+            f"{counts.dtype}"
+        )
+    h_pat = indices.shape[0]
+    if h_pat not in (1, num_heads) or counts.shape[0] != h_pat:
+        raise ValueError(
+            f"{name_i}/{name_c} must have H_pat = 1 or H_pat = number of query heads "
+            f"({num_heads}) rows, got {indices.shape[0]} and {counts.shape[0]}"
+        )
+    if indices.shape[1] != rows or counts.shape[1] != rows:
+        raise ValueError(
+            f"{name_i}/{name_c} must have {rows} {what_rows} (= ceil(n / block_size)), got "
+            f"{indices.shape[1]} and {counts.shape[1]}"
+        )
+    if isinstance(indices, np.ndarray) and isinstance(counts, np.ndarray):
+        width = indices.shape[2]
+        if counts.min(initial=0) < 0 or counts.max(initial=0) > width:
+            raise ValueError(f"{name_c} must lie in [0, {width}] (the table width)")
+        valid = np.arange(width)[None, None, :] < counts[..., None]
+        used = np.where(valid, indices, 0)
+        if used.min(initial=0) < 0 or used.max(initial=0) >= cols:
+            raise ValueError(f"{name_i} must list block indices in [0, {cols})")
+        steps = np.diff(indices, axis=-1)
+        if np.any((steps <= 0) & valid[..., 1:]):
+            raise ValueError(f"{name_i} must list each row's active blocks strictly ascending")
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+def _fwd_kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, is_causal,
+                block_size, seq_len):
+    i = pl.program_id(0)
+    q_pos = i * block_size + jnp.arange(block_size, dtype=jnp.int32)
+    out, lse = online_softmax(
+        q_ref[...], q_pos, k_ref, v_ref, num_steps=cnt_ref[0], block_index=lambda s: idx_ref[s],
+        kv_len=seq_len, k_offset=0, scale=scale, is_causal=is_causal, block_k=block_size,
+    )
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse
+
+
+def _dq_kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
+               scale, is_causal, block_size, seq_len):
+    i = pl.program_id(0)
+    q_pos = i * block_size + jnp.arange(block_size, dtype=jnp.int32)
+    dq = dq_loop(
+        q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], q_pos, k_ref, v_ref,
+        num_steps=cnt_ref[0], block_index=lambda s: idx_ref[s], kv_len=seq_len, k_offset=0,
+        scale=scale, is_causal=is_causal, block_k=block_size,
+    )
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _dkdv_kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
+                 dv_ref, *, scale, is_causal, block_size, seq_len, groups, per_head):
+    j = pl.program_id(0)
+    k_idx = j * block_size + jnp.arange(block_size, dtype=jnp.int32)
+    valid = (k_idx < seq_len)[:, None]
+    k = jnp.where(valid, k_ref[...], jnp.zeros((), k_ref.dtype))
+    v = jnp.where(valid, v_ref[...], jnp.zeros((), v_ref.dtype))
+
+    def per_group(g, carry):
+        row = g if per_head else 0
+        return dkdv_loop(
+            carry, g, k, v, k_idx, seq_len, q_ref, do_ref, lse_ref, delta_ref,
+            num_steps=cnt_ref[row], block_index=lambda s: idx_ref[row, s], q_offset=0,
+            k_offset=0, scale=scale, is_causal=is_causal, block_q=block_size,
+        )
+
+    dp = k_ref.shape[-1]
+    init = (jnp.zeros((block_size, dp), _F32), jnp.zeros((block_size, dp), _F32))
+    dk, dv = for_each_group(groups, per_group, init)
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# pallas_call wrappers
+# --------------------------------------------------------------------------------------------
+
+
+def _head_maps(groups: int, per_head: bool):
+    def kv_of(h):
+        return lax.div(h, jnp.int32(groups))
+
+    def grp_of(h):
+        return lax.rem(h, jnp.int32(groups))
+
+    def pat_of(h):
+        return h if per_head else 0
+
+    return kv_of, grp_of, pat_of
+
+
+def _sparse_forward(q, k, v, kv_idx, kv_cnt, block_size, scale, is_causal, config, interpret,
+                    debug):
+    B, n, Hk, G, d = q.shape
+    dp = padded_head_dim(d)
+    nqb = kv_idx.shape[1]
+    n_pad = nqb * block_size
+    per_head = kv_idx.shape[0] > 1
+    kv_of, grp_of, pat_of = _head_maps(G, per_head)
+    qp = pad_to(q, {1: n_pad, 4: dp})
+    kp = pad_to(k, {1: n_pad, 3: dp})
+    vp = pad_to(v, {1: n_pad, 3: dp})
+    width = kv_idx.shape[2]
+    q_spec = pl.BlockSpec((None, block_size, None, None, dp),
+                          lambda i, b, h: (b, i, kv_of(h), grp_of(h), 0))
+    kv_spec = pl.BlockSpec((None, n_pad, None, dp), lambda i, b, h: (b, 0, kv_of(h), 0))
+    out, lse = pl.pallas_call(
+        functools.partial(_fwd_kernel, scale=scale, is_causal=is_causal, block_size=block_size,
+                          seq_len=n),
+        grid=(nqb, B, Hk * G),
+        in_specs=[
+            pl.BlockSpec((None, None, width), lambda i, b, h: (pat_of(h), i, 0)),
+            pl.BlockSpec((None, 1), lambda i, b, h: (pat_of(h), i)),
+            q_spec, kv_spec, kv_spec,
+        ],
+        out_specs=[q_spec, pl.BlockSpec((None, None, block_size), lambda i, b, h: (b, h, i))],
+        out_shape=[jax.ShapeDtypeStruct(qp.shape, q.dtype),
+                   jax.ShapeDtypeStruct((B, Hk * G, n_pad), _F32)],
+        compiler_params=triton_compiler_params(config, dp),
+        interpret=interpret,
+        debug=debug,
+        name="dilax_block_sparse_fwd",
+    )(kv_idx, kv_cnt, qp, kp, vp)
+    out = out[:, :n, :, :, :d]
+    lse = lse.reshape(B, Hk, G, n_pad)[..., :n].transpose(0, 3, 1, 2)
+    return out, lse
+
+
+def _sparse_backward(q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, out, lse, dout, dlse, block_size,
+                     scale, is_causal, config, interpret, debug):
+    B, n, Hk, G, d = q.shape
+    dp = padded_head_dim(d)
+    nqb = kv_idx.shape[1]
+    nkb = q_idx.shape[1]
+    n_pad = nqb * block_size
+    per_head = kv_idx.shape[0] > 1
+    kv_of, grp_of, pat_of = _head_maps(G, per_head)
+    lse_rows, delta_rows = backward_rows(out, lse, dout, dlse, n_pad)
+    qp = pad_to(q, {1: n_pad, 4: dp})
+    dop = pad_to(dout.astype(q.dtype), {1: n_pad, 4: dp})
+    kp = pad_to(k, {1: n_pad, 3: dp})
+    vp = pad_to(v, {1: n_pad, 3: dp})
+    params = triton_compiler_params(config, dp)
+
+    q_spec = pl.BlockSpec((None, block_size, None, None, dp),
+                          lambda i, b, h: (b, i, kv_of(h), grp_of(h), 0))
+    row_spec = pl.BlockSpec((None, None, None, block_size),
+                            lambda i, b, h: (b, kv_of(h), grp_of(h), i))
+    kv_full = pl.BlockSpec((None, n_pad, None, dp), lambda i, b, h: (b, 0, kv_of(h), 0))
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, scale=scale, is_causal=is_causal, block_size=block_size,
+                          seq_len=n),
+        grid=(nqb, B, Hk * G),
+        in_specs=[
+            pl.BlockSpec((None, None, kv_idx.shape[2]), lambda i, b, h: (pat_of(h), i, 0)),
+            pl.BlockSpec((None, 1), lambda i, b, h: (pat_of(h), i)),
+            q_spec, kv_full, kv_full, q_spec, row_spec, row_spec,
+        ],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
+        compiler_params=params,
+        interpret=interpret,
+        debug=debug,
+        name="dilax_block_sparse_dq",
+    )(kv_idx, kv_cnt, qp, kp, vp, dop, lse_rows, delta_rows)
+
+    # Transposed tables grouped by kv head: (Hk or 1, G or 1, nkb, width) and (.., nkb).
+    rows = G if per_head else 1
+    heads = Hk if per_head else 1
+    width = q_idx.shape[2]
+    q_idx4 = q_idx.reshape(heads, rows, nkb, width)
+    q_cnt3 = q_cnt.reshape(heads, rows, nkb)
+    c_map = (lambda c: c) if per_head else (lambda c: 0)
+    q_full = pl.BlockSpec((None, n_pad, None, G, dp), lambda j, b, c: (b, 0, c, 0, 0))
+    rows_full = pl.BlockSpec((None, None, G, n_pad), lambda j, b, c: (b, c, 0, 0))
+    k_spec = pl.BlockSpec((None, block_size, None, dp), lambda j, b, c: (b, j, c, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, scale=scale, is_causal=is_causal,
+                          block_size=block_size, seq_len=n, groups=G, per_head=per_head),
+        grid=(nkb, B, Hk),
+        in_specs=[
+            pl.BlockSpec((None, rows, None, width), lambda j, b, c: (c_map(c), 0, j, 0)),
+            pl.BlockSpec((None, rows, None), lambda j, b, c: (c_map(c), 0, j)),
+            q_full, k_spec, k_spec, q_full, rows_full, rows_full,
+        ],
+        out_specs=[k_spec, k_spec],
+        out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype),
+                   jax.ShapeDtypeStruct(vp.shape, v.dtype)],
+        compiler_params=params,
+        interpret=interpret,
+        debug=debug,
+        name="dilax_block_sparse_dkdv",
+    )(q_idx4, q_cnt3, qp, kp, vp, dop, lse_rows, delta_rows)
+    return dq[:, :n, ..., :d], dk[:, :n, :, :d], dv[:, :n, :, :d]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
+def _sparse(q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, block_size, scale, is_causal, config,
+            interpret, debug):
+    return _sparse_forward(q, k, v, kv_idx, kv_cnt, block_size, scale, is_causal, config,
+                           interpret, debug)
+
+
+def _sparse_fwd(q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, block_size, scale, is_causal, config,
+                interpret, debug):
+    out, lse = _sparse_forward(q, k, v, kv_idx, kv_cnt, block_size, scale, is_causal, config,
+                               interpret, debug)
+    return (out, lse), (q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, out, lse)
+
+
+def _sparse_bwd(block_size, scale, is_causal, config, interpret, debug, res, cotangents):
+    q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, out, lse = res
+    dout, dlse = cotangents
+    dq, dk, dv = _sparse_backward(q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, out, lse, dout, dlse,
+                                  block_size, scale, is_causal, config, interpret, debug)
+    return dq, dk, dv, None, None, None, None
+
+
+_sparse.defvjp(_sparse_fwd, _sparse_bwd)
+
+
+def block_sparse_flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_block_indices: jax.Array | np.ndarray,
+    kv_block_counts: jax.Array | np.ndarray,
+    *,
+    block_size: int,
+    scale: float,
+    is_causal: bool = False,
+    interpret: bool = False,
+    q_block_indices: jax.Array | np.ndarray | None = None,
+    q_block_counts: jax.Array | np.ndarray | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+    debug: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Block-sparse attention visiting only the listed ``(query block, key block)`` pairs.
+
+    Args:
+      q: ``(B, n, Hk, G, d)`` queries grouped by kv head (query head ``c * G + g``).
+      k, v: ``(B, n, Hk, d)``.
+      kv_block_indices: int ``(H_pat, ceil(n / block_size), max_active)``, the active key
+        blocks of each query block in ascending order (entries beyond the count are ignored);
+        ``H_pat`` is 1 (shared) or ``Hk * G`` (per query head).
+      kv_block_counts: int ``(H_pat, ceil(n / block_size))``.
+      block_size: the pattern's block size, a power of two (>= 16 unless ``interpret``).
+      scale: logit scale.
+      is_causal: additionally require ``t <= p`` (blocks above the diagonal are skipped).
+      interpret: run the kernels with the Pallas interpreter (CPU tests).
+      q_block_indices, q_block_counts: optional transposed tables
+        (``(H_pat, nk_blocks, width)``, ``(H_pat, nk_blocks)``) for the dk/dv kernel; derived
+        with :func:`transpose_block_tables` when omitted.
+      num_warps, num_stages: Triton launch parameters.
+      debug: print the kernels' jaxprs.
+
+    Returns:
+      ``out: (B, n, Hk, G, d)`` in ``q.dtype`` and ``lse: (B, n, Hk, G)`` float32 (one softmax
+      over all attended keys; ``0`` / ``-inf`` for queries with none). Differentiable in
+      ``q, k, v`` including the ``lse`` cotangent.
+    """
+    check_grouped_qkv(q, k, v, "block_sparse_flash_attention")
+    B, n, Hk, G, d = q.shape
+    if k.shape[1] != n:
+        raise ValueError(f"block_sparse_flash_attention: q and k must have the same length n, "
+                         f"got {n} and {k.shape[1]}")
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
+        raise TypeError(f"block_size must be a static int, got {type(block_size).__name__}")
+    block_size = int(block_size)
+    min_block = 1 if interpret else MIN_BLOCK
+    if block_size < min_block or block_size & (block_size - 1):
+        raise ValueError(
+            f"block_size must be a power of two >= {min_block} (Triton tiles), got {block_size}"
+        )
+    config = KernelConfig(block_q=block_size, block_k=block_size, num_warps=num_warps,
+                          num_stages=num_stages)
+    nqb = -(-n // block_size)
+    H = Hk * G
+    kv_idx, kv_cnt = kv_block_indices, kv_block_counts
+    if not isinstance(kv_idx, (np.ndarray, jax.Array)) or not isinstance(
+            kv_cnt, (np.ndarray, jax.Array)):
+        kv_idx, kv_cnt = np.asarray(kv_idx), np.asarray(kv_cnt)
+    _check_tables(kv_idx, kv_cnt, "kv_block_indices", "kv_block_counts", H, nqb, nqb,
+                  "query blocks")
+    if (q_block_indices is None) != (q_block_counts is None):
+        raise ValueError("q_block_indices and q_block_counts must be given together")
+    if q_block_indices is None:
+        q_idx, q_cnt = transpose_block_tables(kv_idx, kv_cnt, nqb, is_causal)
+    else:
+        q_idx, q_cnt = q_block_indices, q_block_counts
+        _check_tables(q_idx, q_cnt, "q_block_indices", "q_block_counts", H, nqb, nqb,
+                      "key blocks")
+        if q_idx.shape[0] != kv_idx.shape[0]:
+            raise ValueError("q_block_indices must have the same H_pat as kv_block_indices")
+    if is_causal:
+        kv_cnt = _causal_counts(kv_idx, kv_cnt)
+    kv_idx = jnp.clip(jnp.asarray(kv_idx, jnp.int32), 0, nqb - 1)
+    q_idx = jnp.clip(jnp.asarray(q_idx, jnp.int32), 0, nqb - 1)
+    kv_cnt = jnp.asarray(kv_cnt, jnp.int32)
+    q_cnt = jnp.asarray(q_cnt, jnp.int32)
+    return _sparse(q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, block_size, float(scale),
+                   bool(is_causal), config, bool(interpret), bool(debug))
+
+
+def block_sparse_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    block_mask: np.ndarray,
+    *,
+    block_size: int,
+    scale: float,
+    is_causal: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Dense XLA reference of :func:`block_sparse_flash_attention` from a boolean block mask.
+
+    ``block_mask: (H_pat, nq_blocks, nk_blocks)``. Builds the explicit ``(H_pat, n, n)`` mask
+    (small ``n`` only) and returns ``(out, lse)`` in the grouped layout.
+    """
+    B, n, Hk, G, d = q.shape
+    mask = np.repeat(np.repeat(np.asarray(block_mask, bool), block_size, 1), block_size, 2)
+    mask = mask[:, :n, :n]
+    if is_causal:
+        mask = mask & np.tril(np.ones((n, n), bool))[None]
+    q4 = q.reshape(B, n, Hk * G, d)
+    out = masked_attention(q4, k, v, mask.astype(np.float32), scale)
+    kr = jnp.repeat(k, G, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q4, kr, preferred_element_type=_F32,
+                   precision=lax.Precision.HIGHEST) * scale
+    s = jnp.where(jnp.asarray(mask)[None], s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)  # -inf where no key
+    return out.reshape(q.shape), lse.transpose(0, 2, 1).reshape(B, n, Hk, G)

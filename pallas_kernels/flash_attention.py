@@ -1,0 +1,545 @@
+"""Flash attention (forward + backward) as Pallas kernels, beside its XLA reference.
+
+Drop-in replacement of :func:`dilax.core.attention_core`: same arguments, same
+``(out, lse)`` result, same masking rules, differentiable in ``q, k, v`` with a cotangent on
+``lse`` too. Written in the style of ``jax.experimental.pallas.ops.gpu.attention``:
+
+* forward: one program per ``(query block, batch, query head)``; it keeps its query tile
+  resident and streams the key/value tiles of its kv head with an online softmax (float32
+  statistics and accumulator, ``out`` in ``q.dtype``, ``lse`` float32). The kv head of query
+  head ``h = c * G + g`` is ``c = h // G``, computed in the BlockSpec index map, so GQA/MQA
+  never repeats K/V in memory.
+* causal block skipping: the key loop of a query block stops at the last key block that holds
+  a visible key (``k_offset + t <= q_offset + p``), and at ``kv_len``; the dk/dv kernel starts
+  at the first query block that can see its key block.
+* backward: ``delta = rowsum(dO * O) - dlse`` (one fused XLA reduction), then two kernels
+  without atomics: dq (one program per query block, loop over key blocks) and dk/dv (one
+  program per key block and kv head, loop over the ``G`` query heads of that kv head and over
+  query blocks), both recomputing probabilities from the saved ``lse``.
+* ragged lengths: ``Lq``/``Lk`` are zero-padded to a multiple of the tiles and the padded keys
+  are masked through ``kv_len``; ``head_dim`` is zero-padded to a power of two >= 16.
+* on GPU the Triton lowering is selected with ``jax.experimental.pallas.triton.CompilerParams``
+  (imported lazily); ``interpret=True`` runs the same kernels on any backend (tests on CPU).
+
+A query with no visible key gets ``out = 0``, ``lse = -inf`` and zero gradient, never NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from dilax.core import BlockSizes, attention_core
+from pallas_kernels.config import (
+    MIN_BLOCK,
+    KernelConfig,
+    default_config,
+    next_power_of_2,
+    tile,
+    triton_compiler_params,
+)
+
+__all__ = ["flash_attention", "flash_attention_reference", "resolve_config"]
+
+_F32 = jnp.float32
+_NEG_INF = float("-inf")
+_POS_INF = float("inf")
+
+
+# --------------------------------------------------------------------------------------------
+# In-kernel building blocks (shared with pallas_kernels.block_sparse)
+# --------------------------------------------------------------------------------------------
+
+
+def _dot(a, b, contract_a: int, contract_b: int):
+    """2-D matmul contracting ``a``'s axis ``contract_a`` with ``b``'s, float32 accumulation.
+
+    float32 inputs use IEEE precision (no TF32) so fp32 results match the XLA core."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(
+        a, b, (((contract_a,), (contract_b,)), ((), ())), precision=precision,
+        preferred_element_type=_F32,
+    )
+
+
+def _arange(n: int):
+    return jnp.arange(n, dtype=jnp.int32)
+
+
+def _cdiv_nonneg(a, b: int):
+    """``ceil(a / b)`` for traced ``a >= 0`` (``lax.div`` truncates, which is safe for Triton)."""
+    return lax.div(a + (b - 1), jnp.int32(b))
+
+
+def _floordiv_clamped(a, b: int):
+    """``max(a, 0) // b`` for traced ints."""
+    return lax.div(jnp.maximum(a, 0), jnp.int32(b))
+
+
+def key_mask(q_pos, k_idx, kv_len, k_offset, is_causal: bool):
+    """``(bq, bk)`` visibility of keys ``k_idx`` (local indices) for queries at global ``q_pos``."""
+    mask = (k_idx < kv_len)[None, :]
+    if is_causal:
+        mask = mask & ((k_offset + k_idx)[None, :] <= q_pos[:, None])
+    return mask
+
+
+def online_softmax(q, q_pos, k_ref, v_ref, *, num_steps, block_index, kv_len, k_offset, scale,
+                   is_causal, block_k):
+    """Forward key loop: visits key blocks ``block_index(0 .. num_steps-1)``.
+
+    Returns ``(out (bq, dp) float32, lse (bq,) float32)`` with ``out = 0, lse = -inf`` for rows
+    without a visible key.
+    """
+    block_q, dp = q.shape
+
+    def body(step, carry):
+        m, denom, acc = carry
+        start = pl.multiple_of(block_index(step) * block_k, block_k)
+        k = k_ref[pl.ds(start, block_k), :]
+        v = v_ref[pl.ds(start, block_k), :]
+        k_idx = start + _arange(block_k)
+        mask = key_mask(q_pos, k_idx, kv_len, k_offset, is_causal)
+        s = jnp.where(mask, _dot(q, k, 1, 1) * scale, _NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+        p = jnp.exp(s - m_safe[:, None])
+        corr = jnp.exp(m - m_safe)
+        denom = denom * corr + jnp.sum(p, axis=1)
+        # Zero keys beyond kv_len so NaN/inf there can never leak through 0 * x.
+        v = jnp.where((k_idx < kv_len)[:, None], v, jnp.zeros((), v.dtype))
+        acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v, 1, 0)
+        return m_new, denom, acc
+
+    init = (
+        jnp.full((block_q,), _NEG_INF, _F32),
+        jnp.zeros((block_q,), _F32),
+        jnp.zeros((block_q, dp), _F32),
+    )
+    m, denom, acc = lax.fori_loop(0, num_steps, body, init)
+    has_key = denom > 0.0
+    denom_safe = jnp.where(has_key, denom, 1.0)
+    out = acc / denom_safe[:, None]
+    lse = jnp.where(has_key, m + jnp.log(denom_safe), _NEG_INF)
+    return out, lse
+
+
+def dq_loop(q, do, lse, delta, q_pos, k_ref, v_ref, *, num_steps, block_index, kv_len, k_offset,
+            scale, is_causal, block_k):
+    """dq of one query tile: ``sum_j ds_j @ k_j * scale`` over the listed key blocks.
+
+    ``lse`` must be ``+inf`` (not ``-inf``) on rows without a key so that ``p = 0`` there."""
+    block_q, dp = q.shape
+
+    def body(step, dq):
+        start = pl.multiple_of(block_index(step) * block_k, block_k)
+        k_idx = start + _arange(block_k)
+        valid = (k_idx < kv_len)[:, None]
+        k = jnp.where(valid, k_ref[pl.ds(start, block_k), :], jnp.zeros((), k_ref.dtype))
+        v = jnp.where(valid, v_ref[pl.ds(start, block_k), :], jnp.zeros((), v_ref.dtype))
+        mask = key_mask(q_pos, k_idx, kv_len, k_offset, is_causal)
+        s = jnp.where(mask, _dot(q, k, 1, 1) * scale, _NEG_INF)
+        p = jnp.exp(s - lse[:, None])
+        ds = p * (_dot(do, v, 1, 1) - delta[:, None])
+        return dq + _dot(ds.astype(k.dtype), k, 1, 0)
+
+    dq = lax.fori_loop(0, num_steps, body, jnp.zeros((block_q, dp), _F32))
+    return dq * scale
+
+
+def dkdv_loop(carry, g, k, v, k_idx, kv_len, q_ref, do_ref, lse_ref, delta_ref, *, num_steps,
+              block_index, q_offset, k_offset, scale, is_causal, block_q):
+    """Accumulates ``(dk, dv)`` of one key tile over query head ``g``'s listed query blocks.
+
+    ``q_ref, do_ref``: ``(Lq_pad, G, dp)``; ``lse_ref, delta_ref``: ``(G, Lq_pad)``; ``k, v``
+    are the (already kv_len-zeroed) key tile. ``dk`` is returned unscaled.
+    """
+
+    def body(step, carry):
+        dk, dv = carry
+        start = pl.multiple_of(block_index(step) * block_q, block_q)
+        q = q_ref[pl.ds(start, block_q), g, :]
+        do = do_ref[pl.ds(start, block_q), g, :]
+        lse = lse_ref[g, pl.ds(start, block_q)]
+        delta = delta_ref[g, pl.ds(start, block_q)]
+        q_pos = q_offset + start + _arange(block_q)
+        mask = key_mask(q_pos, k_idx, kv_len, k_offset, is_causal)
+        s = jnp.where(mask, _dot(q, k, 1, 1) * scale, _NEG_INF)
+        p = jnp.exp(s - lse[:, None])
+        dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
+        ds = p * (_dot(do, v, 1, 1) - delta[:, None])
+        dk = dk + _dot(ds.astype(q.dtype), q, 0, 0)
+        return dk, dv
+
+    return lax.fori_loop(0, num_steps, body, carry)
+
+
+def for_each_group(num_groups: int, fn, carry):
+    """``fn(g, carry)`` for ``g`` in ``range(num_groups)`` (no loop when there is one)."""
+    if num_groups == 1:
+        return fn(0, carry)
+    return lax.fori_loop(0, num_groups, fn, carry)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+def _causal_key_blocks(q_block, block_q, block_k, q_offset, k_offset):
+    """Number of leading key blocks holding a key visible to some query of ``q_block``."""
+    last = q_offset - k_offset + (q_block + 1) * block_q - 1  # last visible local key index
+    return jnp.where(last >= 0, _floordiv_clamped(last, block_k) + 1, 0)
+
+
+def _fwd_kernel(offs_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, is_causal,
+                block_q, block_k):
+    i = pl.program_id(0)
+    q_offset, k_offset, kv_len = offs_ref[0], offs_ref[1], kvlen_ref[0]
+    q_pos = q_offset + i * block_q + _arange(block_q)
+    hi = _cdiv_nonneg(kv_len, block_k)
+    if is_causal:
+        hi = jnp.minimum(hi, _causal_key_blocks(i, block_q, block_k, q_offset, k_offset))
+    out, lse = online_softmax(
+        q_ref[...], q_pos, k_ref, v_ref, num_steps=hi, block_index=lambda s: s, kv_len=kv_len,
+        k_offset=k_offset, scale=scale, is_causal=is_causal, block_k=block_k,
+    )
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse
+
+
+def _dq_kernel(offs_ref, kvlen_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
+               scale, is_causal, block_q, block_k):
+    i = pl.program_id(0)
+    q_offset, k_offset, kv_len = offs_ref[0], offs_ref[1], kvlen_ref[0]
+    q_pos = q_offset + i * block_q + _arange(block_q)
+    hi = _cdiv_nonneg(kv_len, block_k)
+    if is_causal:
+        hi = jnp.minimum(hi, _causal_key_blocks(i, block_q, block_k, q_offset, k_offset))
+    dq = dq_loop(
+        q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], q_pos, k_ref, v_ref,
+        num_steps=hi, block_index=lambda s: s, kv_len=kv_len, k_offset=k_offset, scale=scale,
+        is_causal=is_causal, block_k=block_k,
+    )
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _dkdv_kernel(offs_ref, kvlen_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
+                 dv_ref, *, scale, is_causal, block_q, block_k, num_q_blocks, groups):
+    j = pl.program_id(0)
+    q_offset, k_offset, kv_len = offs_ref[0], offs_ref[1], kvlen_ref[0]
+    k_idx = j * block_k + _arange(block_k)
+    valid = (k_idx < kv_len)[:, None]
+    k = jnp.where(valid, k_ref[...], jnp.zeros((), k_ref.dtype))
+    v = jnp.where(valid, v_ref[...], jnp.zeros((), v_ref.dtype))
+    lo = jnp.int32(0)
+    if is_causal:  # first query that can see key j * block_k
+        first = k_offset - q_offset + j * block_k
+        lo = jnp.minimum(_floordiv_clamped(first, block_q), num_q_blocks)
+    hi = jnp.where(j * block_k < kv_len, num_q_blocks, lo)
+
+    def per_group(g, carry):
+        return dkdv_loop(
+            carry, g, k, v, k_idx, kv_len, q_ref, do_ref, lse_ref, delta_ref,
+            num_steps=hi - lo, block_index=lambda s: lo + s, q_offset=q_offset,
+            k_offset=k_offset, scale=scale, is_causal=is_causal, block_q=block_q,
+        )
+
+    dp = k_ref.shape[-1]
+    init = (jnp.zeros((block_k, dp), _F32), jnp.zeros((block_k, dp), _F32))
+    dk, dv = for_each_group(groups, per_group, init)
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# pallas_call wrappers
+# --------------------------------------------------------------------------------------------
+
+
+def pad_to(x, sizes: dict[int, int], value=0):
+    """Pads axes of ``x`` at the end to the given sizes (no-op when already there)."""
+    widths = [(0, 0)] * x.ndim
+    changed = False
+    for axis, size in sizes.items():
+        extra = size - x.shape[axis]
+        if extra:
+            widths[axis] = (0, extra)
+            changed = True
+    return jnp.pad(x, widths, constant_values=value) if changed else x
+
+
+def padded_head_dim(d: int) -> int:
+    return max(MIN_BLOCK, next_power_of_2(d))
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _tiles(config: KernelConfig, len_q: int, len_k: int):
+    fwd = (tile(config.block_q, len_q), tile(config.block_k, len_k))
+    dkv = tuple(tile(b, n) for b, n in zip(config.dkv_blocks, (len_q, len_k), strict=True))
+    dq = tuple(tile(b, n) for b, n in zip(config.dq_blocks, (len_q, len_k), strict=True))
+    lq_pad = _round_up(len_q, max(fwd[0], dkv[0], dq[0]))
+    lk_pad = _round_up(len_k, max(fwd[1], dkv[1], dq[1]))
+    return fwd, dkv, dq, lq_pad, lk_pad
+
+
+def _kv_of(h, groups: int):
+    return lax.div(h, jnp.int32(groups))
+
+
+def _group_of(h, groups: int):
+    return lax.rem(h, jnp.int32(groups))
+
+
+def _flash_forward(q, k, v, kv_len, offsets, scale, is_causal, config, interpret, debug):
+    B, Lq, Hk, G, d = q.shape
+    Lk = k.shape[1]
+    dp = padded_head_dim(d)
+    (bq, bk), _, _, lq_pad, lk_pad = _tiles(config, Lq, Lk)
+    qp = pad_to(q, {1: lq_pad, 4: dp})
+    kp = pad_to(k, {1: lk_pad, 3: dp})
+    vp = pad_to(v, {1: lk_pad, 3: dp})
+    q_spec = pl.BlockSpec(
+        (None, bq, None, None, dp),
+        lambda i, b, h: (b, i, _kv_of(h, G), _group_of(h, G), 0),
+    )
+    kv_spec = pl.BlockSpec((None, lk_pad, None, dp), lambda i, b, h: (b, 0, _kv_of(h, G), 0))
+    out, lse = pl.pallas_call(
+        functools.partial(_fwd_kernel, scale=scale, is_causal=is_causal, block_q=bq,
+                          block_k=bk),
+        grid=(lq_pad // bq, B, Hk * G),
+        in_specs=[
+            pl.BlockSpec((2,), lambda i, b, h: (0,)),
+            pl.BlockSpec((None, 1), lambda i, b, h: (b, _kv_of(h, G))),
+            q_spec, kv_spec, kv_spec,
+        ],
+        out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
+        out_shape=[
+            jax.ShapeDtypeStruct(qp.shape, q.dtype),
+            jax.ShapeDtypeStruct((B, Hk * G, lq_pad), _F32),
+        ],
+        compiler_params=triton_compiler_params(config, dp),
+        interpret=interpret,
+        debug=debug,
+        name="dilax_flash_fwd",
+    )(offsets, kv_len, qp, kp, vp)
+    out = out[:, :Lq, :, :, :d]
+    lse = lse.reshape(B, Hk, G, lq_pad)[..., :Lq].transpose(0, 3, 1, 2)
+    return out, lse
+
+
+def backward_rows(out, lse, dout, dlse, len_pad: int):
+    """``(lse, delta)`` rows for the backward kernels, laid out ``(B, Hk, G, len_pad)``.
+
+    ``delta = rowsum(dO * O) - dlse`` (the lse cotangent enters ``ds`` like ``-delta``);
+    ``lse`` is ``+inf`` on rows without a key and on padding, so recomputed ``p`` is 0 there.
+    """
+    empty = lse == _NEG_INF
+    delta = jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1) - dlse.astype(_F32)
+    delta = jnp.where(empty, 0.0, delta)  # p = 0 on these rows; keep a NaN dlse out of 0 * x
+    lse = jnp.where(empty, _POS_INF, lse)
+    delta = pad_to(delta.transpose(0, 2, 3, 1), {3: len_pad})
+    lse = pad_to(lse.transpose(0, 2, 3, 1), {3: len_pad}, value=_POS_INF)
+    return lse, delta
+
+
+def _flash_backward(q, k, v, kv_len, offsets, out, lse, dout, dlse, scale, is_causal, config,
+                    interpret, debug):
+    B, Lq, Hk, G, d = q.shape
+    Lk = k.shape[1]
+    dp = padded_head_dim(d)
+    _, (bq_kv, bk_kv), (bq_q, bk_q), lq_pad, lk_pad = _tiles(config, Lq, Lk)
+    lse_rows, delta_rows = backward_rows(out, lse, dout, dlse, lq_pad)
+    qp = pad_to(q, {1: lq_pad, 4: dp})
+    dop = pad_to(dout.astype(q.dtype), {1: lq_pad, 4: dp})
+    kp = pad_to(k, {1: lk_pad, 3: dp})
+    vp = pad_to(v, {1: lk_pad, 3: dp})
+    params = triton_compiler_params(config, dp)
+    offs_spec = pl.BlockSpec((2,), lambda *_: (0,))
+
+    # dq: one program per (query block, batch, query head), loop over key blocks.
+    q_spec = pl.BlockSpec(
+        (None, bq_q, None, None, dp),
+        lambda i, b, h: (b, i, _kv_of(h, G), _group_of(h, G), 0),
+    )
+    row_spec = pl.BlockSpec(
+        (None, None, None, bq_q), lambda i, b, h: (b, _kv_of(h, G), _group_of(h, G), i)
+    )
+    kv_full = pl.BlockSpec((None, lk_pad, None, dp), lambda i, b, h: (b, 0, _kv_of(h, G), 0))
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, scale=scale, is_causal=is_causal, block_q=bq_q,
+                          block_k=bk_q),
+        grid=(lq_pad // bq_q, B, Hk * G),
+        in_specs=[
+            offs_spec,
+            pl.BlockSpec((None, 1), lambda i, b, h: (b, _kv_of(h, G))),
+            q_spec, kv_full, kv_full, q_spec, row_spec, row_spec,
+        ],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
+        compiler_params=params,
+        interpret=interpret,
+        debug=debug,
+        name="dilax_flash_dq",
+    )(offsets, kv_len, qp, kp, vp, dop, lse_rows, delta_rows)
+
+    # dk, dv: one program per (key block, batch, kv head), loop over its G heads and q blocks.
+    q_full = pl.BlockSpec((None, lq_pad, None, G, dp), lambda j, b, c: (b, 0, c, 0, 0))
+    rows_full = pl.BlockSpec((None, None, G, lq_pad), lambda j, b, c: (b, c, 0, 0))
+    k_spec = pl.BlockSpec((None, bk_kv, None, dp), lambda j, b, c: (b, j, c, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, scale=scale, is_causal=is_causal, block_q=bq_kv,
+                          block_k=bk_kv, num_q_blocks=lq_pad // bq_kv, groups=G),
+        grid=(lk_pad // bk_kv, B, Hk),
+        in_specs=[
+            offs_spec,
+            pl.BlockSpec((None, 1), lambda j, b, c: (b, c)),
+            q_full, k_spec, k_spec, q_full, rows_full, rows_full,
+        ],
+        out_specs=[k_spec, k_spec],
+        out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype),
+                   jax.ShapeDtypeStruct(vp.shape, v.dtype)],
+        compiler_params=params,
+        interpret=interpret,
+        debug=debug,
+        name="dilax_flash_dkdv",
+    )(offsets, kv_len, qp, kp, vp, dop, lse_rows, delta_rows)
+    return dq[:, :Lq, ..., :d], dk[:, :Lk, :, :d], dv[:, :Lk, :, :d]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _flash(q, k, v, kv_len, offsets, scale, is_causal, config, interpret, debug):
+    return _flash_forward(q, k, v, kv_len, offsets, scale, is_causal, config, interpret, debug)
+
+
+def _flash_fwd(q, k, v, kv_len, offsets, scale, is_causal, config, interpret, debug):
+    out, lse = _flash_forward(q, k, v, kv_len, offsets, scale, is_causal, config, interpret,
+                              debug)
+    return (out, lse), (q, k, v, kv_len, offsets, out, lse)
+
+
+def _flash_bwd(scale, is_causal, config, interpret, debug, res, cotangents):
+    q, k, v, kv_len, offsets, out, lse = res
+    dout, dlse = cotangents
+    dq, dk, dv = _flash_backward(q, k, v, kv_len, offsets, out, lse, dout, dlse, scale,
+                                 is_causal, config, interpret, debug)
+    return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def resolve_config(
+    block_sizes: KernelConfig | BlockSizes | None, len_q: int, len_k: int, head_dim: int, dtype
+) -> KernelConfig:
+    """``None`` -> :func:`default_config`; a :class:`dilax.BlockSizes` keeps its two tiles
+    (which must then be powers of two) with default warps/stages."""
+    if block_sizes is None:
+        return default_config(len_q, len_k, head_dim, dtype)
+    if isinstance(block_sizes, KernelConfig):
+        return block_sizes
+    if isinstance(block_sizes, BlockSizes):
+        try:
+            return KernelConfig(block_q=block_sizes.block_q, block_k=block_sizes.block_k)
+        except ValueError as e:
+            raise ValueError(
+                f"block_sizes={block_sizes} cannot drive the Pallas kernels: block_q and block_k "
+                "must be powers of two (Triton tiles)"
+            ) from e
+    raise TypeError(
+        "block_sizes must be a pallas_kernels.KernelConfig, a dilax.BlockSizes or None, got "
+        f"{type(block_sizes).__name__}"
+    )
+
+
+def check_grouped_qkv(q, k, v, name: str = "flash_attention"):
+    """Shape/dtype rules of the grouped layout ``q (B, Lq, Hk, G, d)``, ``k, v (B, Lk, Hk, d)``."""
+    if q.ndim != 5 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"{name}: q must be (B, Lq, Hk, G, d) and k, v (B, Lk, Hk, d), got q {q.shape}, "
+            f"k {k.shape}, v {v.shape}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"{name}: k and v must have the same shape, got {k.shape} and {v.shape}")
+    B, _, Hk, _, d = q.shape
+    if k.shape[0] != B or k.shape[2] != Hk or k.shape[3] != d:
+        raise ValueError(
+            f"{name}: k must be (B, Lk, Hk, d) matching q (B, Lq, Hk, G, d) = {q.shape}, "
+            f"got {k.shape}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"{name}: q, k and v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise TypeError(f"{name}: q, k, v must have a floating dtype, got {q.dtype}")
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    scale: float,
+    is_causal: bool = False,
+    kv_len: jax.Array | None = None,
+    q_offset: jax.Array | int = 0,
+    k_offset: jax.Array | int = 0,
+    block_sizes: KernelConfig | BlockSizes | None = None,
+    interpret: bool = False,
+    debug: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Pallas flash attention returning ``(out, lse)``; drop-in for :func:`attention_core`.
+
+    Args:
+      q: ``(B, Lq, Hk, G, d)`` queries grouped by kv head (query head ``(c, g)`` reads kv
+        head ``c``).
+      k, v: ``(B, Lk, Hk, d)``.
+      scale: logit scale (static float).
+      is_causal: key ``t`` is visible to query ``p`` iff ``k_offset + t <= q_offset + p``;
+        key blocks entirely in the future are not visited.
+      kv_len: int ``(B, Hk)`` (broadcastable); keys at index ``>= kv_len`` are masked.
+      q_offset, k_offset: global positions of index 0 (int scalars, may be traced).
+      block_sizes: :class:`KernelConfig` (tiles, warps, stages), a :class:`dilax.BlockSizes`
+        (tiles only) or ``None`` for :func:`pallas_kernels.config.default_config`.
+      interpret: run the kernels with the Pallas interpreter (any backend, e.g. CPU tests).
+      debug: print the kernels' jaxprs (``pallas_call(debug=True)``).
+
+    Returns:
+      ``out: (B, Lq, Hk, G, d)`` in ``q.dtype`` and ``lse: (B, Lq, Hk, G)`` float32; rows with
+      no visible key get ``out = 0``, ``lse = -inf``. Differentiable in ``q, k, v`` (custom
+      VJP; the cotangent of ``lse`` is honoured).
+    """
+    check_grouped_qkv(q, k, v)
+    B, Lq, Hk, G, d = q.shape
+    Lk = k.shape[1]
+    config = resolve_config(block_sizes, Lq, Lk, d, q.dtype)
+    if kv_len is None:
+        kv_len = jnp.full((B, Hk), Lk, jnp.int32)
+    kv_len = jnp.clip(jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (B, Hk)), 0, Lk)
+    offsets = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(k_offset, jnp.int32)])
+    return _flash(q, k, v, kv_len, offsets, float(scale), bool(is_causal), config,
+                  bool(interpret), bool(debug))
+
+
+def flash_attention_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    scale: float,
+    is_causal: bool = False,
+    kv_len: jax.Array | None = None,
+    q_offset: jax.Array | int = 0,
+    k_offset: jax.Array | int = 0,
+) -> tuple[jax.Array, jax.Array]:
+    """The XLA reference of :func:`flash_attention`: :func:`dilax.core.attention_core`."""
+    return attention_core(q, k, v, scale=scale, is_causal=is_causal, kv_len=kv_len,
+                          q_offset=q_offset, k_offset=k_offset)

@@ -1,0 +1,410 @@
+"""Pallas kernels (interpret mode on CPU) against the XLA core and the mask-based reference.
+
+GPU compilation (Triton lowering) is not exercised here: these tests run the same kernels with
+``interpret=True``. Shapes are tiny because the interpreter compiles every grid program.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from dilated_cases import (
+    CASES,
+    FAST_COMPILE,
+    assert_close,
+    case_id,
+    implementation,
+    run_case,
+)
+
+import dilax
+import pallas_kernels.autotune as at
+from dilax.core import attention_core
+from dilax.reference import masked_attention
+from pallas_kernels import (
+    KernelConfig,
+    block_sparse_flash_attention,
+    block_sparse_reference,
+    default_config,
+    flash_attention,
+    tables_from_block_mask,
+    transpose_block_tables,
+)
+from pallas_kernels.block_sparse import block_mask_from_tables
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _grouped_inputs(B, Lq, Lk, Hk, G, d, dtype, seed=0):
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(k1, (B, Lq, Hk, G, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(k2, (B, Lk, Hk, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(k3, (B, Lk, Hk, d), jnp.float32).astype(dtype)
+    return q, k, v
+
+
+def _dense_reference(q, k, v, *, scale, is_causal, kv_len, q_offset, k_offset):
+    """Explicit-mask attention in the grouped layout, returning ``(out, lse)`` (float32)."""
+    B, Lq, Hk, G, d = q.shape
+    Lk = k.shape[1]
+    kv_len = np.broadcast_to(np.asarray(kv_len), (B, Hk))
+    t = np.arange(Lk)
+    p = np.arange(Lq)
+    mask = t[None, None, None, :] < kv_len[:, :, None, None]  # (B, Hk, 1, Lk)
+    if is_causal:
+        mask = mask & (k_offset + t[None, :] <= q_offset + p[:, None])[None, None]
+    mask = np.broadcast_to(mask, (B, Hk, Lq, Lk))
+    mask = np.repeat(mask, G, axis=1)  # (B, Hk*G, Lq, Lk): head c*G+g
+    q4 = q.astype(jnp.float32).reshape(B, Lq, Hk * G, d)
+    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
+    out = masked_attention(q4, kf, vf, mask.astype(np.float32), scale)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q4, jnp.repeat(kf, G, axis=2),
+                   precision=jax.lax.Precision.HIGHEST) * scale
+    s = jnp.where(jnp.asarray(mask), s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1).transpose(0, 2, 1).reshape(B, Lq, Hk, G)
+    return out.reshape(B, Lq, Hk, G, d), lse
+
+
+def _value_and_grads(fn):
+    """out, lse and d{q,k,v} of a loss reading both out and lse (so dlse != 0)."""
+
+    def loss(q, k, v):
+        out, lse = fn(q, k, v)
+        finite = jnp.isfinite(lse)
+        read = jnp.sum(jnp.sin(out.astype(jnp.float32) * 1.3))
+        lse_read = jnp.where(finite, jnp.cos(jnp.where(finite, lse, 0.0)), 0.0)
+        return read + 0.7 * jnp.sum(lse_read), (out, lse)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True),
+                   compiler_options=FAST_COMPILE)
+
+
+def _compare(got, want, dtype, tag):
+    (_, (out, lse)), grads = got
+    (_, (out_w, lse_w)), grads_w = want
+    assert_close(out, out_w, dtype, f"{tag} out")
+    lse, lse_w = np.asarray(lse), np.asarray(lse_w)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_w), err_msg=f"{tag} lse -inf")
+    finite = np.isfinite(lse_w)
+    assert_close(lse[finite], lse_w[finite], dtype, f"{tag} lse")
+    for name, g, g_w in zip("qkv", grads, grads_w, strict=True):
+        assert_close(g, g_w, dtype, f"{tag} d{name}")
+
+
+# --------------------------------------------------------------------------------------------
+# flash attention
+# --------------------------------------------------------------------------------------------
+
+FLASH_CASES = [
+    # B, Lq, Lk, Hk, G, d, causal, kv_len, q_off, k_off, dtype, config
+    # odd block counts (40 = 3 x 16 with padding), GQA, ragged kv_len incl. an empty head
+    (2, 40, 40, 2, 2, 32, False, ((40, 17), (0, 33)), 0, 0, "float32", KernelConfig(16, 16)),
+    (2, 40, 40, 2, 2, 32, True, ((40, 17), (0, 33)), 3, 5, "float32", KernelConfig(16, 16)),
+    # Lq != Lk, chunk at the end of the sequence, separate backward tiles, MHA
+    (1, 24, 56, 2, 1, 64, True, None, 32, 0, "float32",
+     KernelConfig(16, 32, block_q_dkv=32, block_k_dkv=16, block_q_dq=16, block_k_dq=16)),
+    # MQA (Hk = 1), head_dim 128, default (per-shape) config
+    (1, 48, 48, 1, 4, 128, False, None, 0, 0, "float32", None),
+    # head_dim not a power of two (zero-padded to 64), a dilax.BlockSizes config
+    (1, 33, 33, 1, 3, 40, True, None, 0, 0, "float32", dilax.BlockSizes(16, 16)),
+    # half precision
+    (1, 48, 48, 2, 2, 64, True, ((48, 30),), 0, 0, "bfloat16", KernelConfig(16, 32)),
+    (2, 32, 40, 1, 2, 32, False, ((7,), (40,)), 0, 0, "float16", KernelConfig(16, 16)),
+]
+
+
+def _flash_id(c):
+    B, Lq, Lk, Hk, G, d, causal, kv_len, qo, ko, dtype, cfg = c
+    tag = "causal" if causal else "full"
+    return f"{tag}-B{B}Lq{Lq}Lk{Lk}Hk{Hk}G{G}d{d}-len{kv_len is not None}-off{qo},{ko}-{dtype}"
+
+
+@pytest.mark.parametrize("case", FLASH_CASES, ids=_flash_id)
+def test_flash_attention_matches_core_and_reference(case):
+    B, Lq, Lk, Hk, G, d, causal, kv_len, q_off, k_off, dtype, config = case
+    q, k, v = _grouped_inputs(B, Lq, Lk, Hk, G, d, jnp.dtype(dtype), seed=Lq + d)
+    kv = None if kv_len is None else jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (B, Hk))
+    scale = 1.0 / np.sqrt(d)
+    common = dict(scale=scale, is_causal=causal, kv_len=kv, q_offset=q_off, k_offset=k_off)
+    got = _value_and_grads(functools.partial(flash_attention, **common, block_sizes=config,
+                                             interpret=True))(q, k, v)
+    (_, (out, lse)), _ = got
+    assert out.dtype == q.dtype and lse.dtype == jnp.float32
+    # XLA core on the same inputs
+    core = _value_and_grads(functools.partial(attention_core, **common))(q, k, v)
+    _compare(got, core, dtype, "vs core")
+    # explicit-mask reference, float32 on the same inputs
+    kv_np = np.full((B, Hk), Lk) if kv is None else np.asarray(kv)
+    ref = _value_and_grads(functools.partial(_dense_reference, **{**common, "kv_len": kv_np}))(
+        *(x.astype(jnp.float32) for x in (q, k, v)))
+    _compare(got, ref, dtype, "vs reference")
+
+
+def test_flash_fully_masked_rows_are_zero_with_zero_grad():
+    # k_offset > q_offset: the first 6 queries see no key; kv head 1 of batch 0 has no key.
+    B, L, Hk, G, d = 2, 24, 2, 2, 16
+    q, k, v = _grouped_inputs(B, L, L, Hk, G, d, jnp.float32)
+    kv = jnp.array([[24, 0], [24, 24]], jnp.int32)
+    f = functools.partial(flash_attention, scale=0.25, is_causal=True, kv_len=kv, q_offset=0,
+                          k_offset=6, block_sizes=KernelConfig(16, 16), interpret=True)
+    (_, (out, lse)), (dq, dk, dv) = _value_and_grads(f)(q, k, v)
+    out, lse, dq = np.asarray(out), np.asarray(lse), np.asarray(dq)
+    empty = np.zeros((B, L, Hk, G), bool)
+    empty[:, :6] = True
+    empty[0, :, 1] = True
+    assert np.all(np.isneginf(lse[empty])) and np.all(np.isfinite(lse[~empty]))
+    assert np.all(out[empty] == 0) and np.all(dq[empty] == 0)
+    for g in (dq, dk, dv):
+        assert np.isfinite(np.asarray(g)).all()
+    assert np.all(np.asarray(dk)[0, :, 1] == 0) and np.all(np.asarray(dv)[0, :, 1] == 0)
+
+
+def test_flash_traced_offsets_and_vmap():
+    """Offsets may be traced (ring attention passes lax.axis_index-derived values) and the
+    kernel batches under vmap."""
+    q, k, v = _grouped_inputs(1, 16, 32, 1, 2, 16, jnp.float32)
+    qs, ks, vs = (jnp.stack([x, 2 * x]) for x in (q, k, v))
+    offsets = jnp.array([16, 0], jnp.int32)
+
+    def one(q, k, v, q_off):
+        return flash_attention(q, k, v, scale=0.3, is_causal=True, q_offset=q_off,
+                               block_sizes=KernelConfig(16, 16), interpret=True)
+
+    out, lse = jax.jit(jax.vmap(one))(qs, ks, vs, offsets)
+    for i in range(2):
+        ref_out, ref_lse = attention_core(qs[i], ks[i], vs[i], scale=0.3, is_causal=True,
+                                          q_offset=int(offsets[i]))
+        assert_close(out[i], ref_out, "float32", "vmap out")
+        np.testing.assert_array_equal(np.isneginf(lse[i]), np.isneginf(ref_lse))
+        fin = np.isfinite(np.asarray(ref_lse))
+        assert_close(np.asarray(lse[i])[fin], np.asarray(ref_lse)[fin], "float32", "vmap lse")
+
+
+def test_flash_visits_only_causal_blocks():
+    """Causal block skipping: NaN planted in keys no query can see never reaches the output
+    (a visited block would turn 0 * NaN into NaN in p @ v)."""
+    q, k, v = _grouped_inputs(1, 32, 64, 1, 1, 16, jnp.float32)
+    v = v.at[:, 48:].set(jnp.nan)  # keys 48..63: beyond every query's causal horizon
+    out, lse = flash_attention(q, k, v, scale=0.25, is_causal=True, q_offset=0, k_offset=0,
+                               block_sizes=KernelConfig(16, 16), interpret=True)
+    ref_out, _ = attention_core(q, k, v[:, :48], scale=0.25, is_causal=True)
+    assert_close(out, ref_out, "float32", "out")
+
+
+def test_kernel_config_validation():
+    with pytest.raises(ValueError, match="power of two"):
+        KernelConfig(block_q=48)
+    with pytest.raises(ValueError, match="num_stages"):
+        KernelConfig(num_stages=0)
+    with pytest.raises(ValueError, match="num_warps"):
+        KernelConfig(num_warps=3)
+    cfg = default_config(4096, 4096, 128, jnp.bfloat16)
+    assert hash(cfg) == hash(default_config(4096, 4096, 128, jnp.bfloat16))
+    q, k, v = _grouped_inputs(1, 8, 8, 1, 1, 16, jnp.float32)
+    with pytest.raises(TypeError, match="block_sizes"):
+        flash_attention(q, k, v, scale=1.0, block_sizes=(16, 16), interpret=True)
+    with pytest.raises(ValueError, match="powers of two"):
+        flash_attention(q, k, v, scale=1.0, block_sizes=dilax.BlockSizes(3, 5), interpret=True)
+    with pytest.raises(ValueError, match=r"\(B, Lk, Hk, d\)"):
+        flash_attention(q, k[:, :, :, :8], v[:, :, :, :8], scale=1.0, interpret=True)
+    with pytest.raises(TypeError, match="dtype"):
+        flash_attention(q, k.astype(jnp.bfloat16), v, scale=1.0, interpret=True)
+
+
+# --------------------------------------------------------------------------------------------
+# block-sparse
+# --------------------------------------------------------------------------------------------
+
+SPARSE_CASES = [
+    # B, n, Hk, G, d, block_size, per_head, causal, density, dtype, traced_tables
+    (2, 40, 2, 2, 32, 16, False, False, 0.5, "float32", False),
+    (1, 40, 2, 2, 32, 16, True, True, 0.6, "float32", False),
+    (1, 64, 1, 3, 64, 16, True, False, 0.4, "float32", True),
+    (1, 48, 2, 1, 128, 16, False, True, 0.7, "float32", True),
+    (1, 64, 2, 2, 64, 16, True, True, 0.5, "bfloat16", False),
+]
+
+
+def _sparse_id(c):
+    B, n, Hk, G, d, bs, per_head, causal, dens, dtype, traced = c
+    return (f"{'causal' if causal else 'full'}-B{B}n{n}Hk{Hk}G{G}d{d}-bs{bs}-"
+            f"{'perhead' if per_head else 'shared'}-{'traced' if traced else 'static'}-{dtype}")
+
+
+@pytest.mark.parametrize("case", SPARSE_CASES, ids=_sparse_id)
+def test_block_sparse_matches_dense_reference(case):
+    B, n, Hk, G, d, bs, per_head, causal, density, dtype, traced = case
+    rng = np.random.default_rng(n * d)
+    nb = -(-n // bs)
+    h_pat = Hk * G if per_head else 1
+    mask = rng.random((h_pat, nb, nb)) < density
+    mask[0, nb - 1, :] = False  # a query block with no key at all
+    mask[-1, 0, 0] = True
+    idx, cnt = tables_from_block_mask(mask)
+    np.testing.assert_array_equal(block_mask_from_tables(idx, cnt, nb), mask)
+    q, k, v = _grouped_inputs(B, n, n, Hk, G, d, jnp.dtype(dtype), seed=n)
+    scale = 1.0 / np.sqrt(d)
+
+    if traced:  # tables as traced jit arguments: the XLA path derives the transposed tables
+        def run(q, k, v, idx, cnt):
+            return block_sparse_flash_attention(q, k, v, idx, cnt, block_size=bs, scale=scale,
+                                                is_causal=causal, interpret=True)
+
+        fn = lambda q, k, v: run(q, k, v, jnp.asarray(idx), jnp.asarray(cnt))
+    else:
+        fn = functools.partial(block_sparse_flash_attention, kv_block_indices=idx,
+                               kv_block_counts=cnt, block_size=bs, scale=scale,
+                               is_causal=causal, interpret=True)
+    got = _value_and_grads(fn)(q, k, v)
+    ref = _value_and_grads(functools.partial(block_sparse_reference, block_mask=mask,
+                                             block_size=bs, scale=scale, is_causal=causal))(
+        *(x.astype(jnp.float32) for x in (q, k, v)))
+    _compare(got, ref, dtype, "vs reference")
+    (_, (out, lse)), _ = got
+    rows = np.zeros((n,), bool)
+    rows[(nb - 1) * bs:] = True
+    if h_pat == 1:
+        assert np.all(np.asarray(out)[:, rows] == 0)
+        assert np.all(np.isneginf(np.asarray(lse)[:, rows]))
+
+
+def test_block_sparse_full_mask_equals_core_and_explicit_transposed_tables():
+    B, n, Hk, G, d, bs = 1, 48, 1, 2, 32, 16
+    nb = 3
+    mask = np.ones((1, nb, nb), bool)
+    idx, cnt = tables_from_block_mask(mask)
+    q_idx, q_cnt = transpose_block_tables(idx, cnt, nb, is_causal=True)
+    np.testing.assert_array_equal(q_cnt, [[3, 2, 1]])
+    q, k, v = _grouped_inputs(B, n, n, Hk, G, d, jnp.float32)
+    got = _value_and_grads(functools.partial(
+        block_sparse_flash_attention, kv_block_indices=idx, kv_block_counts=cnt, block_size=bs,
+        scale=0.2, is_causal=True, interpret=True, q_block_indices=q_idx,
+        q_block_counts=q_cnt))(q, k, v)
+    core = _value_and_grads(functools.partial(attention_core, scale=0.2, is_causal=True))(q, k, v)
+    _compare(got, core, "float32", "vs core")
+
+
+def test_transpose_block_tables_numpy_and_traced_agree():
+    rng = np.random.default_rng(1)
+    mask = rng.random((3, 5, 5)) < 0.4
+    idx, cnt = tables_from_block_mask(mask)
+    for causal in (False, True):
+        expect = mask & np.tril(np.ones((5, 5), bool)) if causal else mask
+        t_idx, t_cnt = transpose_block_tables(idx, cnt, 5, causal)
+        np.testing.assert_array_equal(block_mask_from_tables(t_idx, t_cnt, 5),
+                                      expect.transpose(0, 2, 1))
+        j_idx, j_cnt = jax.jit(transpose_block_tables, static_argnums=(2, 3))(
+            jnp.asarray(idx), jnp.asarray(cnt), 5, causal)
+        np.testing.assert_array_equal(
+            np.asarray(block_mask_from_tables(j_idx, j_cnt, 5)), expect.transpose(0, 2, 1))
+
+
+def test_block_sparse_validation():
+    q, k, v = _grouped_inputs(1, 32, 32, 1, 2, 16, jnp.float32)
+    idx, cnt = tables_from_block_mask(np.ones((1, 2, 2), bool))
+    call = functools.partial(block_sparse_flash_attention, block_size=16, scale=1.0,
+                             interpret=True)
+    with pytest.raises(ValueError, match="query blocks"):
+        call(q, k, v, idx[:, :1], cnt[:, :1])
+    with pytest.raises(ValueError, match="H_pat"):
+        call(q, k, v, np.concatenate([idx] * 3), np.concatenate([cnt] * 3))
+    with pytest.raises(ValueError, match="ascending"):
+        call(q, k, v, idx[..., ::-1].copy(), cnt)
+    with pytest.raises(ValueError, match=r"\[0, 2\)"):
+        call(q, k, v, idx + 1, cnt)
+    with pytest.raises(ValueError, match="block_size"):
+        block_sparse_flash_attention(q, k, v, idx, cnt, block_size=12, scale=1.0)
+    with pytest.raises(TypeError, match="integer"):
+        call(q, k, v, idx.astype(np.float32), cnt)
+
+
+# --------------------------------------------------------------------------------------------
+# dilated attention through the Pallas kernel (cases shared with the XLA path)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["xla", "pallas-interpret"])
+def dilated_impl(request):
+    return implementation(request.param)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_dilated_matches_reference(case, dilated_impl):
+    run_case(case, dilated_impl)
+
+
+def test_dilated_pallas_rejects_bad_input():
+    from pallas_kernels import dilated_attention_pallas
+
+    q = jnp.zeros((1, 16, 4, 16))
+    k = jnp.zeros((1, 16, 3, 16))
+    with pytest.raises(ValueError, match="h % hk"):
+        dilated_attention_pallas(q, k, k, (8,), (1,), interpret=True)
+    with pytest.raises(ValueError, match="divisible"):
+        dilated_attention_pallas(q, q, q, (8,), (3,), interpret=True)
+    with pytest.raises(TypeError, match="block_sizes"):
+        dilated_attention_pallas(q, q, q, (8,), (1,), block_sizes=(8, 8), interpret=True)
+
+
+# --------------------------------------------------------------------------------------------
+# autotune
+# --------------------------------------------------------------------------------------------
+
+
+def test_autotune_picks_a_candidate_and_reuses_the_cached_winner(tmp_path):
+    at.clear_cache()
+    q, k, v = _grouped_inputs(1, 32, 32, 1, 1, 16, jnp.float32)
+    candidates = [KernelConfig(16, 16), KernelConfig(32, 32)]
+    built = []
+
+    def factory(cfg):
+        built.append(cfg)
+        return jax.jit(functools.partial(flash_attention, scale=0.25, block_sizes=cfg,
+                                         interpret=True))
+
+    cache_file = tmp_path / "tune.json"
+    best = at.autotune(factory, candidates, q, k, v, key="flash-test", cache_file=cache_file,
+                       warmup=1, iters=2)
+    assert best in candidates
+    assert built == candidates  # every candidate was timed once
+    assert set(at.TIMINGS[at.cache_key("flash-test", q, k, v)]) == {repr(c) for c in candidates}
+    stored = json.loads(cache_file.read_text())
+    assert stored == {at.cache_key("flash-test", q, k, v): repr(best)}
+
+    # Same key and shapes: the in-process winner, nothing built or timed.
+    assert at.autotune(factory, candidates, q, k, v, key="flash-test") is best
+    assert len(built) == 2
+    # A fresh process (cleared cache) reads the winner back from the JSON file.
+    at.clear_cache()
+    assert at.autotune(factory, candidates, q, k, v, key="flash-test",
+                       cache_file=cache_file) == best
+    assert len(built) == 2
+    # Other shapes are a different key: timed again.
+    q2 = q[:, :16]
+    at.autotune(factory, candidates, q2, k, v, key="flash-test", warmup=1, iters=1)
+    assert len(built) == 4
+
+
+def test_autotune_skips_failing_candidates():
+    at.clear_cache()
+    x = jnp.ones((8,))
+
+    def factory(c):
+        if c == "broken":
+            def fail(x):
+                raise RuntimeError("does not compile")
+            return fail
+        return jax.jit(lambda x: x * c)
+
+    assert at.autotune(factory, ["broken", 2.0], x, key="skip", iters=1) == 2.0
+    with pytest.raises(RuntimeError, match="every candidate failed"):
+        at.autotune(factory, ["broken"], x, key="all-broken", iters=1)
+    with pytest.raises(ValueError, match="at least one candidate"):
+        at.autotune(factory, [], x)
