@@ -18,6 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 _F32 = jnp.float32
@@ -90,13 +91,124 @@ def _pad_axis(x, axis, size):
     return jnp.pad(x, widths)
 
 
-def _head_major_q(x):
-    # (bq, Hk, G, ...) -> (Hk, G, bq, ...)
-    return jnp.moveaxis(x, 0, 2)
+def static_take(x: jax.Array, indices: tuple[int, ...], axis: int) -> jax.Array:
+    """``jnp.take`` with static indices as strided slices + one concatenate (no gather)."""
+    if tuple(indices) == tuple(range(x.shape[axis])):
+        return x
+    pieces, i = [], 0
+    while i < len(indices):
+        start = indices[i]
+        stride = indices[i + 1] - start if i + 1 < len(indices) else 1
+        j = i + 1
+        if stride > 0:
+            while j < len(indices) and indices[j] - indices[j - 1] == stride:
+                j += 1
+        if j == i + 1:
+            stride = 1
+        pieces.append(lax.slice_in_dim(x, start, indices[j - 1] + 1, stride, axis))
+        i = j
+    return pieces[0] if len(pieces) == 1 else lax.concatenate(pieces, axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotView:
+    """Static view that lets the core read dilated rows in place (no gathered copies).
+
+    Inputs are ``q: (B, L, R, H, d)`` and ``k, v: (B, L, R, Hk, d)``: a sequence reshaped so that
+    axis 2 is the position modulo the dilation rate ("slot"). Virtual query head ``(u, g)``
+    reads flat index ``q_index[u * G + g] = slot * H + head`` and virtual kv head ``u`` reads
+    ``kv_index[u] = slot * Hk + kv_head``. Every head appears at most once in ``q_index``; the
+    output covers the heads of ``q_index`` in ascending order at their slot (zeros and
+    ``lse = -inf`` at the other slots).
+    """
+
+    num_slots: int
+    num_heads: int
+    num_kv_heads: int
+    q_index: tuple[int, ...]
+    kv_index: tuple[int, ...]
+
+    @property
+    def q_per_kv(self) -> int:
+        return len(self.q_index) // len(self.kv_index)
+
+    @property
+    def out_heads(self) -> tuple[int, ...]:
+        return tuple(sorted(i % self.num_heads for i in self.q_index))
+
+    @functools.cached_property
+    def _out_order(self) -> tuple[int, ...]:
+        heads = [i % self.num_heads for i in self.q_index]
+        return tuple(sorted(range(len(heads)), key=heads.__getitem__))
+
+    # With one slot the arrays carry no slot axis at all: a size-1 axis makes XLA's layout
+    # assignment copy whole inputs before the loops.
+
+    def _flat(self, x, heads):
+        if self.num_slots == 1:
+            return x
+        return x.reshape(x.shape[0], self.num_slots * heads, *x.shape[3:])
+
+    def _unflat(self, x, heads):
+        if self.num_slots == 1:
+            return x
+        return x.reshape(x.shape[0], self.num_slots, heads, *x.shape[2:])
+
+    def select_q(self, x):
+        """``(bq, [R,] H, ...)`` -> ``(U, G, bq, ...)``."""
+        x = static_take(self._flat(x, self.num_heads), self.q_index, axis=1)
+        x = x.reshape(x.shape[0], len(self.kv_index), self.q_per_kv, *x.shape[2:])
+        return jnp.moveaxis(x, 0, 2)
+
+    def select_kv(self, x):
+        """``(bk, [R,] Hk, d)`` -> ``(U, bk, d)``."""
+        x = static_take(self._flat(x, self.num_kv_heads), self.kv_index, axis=1)
+        return jnp.moveaxis(x, 1, 0)
+
+    def expand_q(self, x):
+        """``(U, G, bq, ...)`` -> ``(bq, H_out, ...)``: heads ascending, each on its own rows."""
+        x = jnp.moveaxis(x, 2, 0)
+        x = x.reshape(x.shape[0], len(self.q_index), *x.shape[3:])
+        return static_take(x, self._out_order, axis=1)
+
+    def output_view(self) -> SlotView:
+        """The view that reads the ``(.., H_out, ..)`` output layout back as ``(U, G, ..)``."""
+        out_heads = self.out_heads
+        return SlotView(1, len(out_heads), self.num_kv_heads,
+                        tuple(out_heads.index(i % self.num_heads) for i in self.q_index),
+                        self.kv_index)
+
+    def expand_kv(self, x):
+        """``(U, bk, d)`` -> ``(bk, [R,] Hk, d)``; (slot, kv head) pairs that no virtual head
+        reads get 0."""
+        return self._unflat(_scatter_static(jnp.moveaxis(x, 0, 1), self.kv_index,
+                                            self.num_slots * self.num_kv_heads),
+                            self.num_kv_heads)
+
+    def expand_full_q(self, x):
+        """``(U, G, L, d)`` -> ``(L, [R,] H, d)`` over *all* heads (0 for heads not read)."""
+        x = jnp.moveaxis(x, 2, 0).reshape(x.shape[2], len(self.q_index), x.shape[-1])
+        return self._unflat(_scatter_static(x, self.q_index, self.num_slots * self.num_heads),
+                            self.num_heads)
+
+
+def _scatter_static(x, index, size):
+    """``y[:, index[i]] = x[:, i]`` into ``size`` zero-initialized entries (static, unique)."""
+    if tuple(index) == tuple(range(size)):
+        return x
+    inverse = {f: i for i, f in enumerate(index)}
+    x = static_take(x, tuple(inverse.get(f, 0) for f in range(size)), axis=1)
+    used = np.array([f in inverse for f in range(size)]).reshape((1, size) + (1,) * (x.ndim - 2))
+    return jnp.where(used, x, jnp.zeros((), x.dtype))
+
+
+def identity_view(num_kv_heads: int, q_per_kv: int) -> SlotView:
+    h = num_kv_heads * q_per_kv
+    return SlotView(1, h, num_kv_heads, tuple(range(h)), tuple(range(num_kv_heads)))
 
 
 def _mask(k_start, block_k, kv_len, q_pos, k_offset, is_causal):
-    """Allowed ``(Hk or 1, 1, bq or 1, bk)`` mask of one block pair (``kv_len`` may be None)."""
+    """Allowed ``(U or 1, 1, bq or 1, bk)`` mask of one block pair (``kv_len`` may be None)."""
     k_idx = k_start + lax.iota(jnp.int32, block_k)
     mask = None
     if kv_len is not None:
@@ -108,27 +220,33 @@ def _mask(k_start, block_k, kv_len, q_pos, k_offset, is_causal):
 
 
 def _zero_invalid_keys(x, k_start, kv_len):
-    """Zeroes rows of ``x: (Hk, bk, d)`` at or beyond ``kv_len`` (NaN padding never leaks)."""
+    """Zeroes rows of ``x: (U, bk, d)`` at or beyond ``kv_len`` (NaN padding never leaks)."""
     if kv_len is None:
         return x
     valid = (k_start + lax.iota(jnp.int32, x.shape[1]))[None, :] < kv_len[:, None]
     return jnp.where(valid[..., None], x, jnp.zeros((), x.dtype))
 
 
-def _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, block_q, block_k):
-    B, Lq, Hk, G, d = q.shape
-    Lk = k.shape[1]
+def _slice_rows(x, b, start, size):
+    """``x[b, start:start+size]`` for ``x: (B, L, ...)``."""
+    return lax.dynamic_slice(x, (b, start) + (0,) * (x.ndim - 2), (1, size) + x.shape[2:])[0]
+
+
+def _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view, block_q, block_k):
+    B, Lq = q.shape[:2]
+    Lk, d = k.shape[1], k.shape[-1]
+    U, G = len(view.kv_index), view.q_per_kv
     nq, nk = _cdiv(Lq, block_q), _cdiv(Lk, block_k)
     qp = _pad_axis(q, 1, nq * block_q)
     kp = _pad_axis(k, 1, nk * block_k)
     vp = _pad_axis(v, 1, nk * block_k)
     if kv_len is None and nk * block_k != Lk:
-        kv_len = jnp.full((B, Hk), Lk, jnp.int32)
+        kv_len = jnp.full((B, U), Lk, jnp.int32)
 
     def row(idx):
         bi, qi = idx // nq, idx % nq
-        qb = lax.dynamic_slice(qp, (bi, qi * block_q, 0, 0, 0), (1, block_q, Hk, G, d))[0]
-        qb = _head_major_q(qb * jnp.asarray(scale, q.dtype))  # (Hk, G, bq, d)
+        qb = view.select_q(_slice_rows(qp, bi, qi * block_q, block_q))  # (U, G, bq, d)
+        qb = qb * jnp.asarray(scale, q.dtype)
         kl = None if kv_len is None else kv_len[bi]
         q_first = q_offset + qi * block_q
         q_pos = q_first + lax.iota(jnp.int32, block_q)
@@ -146,8 +264,8 @@ def _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, block_q, blo
             def body(j, carry):
                 m, l, acc = carry
                 k0 = j * block_k
-                kb = lax.dynamic_slice(kp, (bi, k0, 0, 0), (1, block_k, Hk, d))[0].swapaxes(0, 1)
-                vb = lax.dynamic_slice(vp, (bi, k0, 0, 0), (1, block_k, Hk, d))[0].swapaxes(0, 1)
+                kb = view.select_kv(_slice_rows(kp, bi, k0, block_k))  # (U, bk, d)
+                vb = view.select_kv(_slice_rows(vp, bi, k0, block_k))
                 s = jnp.einsum("hgqd,hkd->hgqk", qb, kb, preferred_element_type=_F32)
                 mask = _mask(k0, block_k, kl, q_pos, k_offset, causal_block)
                 if mask is not None:
@@ -165,9 +283,9 @@ def _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, block_q, blo
             return body
 
         carry = (
-            jnp.full((Hk, G, block_q), -jnp.inf, _F32),
-            jnp.zeros((Hk, G, block_q), _F32),
-            jnp.zeros((Hk, G, block_q, d), _F32),
+            jnp.full((U, G, block_q), -jnp.inf, _F32),
+            jnp.zeros((U, G, block_q), _F32),
+            jnp.zeros((U, G, block_q, d), _F32),
         )
         carry = lax.fori_loop(0, full, make_body(False), carry)
         if is_causal:
@@ -176,40 +294,38 @@ def _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, block_q, blo
         has_key = l > 0
         out = acc / jnp.where(has_key, l, 1.0)[..., None]
         lse = jnp.where(has_key, m + jnp.log(jnp.where(has_key, l, 1.0)), -jnp.inf)
-        return jnp.moveaxis(out, 2, 0).astype(q.dtype), jnp.moveaxis(lse, 2, 0)
+        return view.expand_q(out.astype(q.dtype)), view.expand_q(lse)
 
     out, lse = lax.map(row, jnp.arange(B * nq, dtype=jnp.int32))
-    out = out.reshape(B, nq * block_q, Hk, G, d)[:, :Lq]
-    lse = lse.reshape(B, nq * block_q, Hk, G)[:, :Lq]
+    out = out.reshape(B, nq * block_q, *out.shape[2:])[:, :Lq]
+    lse = lse.reshape(B, nq * block_q, *lse.shape[2:])[:, :Lq]
     return out, lse
 
 
 def _backward(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale, is_causal,
-              block_q, block_k):
-    B, Lq, Hk, G, d = q.shape
-    Lk = k.shape[1]
+              view, block_q, block_k):
+    B, Lq = q.shape[:2]
+    Lk, d = k.shape[1], k.shape[-1]
+    U, G = len(view.kv_index), view.q_per_kv
     nq, nk = _cdiv(Lq, block_q), _cdiv(Lk, block_k)
     # delta = rowsum(dO * O) - dlse: the lse cotangent enters ds exactly like -delta.
     delta = jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1) - dlse.astype(_F32)
     lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
-    qp = _pad_axis(q, 1, nq * block_q)
-    dop = _pad_axis(dout, 1, nq * block_q)
-    lsep = _pad_axis(lse_safe, 1, nq * block_q)
-    deltap = _pad_axis(delta, 1, nq * block_q)
+    pad_q = functools.partial(_pad_axis, axis=1, size=nq * block_q)
+    qp, dop, lsep, deltap = pad_q(q), pad_q(dout), pad_q(lse_safe), pad_q(delta)
     kp = _pad_axis(k, 1, nk * block_k)
     vp = _pad_axis(v, 1, nk * block_k)
     if kv_len is None and nk * block_k != Lk:
-        kv_len = jnp.full((B, Hk), Lk, jnp.int32)
+        kv_len = jnp.full((B, U), Lk, jnp.int32)
     q_scale = jnp.asarray(scale, q.dtype)
+    out_view = view.output_view()  # reads dout, lse, delta (output layout) per block
 
     def column(dq, idx):
         bi, kj = idx // nk, idx % nk
         k0 = kj * block_k
-        kb = lax.dynamic_slice(kp, (bi, k0, 0, 0), (1, block_k, Hk, d))[0].swapaxes(0, 1)
-        vb = lax.dynamic_slice(vp, (bi, k0, 0, 0), (1, block_k, Hk, d))[0].swapaxes(0, 1)
         kl = None if kv_len is None else kv_len[bi]
-        kb = _zero_invalid_keys(kb, k0, kl)
-        vb = _zero_invalid_keys(vb, k0, kl)
+        kb = _zero_invalid_keys(view.select_kv(_slice_rows(kp, bi, k0, block_k)), k0, kl)
+        vb = _zero_invalid_keys(view.select_kv(_slice_rows(vp, bi, k0, block_k)), k0, kl)
         hi = nq if kl is None else jnp.where(k0 < jnp.max(kl), nq, 0)
         if is_causal:
             lo = jnp.clip((k_offset + k0 - q_offset) // block_q, 0, nq)
@@ -224,68 +340,91 @@ def _backward(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale, 
             def body(qi, carry):
                 dk, dv, dq = carry
                 q0 = qi * block_q
-                qb = lax.dynamic_slice(qp, (bi, q0, 0, 0, 0), (1, block_q, Hk, G, d))[0]
-                qb = _head_major_q(qb * q_scale)
-                dob = _head_major_q(
-                    lax.dynamic_slice(dop, (bi, q0, 0, 0, 0), (1, block_q, Hk, G, d))[0])
-                lse_b = _head_major_q(
-                    lax.dynamic_slice(lsep, (bi, q0, 0, 0), (1, block_q, Hk, G))[0])
-                del_b = _head_major_q(
-                    lax.dynamic_slice(deltap, (bi, q0, 0, 0), (1, block_q, Hk, G))[0])
+                qb = view.select_q(_slice_rows(qp, bi, q0, block_q)) * q_scale
+                dob = out_view.select_q(_slice_rows(dop, bi, q0, block_q))
+                lse_b = out_view.select_q(_slice_rows(lsep, bi, q0, block_q))
+                del_b = out_view.select_q(_slice_rows(deltap, bi, q0, block_q))
                 s = jnp.einsum("hgqd,hkd->hgqk", qb, kb, preferred_element_type=_F32)
                 q_pos = q_offset + q0 + lax.iota(jnp.int32, block_q)
                 mask = _mask(k0, block_k, kl, q_pos, k_offset, causal_block)
                 if mask is not None:
                     s = jnp.where(mask, s, -jnp.inf)
-                p = jnp.exp(s - lse_b[..., None])  # (Hk, G, bq, bk); masked -> 0
+                p = jnp.exp(s - lse_b[..., None])  # (U, G, bq, bk); masked -> 0
                 dv = dv + jnp.einsum("hgqk,hgqd->hkd", p.astype(dout.dtype), dob,
                                      preferred_element_type=_F32)
                 dp = jnp.einsum("hgqd,hkd->hgqk", dob, vb, preferred_element_type=_F32)
                 ds = (p * (dp - del_b[..., None])).astype(q.dtype)
                 dk = dk + jnp.einsum("hgqk,hgqd->hkd", ds, qb, preferred_element_type=_F32)
                 dq_b = jnp.einsum("hgqk,hkd->hgqd", ds, kb, preferred_element_type=_F32)
-                cur = lax.dynamic_slice(dq, (bi, 0, 0, q0, 0), (1, Hk, G, block_q, d))
+                cur = lax.dynamic_slice(dq, (bi, 0, 0, q0, 0), (1, U, G, block_q, d))
                 dq = lax.dynamic_update_slice(dq, cur + dq_b[None], (bi, 0, 0, q0, 0))
                 return dk, dv, dq
 
             return body
 
-        carry = (jnp.zeros((Hk, block_k, d), _F32), jnp.zeros((Hk, block_k, d), _F32), dq)
+        carry = (jnp.zeros((U, block_k, d), _F32), jnp.zeros((U, block_k, d), _F32), dq)
         if is_causal:
             carry = lax.fori_loop(lo, full_lo, make_body(True), carry)
             carry = lax.fori_loop(full_lo, hi, make_body(False), carry)
         else:
             carry = lax.fori_loop(lo, hi, make_body(False), carry)
         dk, dv, dq = carry
-        return dq, (dk.swapaxes(0, 1), dv.swapaxes(0, 1))
+        return dq, (view.expand_kv(dk.astype(k.dtype)), view.expand_kv(dv.astype(v.dtype)))
 
-    dq0 = jnp.zeros((B, Hk, G, nq * block_q, d), _F32)
+    dq0 = jnp.zeros((B, U, G, nq * block_q, d), _F32)
     dq, (dk, dv) = lax.scan(column, dq0, jnp.arange(B * nk, dtype=jnp.int32))
-    dq = (jnp.moveaxis(dq, 3, 1)[:, :Lq] * scale).astype(q.dtype)
-    dk = dk.reshape(B, nk * block_k, Hk, d)[:, :Lk].astype(k.dtype)
-    dv = dv.reshape(B, nk * block_k, Hk, d)[:, :Lk].astype(v.dtype)
+    dq = (dq[:, :, :, :Lq] * scale).astype(q.dtype)  # (B, U, G, Lq, d)
+    dq = jax.vmap(view.expand_full_q)(dq)
+    dk = dk.reshape(B, nk * block_k, *dk.shape[2:])[:, :Lk]
+    dv = dv.reshape(B, nk * block_k, *dv.shape[2:])[:, :Lk]
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _core(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, blocks):
-    return _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, *blocks[:2])
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _core(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view, blocks):
+    return _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view, *blocks[:2])
 
 
-def _core_fwd(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, blocks):
-    out, lse = _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, *blocks[:2])
+def _core_fwd(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view, blocks):
+    out, lse = _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view,
+                        *blocks[:2])
     return (out, lse), (q, k, v, kv_len, q_offset, k_offset, out, lse)
 
 
-def _core_bwd(scale, is_causal, blocks, res, cotangents):
+def _core_bwd(scale, is_causal, view, blocks, res, cotangents):
     q, k, v, kv_len, q_offset, k_offset, out, lse = res
     dout, dlse = cotangents
     dq, dk, dv = _backward(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale,
-                           is_causal, *blocks[2:])
+                           is_causal, view, *blocks[2:])
     return dq, dk, dv, None, None, None
 
 
 _core.defvjp(_core_fwd, _core_bwd)
+
+
+def attention_view(q, k, v, view: SlotView, *, scale: float, is_causal: bool = False,
+                   kv_len=None, q_offset=0, k_offset=0, block_sizes: BlockSizes | None = None):
+    """The core on a :class:`SlotView`: ``q (B, Lq, R, H, d)``, ``k, v (B, Lk, R, Hk, d)``.
+
+    Returns ``out (B, Lq, H_out, d)`` and ``lse (B, Lq, H_out)`` for the heads of the view
+    (ascending): row ``i`` of head ``j`` is the query at row ``i`` of ``j``'s slot, i.e. the
+    dilated layout. ``kv_len``: ``(B, U)`` or None.
+    With ``R = 1`` every array drops the slot axis: ``q (B, Lq, H, d)`` and so on.
+    """
+    B, Lq = q.shape[:2]
+    Lk = k.shape[1]
+    U = len(view.kv_index)
+    if block_sizes is None:
+        block_sizes = default_block_sizes(Lq, Lk, len(view.q_index), bool(is_causal))
+    bq_dkv, bk_dkv = block_sizes.backward
+    blocks = (min(block_sizes.block_q, Lq), min(block_sizes.block_k, Lk), min(bq_dkv, Lq),
+              min(bk_dkv, Lk))
+    if kv_len is not None:
+        kv_len = jnp.minimum(jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (B, U)), Lk)
+    q_offset = jnp.asarray(q_offset, jnp.int32)
+    k_offset = jnp.asarray(k_offset, jnp.int32)
+    return _core(q, k, v, kv_len, q_offset, k_offset, float(scale), bool(is_causal), view,
+                 blocks)
 
 
 def attention_core(
@@ -317,17 +456,12 @@ def attention_core(
       with no visible key gets ``out = 0`` and ``lse = -inf`` (zero gradient, never NaN).
     """
     B, Lq, Hk, G, d = q.shape
-    Lk = k.shape[1]
-    if block_sizes is None:
-        block_sizes = default_block_sizes(Lq, Lk, Hk * G, bool(is_causal))
-    bq_dkv, bk_dkv = block_sizes.backward
-    blocks = (min(block_sizes.block_q, Lq), min(block_sizes.block_k, Lk), min(bq_dkv, Lq),
-              min(bk_dkv, Lk))
-    if kv_len is not None:
-        kv_len = jnp.minimum(jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (B, Hk)), Lk)
-    q_offset = jnp.asarray(q_offset, jnp.int32)
-    k_offset = jnp.asarray(k_offset, jnp.int32)
-    return _core(q, k, v, kv_len, q_offset, k_offset, float(scale), bool(is_causal), blocks)
+    view = identity_view(Hk, G)
+    out, lse = attention_view(
+        q.reshape(B, Lq, Hk * G, d), k, v, view, scale=scale,
+        is_causal=is_causal, kv_len=kv_len, q_offset=q_offset, k_offset=k_offset,
+        block_sizes=block_sizes)
+    return out.reshape(B, Lq, Hk, G, d), lse.reshape(B, Lq, Hk, G)
 
 
 def merge_attention_states(

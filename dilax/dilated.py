@@ -20,7 +20,13 @@ import numpy as np
 from jax import lax
 
 from dilax import _validation as V
-from dilax.core import BlockSizes, attention_core, merge_attention_states
+from dilax.core import (
+    BlockSizes,
+    SlotView,
+    attention_core,
+    attention_view,
+    static_take,
+)
 from dilax.reference import dilated_attention_reference, group_sizes
 
 IMPLEMENTATIONS = ("reference", "xla")
@@ -83,26 +89,6 @@ def plan_branch(
                       kv_len)
 
 
-def _static_take(x: jax.Array, indices: tuple[int, ...], axis: int) -> jax.Array:
-    """``jnp.take`` with static indices as strided slices + one concatenate (no gather)."""
-    if indices == tuple(range(x.shape[axis])):
-        return x
-    pieces, i = [], 0
-    while i < len(indices):
-        start = indices[i]
-        stride = indices[i + 1] - start if i + 1 < len(indices) else 1
-        if stride <= 0:
-            stride = 1
-        j = i + 1
-        while j < len(indices) and indices[j] - indices[j - 1] == stride:
-            j += 1
-        if j == i + 1:
-            stride = 1
-        pieces.append(lax.slice_in_dim(x, start, indices[j - 1] + 1, stride, axis))
-        i = j
-    return pieces[0] if len(pieces) == 1 else lax.concatenate(pieces, axis)
-
-
 def _split_slots(x: jax.Array, plan: BranchPlan, heads: tuple[int, ...], slots: tuple[int, ...],
                  n: int) -> jax.Array:
     """``(b, n, H, d)`` -> ``(b*S, w/r, len(heads), d)``: head ``heads[i]`` at ``slots[i]``."""
@@ -110,49 +96,82 @@ def _split_slots(x: jax.Array, plan: BranchPlan, heads: tuple[int, ...], slots: 
     S, w, r = plan.num_segments, plan.w, plan.r
     x = jnp.pad(x, ((0, 0), (0, S * w - n), (0, 0), (0, 0))) if S * w != n else x
     x = x.reshape(b, S, w // r, r * H, d)  # flat index slot * H + head
-    x = _static_take(x, tuple(o * H + j for j, o in zip(heads, slots)), axis=3)
+    x = static_take(x, tuple(o * H + j for j, o in zip(heads, slots)), axis=3)
     return x.reshape(b * S, w // r, len(heads), d)
 
 
-def _merge_slots(y: jax.Array, plan: BranchPlan, heads: tuple[int, ...], b: int, n: int,
-                 fill) -> jax.Array:
-    """Inverse of :func:`_split_slots`: ``(b*S, w/r, len(heads), ...)`` -> ``(b, n, H', ...)``.
+def _expand_slots(y: jax.Array, plan: BranchPlan, n: int, fill) -> jax.Array:
+    """Dilated ``(b*S, w/r, H', ...)`` (heads ascending) -> full ``(b, n, H', ...)``.
 
-    ``H'`` is ``len(heads)`` with heads in ascending order; unselected slots get ``fill``.
+    Head ``plan.q_heads[i]``'s row ``t`` of segment ``s`` lands at ``s*w + slot + r*t``; the
+    other positions get ``fill``. Pure reshape/broadcast/select: XLA fuses it into consumers.
     """
     S, w, r = plan.num_segments, plan.w, plan.r
-    order = sorted(range(len(heads)), key=lambda i: heads[i])
-    y = _static_take(y, tuple(order), axis=2)
-    slots = np.array([plan.q_slots[i] for i in order])
+    b = y.shape[0] // S
+    heads = sorted(plan.q_heads)
+    slot_of = dict(zip(plan.q_heads, plan.q_slots))
     tail = y.shape[3:]
     y = y.reshape(b, S, w // r, 1, len(heads), *tail)
-    onehot = jnp.asarray(np.arange(r)[:, None] == slots[None, :])  # (r, H')
-    onehot = onehot.reshape((1, 1, 1, r, len(heads)) + (1,) * len(tail))
-    full = jnp.where(onehot, y, jnp.asarray(fill, y.dtype))
-    full = full.reshape(b, S * w, len(heads), *tail)
+    slots = np.array([slot_of[j] for j in heads])
+    onehot = (np.arange(r)[:, None] == slots[None, :]).reshape(
+        (1, 1, 1, r, len(heads)) + (1,) * len(tail))
+    full = jnp.where(onehot, y, jnp.asarray(fill, y.dtype)).reshape(b, S * w, len(heads), *tail)
     return full[:, :n] if S * w != n else full
+
+
+def _slot_layout(x: jax.Array, plan: BranchPlan) -> jax.Array:
+    """``(b, n, H, d)`` -> ``(b*S, w/r, r, H, d)``: a reshape (plus zero padding of the tail).
+
+    With ``r = 1`` the slot axis is dropped: ``(b*S, w, H, d)`` (see :class:`SlotView`)."""
+    b, n, H, d = x.shape
+    S, w, r = plan.num_segments, plan.w, plan.r
+    if S * w != n:
+        x = jnp.pad(x, ((0, 0), (0, S * w - n), (0, 0), (0, 0)))
+    if r == 1:
+        return x.reshape(b * S, w, H, d)
+    return x.reshape(b * S, w // r, r, H, d)
+
+
+def slot_view(plan: BranchPlan, num_heads: int, num_kv_heads: int) -> SlotView:
+    """The :class:`dilax.core.SlotView` that reads ``plan``'s heads at their offsets."""
+    return SlotView(
+        plan.r, num_heads, num_kv_heads,
+        tuple(o * num_heads + j for j, o in zip(plan.q_heads, plan.q_slots)),
+        tuple(o * num_kv_heads + c for c, o in zip(plan.kv_heads, plan.kv_slots)),
+    )
+
+
+def _plan_kv_len(plan: BranchPlan, b: int):
+    if all(length == plan.seg_len for row in plan.kv_len for length in row):
+        return None  # every segment full: no key mask at all
+    return jnp.tile(jnp.asarray(np.array(plan.kv_len, np.int32)), (b, 1))  # (b*S, U)
 
 
 def _run_branch(q, k, v, plan: BranchPlan, scale, is_causal, block_sizes,
                 attention_fn=attention_core):
-    """One branch for ``plan.q_heads``: returns full-layout ``(out, lse)`` of those heads,
-    heads in ascending order, ``(b, n, H', d)`` and ``(b, n, H')``.
+    """One branch for ``plan.q_heads``, in the dilated layout: ``out (b*S, w/r, H', d)`` and
+    ``lse (b*S, w/r, H')``, heads ascending (:func:`_expand_slots` gives full positions).
 
-    ``attention_fn`` has the signature of :func:`dilax.core.attention_core` (e.g. a Pallas
-    kernel with the same calling convention)."""
+    With the default core the dilated rows are read in place through a
+    :class:`dilax.core.SlotView` (reshape only, no copies). Any other ``attention_fn`` with the
+    signature of :func:`dilax.core.attention_core` (e.g. a Pallas kernel) gets gathered
+    ``(b*S, w/r, U, G, d)`` inputs instead."""
     b, n, h, d = q.shape
+    kv_len = _plan_kv_len(plan, b)
+    if attention_fn is attention_core:
+        view = slot_view(plan, h, k.shape[2])
+        return attention_view(
+            _slot_layout(q, plan), _slot_layout(k, plan), _slot_layout(v, plan), view,
+            scale=scale, is_causal=is_causal, kv_len=kv_len, block_sizes=block_sizes)
     U, G = len(plan.kv_heads), plan.q_per_kv
     qd = _split_slots(q, plan, plan.q_heads, plan.q_slots, n).reshape(-1, plan.seg_len, U, G, d)
     kd = _split_slots(k, plan, plan.kv_heads, plan.kv_slots, n)
     vd = _split_slots(v, plan, plan.kv_heads, plan.kv_slots, n)
-    kv_len = None
-    if any(length != plan.seg_len for row in plan.kv_len for length in row):
-        kv_len = jnp.tile(jnp.asarray(np.array(plan.kv_len, np.int32)), (b, 1))  # (b*S, U)
     out, lse = attention_fn(qd, kd, vd, scale=scale, is_causal=is_causal, kv_len=kv_len,
                             block_sizes=block_sizes)
-    H = len(plan.q_heads)
-    out = _merge_slots(out.reshape(-1, plan.seg_len, H, d), plan, plan.q_heads, b, n, 0)
-    lse = _merge_slots(lse.reshape(-1, plan.seg_len, H), plan, plan.q_heads, b, n, -jnp.inf)
+    order = tuple(sorted(range(len(plan.q_heads)), key=plan.q_heads.__getitem__))
+    out = static_take(out.reshape(-1, plan.seg_len, U * G, d), order, axis=2)
+    lse = static_take(lse.reshape(-1, plan.seg_len, U * G), order, axis=2)
     return out, lse
 
 
@@ -195,30 +214,45 @@ def attended_pairs(
     return total
 
 
+def merge_branches(outs, lses, plans, n: int):
+    """Mixture merge of dilated-layout branch results into full ``(b, n, h, d)`` float32 and
+    ``lse (b, n, h)``: ``out = sum_i alpha_i o_i`` with ``alpha_i = softmax_i(lse_i)`` over the
+    branches that selected the position (LongNet Eq. 10), 0 where none did. One fused pass
+    over the outputs: no per-branch full-size intermediates."""
+    lse_full = jnp.stack([_expand_slots(l, p, n, -jnp.inf) for l, p in zip(lses, plans)])
+    m = jnp.max(lse_full, axis=0)
+    m_safe = lax.stop_gradient(jnp.where(m == -jnp.inf, 0.0, m))
+    e = jnp.exp(lse_full - m_safe)
+    total = jnp.sum(e, axis=0)
+    has_branch = total > 0
+    total_safe = jnp.where(has_branch, total, 1.0)
+    alpha = e / total_safe
+    out = sum(alpha[i][..., None] * _expand_slots(o.astype(jnp.float32), p, n, 0.0)
+              for i, (o, p) in enumerate(zip(outs, plans)))
+    lse = jnp.where(has_branch, m_safe + jnp.log(total_safe), -jnp.inf)
+    return out, lse
+
+
 def dilated_attention_xla(q, k, v, segment_lengths, dilation_rates, *, is_causal, scale, mode,
                           block_sizes=None, return_lse=False, attention_fn=attention_core):
     """XLA path. Arguments must be validated (see :func:`dilated_attention`).
 
     ``attention_fn``: the per-branch core, :func:`dilax.core.attention_core` by default; any
-    function with its calling convention (e.g. ``pallas_kernels.flash_attention``) works."""
+    function with its calling convention (e.g. ``pallas_kernels.flash_attention``) works.
+    Returns ``out (b, n, h, d)`` and, with ``return_lse``, ``lse (b, n, h)`` float32."""
     b, n, h, d = q.shape
     plans = dilated_branches(n, h, k.shape[2], segment_lengths, dilation_rates, mode)
+    results = [_run_branch(q, k, v, plan, scale, is_causal, block_sizes, attention_fn)
+               for plan in plans]
+    outs, lses = [r[0] for r in results], [r[1] for r in results]
     if mode == "mixture":
-        out = lse = None
-        for plan in plans:
-            o_i, lse_i = _run_branch(q, k, v, plan, scale, is_causal, block_sizes, attention_fn)
-            if out is None:
-                out, lse = o_i.astype(jnp.float32), lse_i
-            else:
-                out, lse = merge_attention_states(out, lse, o_i, lse_i)
+        out, lse = merge_branches(outs, lses, plans, n)
     else:
-        outs, lses = [], []
-        for plan in plans:
-            o_i, lse_i = _run_branch(q, k, v, plan, scale, is_causal, block_sizes, attention_fn)
-            outs.append(o_i.astype(jnp.float32) / len(plans))
-            lses.append(lse_i)
-        out = jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]
-        lse = jnp.concatenate(lses, axis=2) if len(lses) > 1 else lses[0]
+        out = jnp.concatenate(
+            [_expand_slots(o.astype(jnp.float32), p, n, 0.0) for o, p in zip(outs, plans)],
+            axis=2) / len(plans)
+        lse = jnp.concatenate([_expand_slots(l, p, n, -jnp.inf) for l, p in zip(lses, plans)],
+                              axis=2)
     out = out.astype(q.dtype)
     return (out, lse) if return_lse else out
 
