@@ -283,27 +283,39 @@ def _pad_seq(x: jax.Array, size: int) -> jax.Array:
     return x if extra == 0 else jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))
 
 
+def attend_tables(q, k, v, idx, kv_len, diag_len, *, block_size: int, U: int, G: int,
+                  kvmap: tuple[int, ...], scale: float, block_k: int | None = None):
+    """:func:`sparse_attention_tables` on unpadded ``(b, n, ., d)`` inputs.
+
+    Pads the sequence to whole blocks, runs the tables, crops. Returns ``out (b, n, h, d)`` in
+    ``q.dtype`` and ``lse (b, n, h)`` float32.
+    """
+    n = q.shape[1]
+    size = _cdiv(n, block_size) * block_size
+    out, lse = sparse_attention_tables(
+        _pad_seq(q, size), _pad_seq(k, size), _pad_seq(v, size), idx, kv_len, diag_len,
+        block_size=block_size, U=U, G=G, kvmap=kvmap, scale=scale, block_k=block_k,
+    )
+    return out[:, :n].astype(q.dtype), lse[:, :n]
+
+
 def block_sparse_attention_xla(q, k, v, pattern: BlockSparsePattern, *, is_causal: bool,
                                scale: float, block_k: int | None = None,
                                return_lse: bool = False):
     """XLA path. Arguments must be validated (see :func:`block_sparse_attention`)."""
     b, n, h, d = q.shape
-    bs = pattern.block_size
     plan = plan_pattern(pattern, n, h, k.shape[2], is_causal)
-    size = pattern.num_q_blocks * bs
-    qp, kp, vp = _pad_seq(q, size), _pad_seq(k, size), _pad_seq(v, size)
-    use_gather = plan.idx is not None and bool(np.any(plan.kv_len > 0))
+    use_gather = bool(np.any(plan.kv_len > 0))
     use_diag = plan.diag_len is not None and bool(np.any(plan.diag_len > 0))
     if not (use_gather or use_diag):  # nothing attended anywhere
         out = jnp.zeros((b, n, h, d), q.dtype)
         return (out, jnp.full((b, n, h), -jnp.inf, jnp.float32)) if return_lse else out
-    out, lse = sparse_attention_tables(
-        qp, kp, vp, plan.idx if use_gather else None, plan.kv_len if use_gather else None,
-        plan.diag_len if use_diag else None, block_size=bs, U=plan.U, G=plan.G,
-        kvmap=plan.kvmap, scale=scale, block_k=block_k,
+    out, lse = attend_tables(
+        q, k, v, plan.idx if use_gather else None, plan.kv_len if use_gather else None,
+        plan.diag_len if use_diag else None, block_size=pattern.block_size, U=plan.U,
+        G=plan.G, kvmap=plan.kvmap, scale=scale, block_k=block_k,
     )
-    out = out[:, :n].astype(q.dtype)
-    return (out, lse[:, :n]) if return_lse else out
+    return (out, lse) if return_lse else out
 
 
 def block_sparse_attention_reference(q, k, v, pattern: BlockSparsePattern, *, is_causal: bool,
@@ -458,23 +470,18 @@ def content_adaptive_attention(
     bs, top_k = _check_top_k(block_size, top_k, n)
     nb = _cdiv(n, bs)
     idx, counts = content_adaptive_selection(q, k, bs, top_k, is_causal=is_causal)
-    size = nb * bs
-    qp, kp, vp = _pad_seq(q, size), _pad_seq(k, size), _pad_seq(v, size)
+    last = jnp.take_along_axis(idx, jnp.maximum(counts - 1, 0)[..., None], axis=-1)[..., 0]
     if is_causal:
-        last = jnp.take_along_axis(idx, jnp.maximum(counts - 1, 0)[..., None], axis=-1)[..., 0]
-        diag = (counts > 0) & (last == jnp.arange(nb, dtype=jnp.int32))
-        off = counts - diag.astype(jnp.int32)
+        # The diagonal block is the last selected one; it goes through the causal call.
+        diag = ((counts > 0) & (last == jnp.arange(nb, dtype=jnp.int32))).astype(jnp.int32)
         gather = top_k > 1
-        out, _ = sparse_attention_tables(
-            qp, kp, vp, idx if gather else None, off * bs if gather else None,
-            diag.astype(jnp.int32) * bs, block_size=bs, U=hk, G=h // hk,
-            kvmap=tuple(range(hk)), scale=scale,
-        )
+        kv_len, diag_len = (counts - diag) * bs, diag * bs
     else:
-        last = jnp.take_along_axis(idx, jnp.maximum(counts - 1, 0)[..., None], axis=-1)[..., 0]
-        kv_len = counts * bs - (size - n) * (last == nb - 1).astype(jnp.int32)
-        out, _ = sparse_attention_tables(
-            qp, kp, vp, idx, kv_len, None, block_size=bs, U=hk, G=h // hk,
-            kvmap=tuple(range(hk)), scale=scale,
-        )
-    return out[:, :n].astype(q.dtype)
+        gather = True
+        kv_len = counts * bs - (nb * bs - n) * (last == nb - 1).astype(jnp.int32)
+        diag_len = None
+    out, _ = attend_tables(
+        q, k, v, idx if gather else None, kv_len if gather else None, diag_len,
+        block_size=bs, U=hk, G=h // hk, kvmap=tuple(range(hk)), scale=scale,
+    )
+    return out
