@@ -353,7 +353,7 @@ def test_multihead_module_matches_numpy_composition_and_trains():
     @jax.jit
     def run(params, x):
         def loss(p):
-            y = nnx.merge(graphdef, p)(x, is_causal=True)
+            y = nnx.merge(graphdef, p)(x)
             return jnp.sum(y ** 2), y
 
         return jax.grad(loss, has_aux=True)(params)
@@ -368,7 +368,7 @@ def test_multihead_module_matches_numpy_composition_and_trains():
     q = lin(m.q_proj, xs).reshape(2, n, h, 8)
     k = lin(m.k_proj, xs).reshape(2, n, hk, 8)
     v = lin(m.v_proj, xs).reshape(2, n, hk, 8)
-    att = np.asarray(masked_attention(q, k, v, pattern.expanded_mask(n, True).astype(np.float32),
+    att = np.asarray(masked_attention(q, k, v, pattern.expanded_mask(n).astype(np.float32),
                                       1 / np.sqrt(8))).reshape(2, n, embed)
     mu, var = att.mean(-1, keepdims=True), att.var(-1, keepdims=True)
     normed = (att - mu) / np.sqrt(var + 1e-5) * np.asarray(m.norm.scale[...]) + np.asarray(
