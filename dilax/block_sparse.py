@@ -140,21 +140,33 @@ def plan_pattern(pattern: BlockSparsePattern, n: int, h: int, hk: int, is_causal
 # -- gather + core ------------------------------------------------------------------------
 
 
-def _gather_blocks(x: jax.Array, idx: jax.Array, kvmap: tuple[int, ...], bs: int) -> jax.Array:
-    """Gathers key blocks: ``x (b, nk*B, hk, d)``, ``idx (Bi, Ui, R, A)`` ->
-    ``(b * R, A * B, U, d)`` where virtual head ``u`` reads kv head ``kvmap[u]``."""
+def _shared_gather(idx_shape: tuple[int, ...], kvmap: tuple[int, ...], hk: int) -> bool:
+    """Whether every batch row and virtual head uses the same table and kv heads in order."""
+    return idx_shape[0] == 1 and idx_shape[1] == 1 and kvmap == tuple(range(hk))
+
+
+def _gather_source(x: jax.Array, shared: bool, bs: int) -> jax.Array:
+    """K or V ``(b, nk*B, hk, d)`` viewed as blocks, laid out for :func:`_gather_blocks`
+    (done once, outside the row loop): ``(b, nk, B, hk, d)`` or ``(b, hk, nk, B, d)``."""
     b, nkb, hk, d = x.shape
-    nk = nkb // bs
-    Bi, Ui, R, A = idx.shape
+    xb = x.reshape(b, nkb // bs, bs, hk, d)
+    return xb if shared else xb.transpose(0, 3, 1, 2, 4)
+
+
+def _gather_blocks(src: jax.Array, idx: jax.Array, kvmap: tuple[int, ...], shared: bool,
+                   bs: int) -> jax.Array:
+    """Gathers key blocks for ``idx (Bi, Ui, R, A)`` -> ``(b * R, A * B, U, d)``; virtual head
+    ``u`` reads kv head ``kvmap[u]``."""
+    _, R, A = idx.shape[1:]
     U = len(kvmap)
-    xb = x.reshape(b, nk, bs, hk, d)
-    if Bi == 1 and Ui == 1 and kvmap == tuple(range(hk)):
-        g = jnp.take(xb, idx[0, 0].reshape(-1), axis=1, mode="clip")  # (b, R*A, B, hk, d)
-        return g.reshape(b * R, A * bs, hk, d)
-    xt = xb.transpose(0, 3, 1, 2, 4)  # (b, hk, nk, B, d)
+    if shared:
+        b, d = src.shape[0], src.shape[-1]
+        g = jnp.take(src, idx[0, 0].reshape(-1), axis=1, mode="clip")  # (b, R*A, B, hk, d)
+        return g.reshape(b * R, A * bs, U, d)
+    b, d = src.shape[0], src.shape[-1]
     bix = jnp.arange(b, dtype=jnp.int32)[:, None, None, None]
     kix = jnp.asarray(np.asarray(kvmap, np.int32))[None, :, None, None]
-    g = xt[bix, kix, jnp.broadcast_to(idx, (b, U, R, A))]  # (b, U, R, A, B, d)
+    g = src[bix, kix, jnp.broadcast_to(idx, (b, U, R, A))]  # (b, U, R, A, B, d)
     return g.transpose(0, 2, 3, 4, 1, 5).reshape(b * R, A * bs, U, d)
 
 
@@ -170,11 +182,11 @@ def _head_take(x: jax.Array, kvmap: tuple[int, ...]) -> jax.Array:
     return jnp.take(x, jnp.asarray(np.asarray(kvmap, np.int32)), axis=2)
 
 
-def _attend_rows(q, k, v, kd, vd, idx, kv_len, diag_len, *, bs, U, G, kvmap, scale,
+def _attend_rows(q, k, v, kd, vd, idx, kv_len, diag_len, *, bs, U, G, kvmap, shared, scale,
                  block_k):
     """One group of ``R`` query blocks.
 
-    q: ``(b, R*B, h, d)``; k, v: ``(b, nk*B, hk, d)`` (all keys, for the gather);
+    q: ``(b, R*B, h, d)``; k, v: all key blocks as laid out by :func:`_gather_source`;
     kd, vd: ``(b, R*B, hk, d)`` the rows' own key blocks (diagonal, causal only) or None;
     idx: ``(Bi, Ui, R, A)``; kv_len, diag_len: ``(Bi, Ui, R)``.
     Returns ``out (b, R*B, h, d)`` float32 and ``lse (b, R*B, h)``.
@@ -184,8 +196,8 @@ def _attend_rows(q, k, v, kd, vd, idx, kv_len, diag_len, *, bs, U, G, kvmap, sca
     qr = q.reshape(b * R, bs, U, G, d)
     out = lse = None
     if idx is not None:
-        kg = _gather_blocks(k, idx, kvmap, bs)
-        vg = _gather_blocks(v, idx, kvmap, bs)
+        kg = _gather_blocks(k, idx, kvmap, shared, bs)
+        vg = _gather_blocks(v, idx, kvmap, shared, bs)
         bk = min(block_k, kg.shape[1])
         out, lse = attention_core(qr, kg, vg, scale=scale, kv_len=_rows_kv_len(kv_len, b, U),
                                   block_sizes=BlockSizes(block_q=bs, block_k=bk))
@@ -249,11 +261,15 @@ def sparse_attention_tables(
     block_k = default_block_k(bs) if block_k is None else block_k
     A = 0 if idx is None else idx.shape[-1]
     step = _rows_per_step(nq, b, A, bs, U, d, q.dtype.itemsize) if idx is not None else nq
-    fn = functools.partial(_attend_rows, bs=bs, U=U, G=G, kvmap=kvmap, scale=scale,
-                           block_k=block_k)
+    shared = idx is not None and _shared_gather(idx.shape, kvmap, k.shape[2])
+    ks = _gather_source(k, shared, bs) if idx is not None else None
+    vs = _gather_source(v, shared, bs) if idx is not None else None
+    fn = functools.partial(_attend_rows, bs=bs, U=U, G=G, kvmap=kvmap, shared=shared,
+                           scale=scale, block_k=block_k)
     causal = diag_len is not None
     if step == nq:
-        return fn(q, k, v, k if causal else None, v if causal else None, idx, kv_len, diag_len)
+        return fn(q, ks, vs, k if causal else None, v if causal else None, idx, kv_len,
+                  diag_len)
     steps = nq // step
 
     def split_rows(x, axis):  # (..., nq*stuff ...) -> (steps, ..., step*stuff, ...)
@@ -270,7 +286,7 @@ def sparse_attention_tables(
 
     def body(args):
         qc, kc, vc, ic, lc, dc = args
-        return fn(qc, k, v, kc, vc, ic, lc, dc)
+        return fn(qc, ks, vs, kc, vc, ic, lc, dc)
 
     out, lse = lax.map(body, xs)
     out = jnp.moveaxis(out, 0, 1).reshape(b, nqb, h, d)
