@@ -4,6 +4,8 @@ Dilated (LongNet) attention, ring attention across devices and block-sparse atte
 built on one blockwise online-softmax core. Semantics: docs/semantics.md (SPEC.md).
 """
 
+from dilax import patterns
+from dilax.block_sparse import block_sparse_attention, content_adaptive_attention
 from dilax.core import BlockSizes, attention_core, merge_attention_states
 from dilax.dilated import dilated_attention
 from dilax.reference import dilated_counts
@@ -13,7 +15,10 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockSizes",
     "attention_core",
+    "block_sparse_attention",
+    "content_adaptive_attention",
     "dilated_attention",
     "dilated_counts",
     "merge_attention_states",
+    "patterns",
 ]

@@ -1,0 +1,503 @@
+"""Block-sparse attention (SPEC.md, "Block-sparse attention") on top of the blockwise core.
+
+XLA path, per query block ``i`` (one *row*): the active key blocks of the row are gathered
+from the compact tables into a contiguous ``(count * B)`` key sequence and
+:func:`dilax.core.attention_core` runs over it with ``kv_len = count * B`` per row and head,
+so the core's key loop stops after the row's own active blocks. Work is proportional to the
+number of active blocks; the gathered K/V is ``max_active`` blocks per row (processed a few
+rows at a time, see ``_ROW_BUDGET_BYTES``), never ``n x n``.
+
+Causal (exact and cheap): the key blocks strictly before the query block (``j < i``) are fully
+visible, so they go through one non-causal core call; the diagonal block (``j == i``) goes
+through a second, causal core call on the *un-gathered* ``(b * nq, B)`` view of K/V (a
+reshape), with ``kv_len = B`` where the diagonal is active and 0 elsewhere. The two partial
+softmax states are merged exactly with their log-sum-exp (:func:`merge_attention_states`).
+Blocks entirely in the future are dropped from the tables.
+
+Heads: query head ``j`` reads kv head ``j // (h // hk)``. A shared pattern (``H_pat = 1``)
+gathers per kv head (GQA without repeating K/V). A per-head pattern that is identical inside
+each GQA group also gathers per kv head; otherwise every query head gathers its own blocks
+from its kv head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from dilax import _validation as V
+from dilax.core import BlockSizes, attention_core, merge_attention_states
+from dilax.patterns import BlockSparsePattern, mask_tables
+from dilax.reference import masked_attention
+
+IMPLEMENTATIONS = ("reference", "xla")
+
+# Upper bound on gathered K+V bytes per lax.map step (a few query blocks at a time).
+_ROW_BUDGET_BYTES = 64 * 2**20
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# -- validation ---------------------------------------------------------------------------
+
+
+def check_pattern(pattern, q: jax.Array) -> BlockSparsePattern:
+    """Checks that ``pattern`` fits ``q: (b, n, h, d)`` (block counts and heads)."""
+    if not isinstance(pattern, BlockSparsePattern):
+        raise TypeError(
+            "pattern must be a dilax.patterns.BlockSparsePattern (e.g. "
+            f"dilax.patterns.local_window(...)), got {type(pattern).__name__}"
+        )
+    _, n, h, _ = q.shape
+    bs = pattern.block_size
+    nb = _cdiv(n, bs)
+    if pattern.num_q_blocks != nb or pattern.num_k_blocks != nb:
+        raise ValueError(
+            f"pattern has {pattern.num_q_blocks}x{pattern.num_k_blocks} blocks of block_size "
+            f"{bs}, but q/k have seq_len n={n}, which needs ceil(n / block_size) = {nb} query "
+            f"and key blocks"
+        )
+    if pattern.num_heads not in (1, h):
+        raise ValueError(
+            f"pattern has {pattern.num_heads} heads; it must have 1 (shared) or one per query "
+            f"head of q (h={h})"
+        )
+    return pattern
+
+
+def _check_implementation(implementation) -> str:
+    if implementation is None:
+        return "xla"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {(None,) + IMPLEMENTATIONS}, got {implementation!r}"
+        )
+    return implementation
+
+
+# -- static plans -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Plan:
+    """How one pattern maps onto ``U`` virtual kv heads of ``G`` query heads each.
+
+    Virtual kv head ``u`` reads kv head ``kvmap[u]`` and serves query heads ``u*G .. u*G+G-1``.
+    Tables have a leading batch axis of 1 and a head axis of 1 (shared) or ``U``.
+    """
+
+    U: int
+    G: int
+    kvmap: tuple[int, ...]
+    idx: np.ndarray  # (1, Ui, nq, A) int32: non-causal: all active; causal: j < i only
+    kv_len: np.ndarray  # (1, Ui, nq) int32 keys of the gathered call (partial block excluded)
+    diag_len: np.ndarray | None  # (1, Ui, nq) int32 causal diagonal kv_len (B or 0), or None
+
+
+def _head_layout(mask: np.ndarray, h: int, hk: int) -> tuple[int, int, tuple[int, ...], np.ndarray]:
+    """Returns ``(U, G, kvmap, per-virtual-head mask (1 or U, nq, nk))``."""
+    group = h // hk
+    if mask.shape[0] == 1:
+        return hk, group, tuple(range(hk)), mask
+    grouped = mask.reshape(hk, group, *mask.shape[1:])
+    if np.all(grouped == grouped[:, :1]):
+        return hk, group, tuple(range(hk)), np.ascontiguousarray(grouped[:, 0])
+    return h, 1, tuple(j // group for j in range(h)), mask
+
+
+def _plan_from_mask(mask: np.ndarray, n: int, bs: int, h: int, hk: int, is_causal: bool) -> _Plan:
+    U, G, kvmap, m = _head_layout(mask, h, hk)
+    nq = m.shape[1]
+    pad = nq * bs - n
+    if is_causal:
+        rows = np.arange(nq)
+        off = m & (rows[None, :] < rows[:, None])[None]
+        idx, cnt = mask_tables(off)
+        kv_len = cnt * bs  # blocks j < i never include the partial last block
+        diag_len = (m[:, rows, rows] * bs).astype(np.int32)
+    else:
+        idx, cnt = mask_tables(m)
+        last = np.take_along_axis(idx, np.maximum(cnt - 1, 0)[..., None], axis=-1)[..., 0]
+        kv_len = cnt * bs - pad * ((cnt > 0) & (last == nq - 1))
+        diag_len = None
+    as_batch = lambda x: None if x is None else x[None].astype(np.int32)
+    return _Plan(U, G, kvmap, as_batch(idx), as_batch(kv_len), as_batch(diag_len))
+
+
+@functools.lru_cache(maxsize=128)
+def plan_pattern(pattern: BlockSparsePattern, n: int, h: int, hk: int, is_causal: bool) -> _Plan:
+    """Static tables of ``pattern`` for ``(n, h, hk, is_causal)`` (cached)."""
+    return _plan_from_mask(pattern.block_mask, n, pattern.block_size, h, hk, is_causal)
+
+
+# -- gather + core ------------------------------------------------------------------------
+
+
+def _shared_gather(idx_shape: tuple[int, ...], kvmap: tuple[int, ...], hk: int) -> bool:
+    """Whether every batch row and virtual head uses the same table and kv heads in order."""
+    return idx_shape[0] == 1 and idx_shape[1] == 1 and kvmap == tuple(range(hk))
+
+
+def _gather_source(x: jax.Array, shared: bool, bs: int) -> jax.Array:
+    """K or V ``(b, nk*B, hk, d)`` viewed as blocks, laid out for :func:`_gather_blocks`
+    (done once, outside the row loop): ``(b, nk, B, hk, d)`` or ``(b, hk, nk, B, d)``."""
+    b, nkb, hk, d = x.shape
+    xb = x.reshape(b, nkb // bs, bs, hk, d)
+    return xb if shared else xb.transpose(0, 3, 1, 2, 4)
+
+
+def _gather_blocks(src: jax.Array, idx: jax.Array, kvmap: tuple[int, ...], shared: bool,
+                   bs: int) -> jax.Array:
+    """Gathers key blocks for ``idx (Bi, Ui, R, A)`` -> ``(b * R, A * B, U, d)``; virtual head
+    ``u`` reads kv head ``kvmap[u]``."""
+    _, R, A = idx.shape[1:]
+    U = len(kvmap)
+    if shared:
+        b, d = src.shape[0], src.shape[-1]
+        g = jnp.take(src, idx[0, 0].reshape(-1), axis=1, mode="clip")  # (b, R*A, B, hk, d)
+        return g.reshape(b * R, A * bs, U, d)
+    b, d = src.shape[0], src.shape[-1]
+    bix = jnp.arange(b, dtype=jnp.int32)[:, None, None, None]
+    kix = jnp.asarray(np.asarray(kvmap, np.int32))[None, :, None, None]
+    g = src[bix, kix, jnp.broadcast_to(idx, (b, U, R, A))]  # (b, U, R, A, B, d)
+    return g.transpose(0, 2, 3, 4, 1, 5).reshape(b * R, A * bs, U, d)
+
+
+def _rows_kv_len(kv_len: jax.Array, b: int, U: int) -> jax.Array:
+    """``(Bi, Ui, R)`` -> ``(b * R, U)``."""
+    Bi, Ui, R = kv_len.shape
+    return jnp.broadcast_to(kv_len, (b, U, R)).transpose(0, 2, 1).reshape(b * R, U)
+
+
+def _head_take(x: jax.Array, kvmap: tuple[int, ...]) -> jax.Array:
+    if kvmap == tuple(range(x.shape[2])):
+        return x
+    return jnp.take(x, jnp.asarray(np.asarray(kvmap, np.int32)), axis=2)
+
+
+def _attend_rows(q, k, v, kd, vd, idx, kv_len, diag_len, *, bs, U, G, kvmap, shared, scale,
+                 block_k):
+    """One group of ``R`` query blocks.
+
+    q: ``(b, R*B, h, d)``; k, v: all key blocks as laid out by :func:`_gather_source`;
+    kd, vd: ``(b, R*B, hk, d)`` the rows' own key blocks (diagonal, causal only) or None;
+    idx: ``(Bi, Ui, R, A)``; kv_len, diag_len: ``(Bi, Ui, R)``.
+    Returns ``out (b, R*B, h, d)`` float32 and ``lse (b, R*B, h)``.
+    """
+    b, RB, h, d = q.shape
+    R = RB // bs
+    qr = q.reshape(b * R, bs, U, G, d)
+    out = lse = None
+    if idx is not None:
+        kg = _gather_blocks(k, idx, kvmap, shared, bs)
+        vg = _gather_blocks(v, idx, kvmap, shared, bs)
+        bk = min(block_k, kg.shape[1])
+        out, lse = attention_core(qr, kg, vg, scale=scale, kv_len=_rows_kv_len(kv_len, b, U),
+                                  block_sizes=BlockSizes(block_q=bs, block_k=bk))
+    if diag_len is not None:
+        kr = _head_take(kd, kvmap).reshape(b * R, bs, U, d)
+        vr = _head_take(vd, kvmap).reshape(b * R, bs, U, d)
+        o2, l2 = attention_core(qr, kr, vr, scale=scale, is_causal=True,
+                                kv_len=_rows_kv_len(diag_len, b, U),
+                                block_sizes=BlockSizes(block_q=bs, block_k=bs))
+        if out is None:
+            out, lse = o2.astype(jnp.float32), l2
+        else:
+            out, lse = merge_attention_states(out, lse, o2, l2)
+    return out.astype(jnp.float32).reshape(b, RB, h, d), lse.reshape(b, RB, h)
+
+
+def _rows_per_step(nq: int, b: int, A: int, bs: int, U: int, d: int, itemsize: int) -> int:
+    per_row = 2 * b * A * bs * U * d * itemsize
+    target = max(1, _ROW_BUDGET_BYTES // max(per_row, 1))
+    best = 1
+    for r in range(1, min(nq, target) + 1):
+        if nq % r == 0:
+            best = r
+    return best
+
+
+def default_block_k(bs: int) -> int:
+    """Core key block for pattern block size ``bs``: whole pattern blocks, about 256 keys."""
+    return bs * max(1, 256 // bs)
+
+
+def sparse_attention_tables(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    idx: jax.Array | np.ndarray | None,
+    kv_len: jax.Array | np.ndarray | None,
+    diag_len: jax.Array | np.ndarray | None,
+    *,
+    block_size: int,
+    U: int,
+    G: int,
+    kvmap: tuple[int, ...],
+    scale: float,
+    block_k: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Attention of every query block over table-selected key blocks (internal building block).
+
+    Args:
+      q: ``(b, nq*B, h, d)``, ``h = U * G``; k, v: ``(b, nk*B, hk, d)`` (padded to blocks).
+      idx: ``(Bi, Ui, nq, A)`` key-block indices (``Bi`` in {1, b}, ``Ui`` in {1, U}) or None
+        (no gathered call); kv_len: ``(Bi, Ui, nq)`` valid gathered keys per row.
+      diag_len: ``(Bi, Ui, nq)`` causal diagonal-block keys (``B`` or 0), or None (no diagonal
+        call). Requires ``nq == nk``.
+    Returns:
+      ``out (b, nq*B, h, d)`` float32 and ``lse (b, nq*B, h)`` float32.
+    """
+    b, nqb, h, d = q.shape
+    bs = block_size
+    nq = nqb // bs
+    block_k = default_block_k(bs) if block_k is None else block_k
+    A = 0 if idx is None else idx.shape[-1]
+    step = _rows_per_step(nq, b, A, bs, U, d, q.dtype.itemsize) if idx is not None else nq
+    shared = idx is not None and _shared_gather(idx.shape, kvmap, k.shape[2])
+    ks = _gather_source(k, shared, bs) if idx is not None else None
+    vs = _gather_source(v, shared, bs) if idx is not None else None
+    fn = functools.partial(_attend_rows, bs=bs, U=U, G=G, kvmap=kvmap, shared=shared,
+                           scale=scale, block_k=block_k)
+    causal = diag_len is not None
+    if step == nq:
+        return fn(q, ks, vs, k if causal else None, v if causal else None, idx, kv_len,
+                  diag_len)
+    steps = nq // step
+
+    def split_rows(x, axis):  # (..., nq*stuff ...) -> (steps, ..., step*stuff, ...)
+        if x is None:
+            return None
+        x = jnp.asarray(x)
+        shape = x.shape
+        x = x.reshape(shape[:axis] + (steps, shape[axis] // steps) + shape[axis + 1:])
+        return jnp.moveaxis(x, axis, 0)
+
+    xs = (split_rows(q, 1), split_rows(k, 1) if causal else None,
+          split_rows(v, 1) if causal else None, split_rows(idx, 2), split_rows(kv_len, 2),
+          split_rows(diag_len, 2))
+
+    def body(args):
+        qc, kc, vc, ic, lc, dc = args
+        return fn(qc, ks, vs, kc, vc, ic, lc, dc)
+
+    out, lse = lax.map(body, xs)
+    out = jnp.moveaxis(out, 0, 1).reshape(b, nqb, h, d)
+    lse = jnp.moveaxis(lse, 0, 1).reshape(b, nqb, h)
+    return out, lse
+
+
+def _pad_seq(x: jax.Array, size: int) -> jax.Array:
+    extra = size - x.shape[1]
+    return x if extra == 0 else jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))
+
+
+def attend_tables(q, k, v, idx, kv_len, diag_len, *, block_size: int, U: int, G: int,
+                  kvmap: tuple[int, ...], scale: float, block_k: int | None = None):
+    """:func:`sparse_attention_tables` on unpadded ``(b, n, ., d)`` inputs.
+
+    Pads the sequence to whole blocks, runs the tables, crops. Returns ``out (b, n, h, d)`` in
+    ``q.dtype`` and ``lse (b, n, h)`` float32.
+    """
+    n = q.shape[1]
+    size = _cdiv(n, block_size) * block_size
+    out, lse = sparse_attention_tables(
+        _pad_seq(q, size), _pad_seq(k, size), _pad_seq(v, size), idx, kv_len, diag_len,
+        block_size=block_size, U=U, G=G, kvmap=kvmap, scale=scale, block_k=block_k,
+    )
+    return out[:, :n].astype(q.dtype), lse[:, :n]
+
+
+def block_sparse_attention_xla(q, k, v, pattern: BlockSparsePattern, *, is_causal: bool,
+                               scale: float, block_k: int | None = None,
+                               return_lse: bool = False):
+    """XLA path. Arguments must be validated (see :func:`block_sparse_attention`)."""
+    b, n, h, d = q.shape
+    plan = plan_pattern(pattern, n, h, k.shape[2], is_causal)
+    use_gather = bool(np.any(plan.kv_len > 0))
+    use_diag = plan.diag_len is not None and bool(np.any(plan.diag_len > 0))
+    if not (use_gather or use_diag):  # nothing attended anywhere
+        out = jnp.zeros((b, n, h, d), q.dtype)
+        return (out, jnp.full((b, n, h), -jnp.inf, jnp.float32)) if return_lse else out
+    out, lse = attend_tables(
+        q, k, v, plan.idx if use_gather else None, plan.kv_len if use_gather else None,
+        plan.diag_len if use_diag else None, block_size=pattern.block_size, U=plan.U,
+        G=plan.G, kvmap=plan.kvmap, scale=scale, block_k=block_k,
+    )
+    return (out, lse) if return_lse else out
+
+
+def block_sparse_attention_reference(q, k, v, pattern: BlockSparsePattern, *, is_causal: bool,
+                                     scale: float) -> jax.Array:
+    """Dense attention with the expanded token mask (small ``n`` only; the test oracle)."""
+    n = q.shape[1]
+    mask = pattern.expanded_mask(n, is_causal)
+    return masked_attention(q, k, v, mask.astype(np.float32), scale)
+
+
+def block_sparse_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    pattern: BlockSparsePattern,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    implementation: str | None = None,
+) -> jax.Array:
+    """Exact block-sparse attention (SPEC.md, "Block-sparse attention").
+
+    Query ``p`` of head ``j`` attends key ``t`` iff ``pattern.block_mask[j or 0, p // B, t // B]``
+    and, when ``is_causal``, ``t <= p``; one softmax over all attended keys.
+
+    Args:
+      q: ``(b, n, h, d)`` queries.
+      k, v: ``(b, n, hk, d)``, ``h % hk == 0`` (GQA/MQA without repeating K/V).
+      pattern: a :class:`dilax.patterns.BlockSparsePattern` with ``ceil(n / B)`` query and
+        key blocks and 1 or ``h`` heads. If ``n % B != 0`` the last block is partial (its
+        missing keys never receive weight).
+      is_causal: additionally restrict query ``p`` to keys ``t <= p``.
+      scale: logit scale, default ``1 / sqrt(d)``.
+      implementation: ``None``/``"xla"`` (gathers only the active key blocks; time and memory
+        follow the number of active blocks) or ``"reference"`` (dense, explicit mask).
+
+    Returns:
+      ``(b, n, h, d)`` in ``q.dtype``. Queries with no attended key get 0 (and 0 gradient).
+    """
+    q, k, v = V.check_qkv(q, k, v)
+    pattern = check_pattern(pattern, q)
+    is_causal = V.check_bool(is_causal, "is_causal")
+    scale = V.check_scale(scale, q.shape[3])
+    implementation = _check_implementation(implementation)
+    if implementation == "reference":
+        return block_sparse_attention_reference(q, k, v, pattern, is_causal=is_causal,
+                                                scale=scale)
+    return block_sparse_attention_xla(q, k, v, pattern, is_causal=is_causal, scale=scale)
+
+
+# -- content-adaptive selection -----------------------------------------------------------
+
+
+def _check_top_k(block_size, top_k, n) -> tuple[int, int]:
+    block_size = V.static_int(block_size, "block_size")
+    if block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size}")
+    top_k = V.static_int(top_k, "top_k")
+    nb = _cdiv(n, block_size)
+    if not 1 <= top_k <= nb:
+        raise ValueError(
+            f"top_k must be in [1, ceil(n / block_size)] = [1, {nb}] key blocks, got {top_k}"
+        )
+    return block_size, top_k
+
+
+def _block_means(x: jax.Array, bs: int) -> jax.Array:
+    """``(b, n, H, d)`` -> float32 ``(b, ceil(n/B), H, d)`` means over each block's tokens."""
+    b, n, H, d = x.shape
+    nb = _cdiv(n, bs)
+    sums = _pad_seq(x.astype(jnp.float32), nb * bs).reshape(b, nb, bs, H, d).sum(axis=2)
+    sizes = np.minimum(bs, n - np.arange(nb) * bs).astype(np.float32)
+    return sums / jnp.asarray(sizes)[None, :, None, None]
+
+
+def content_adaptive_selection(
+    q: jax.Array,
+    k: jax.Array,
+    block_size: int,
+    top_k: int,
+    *,
+    is_causal: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Key blocks chosen by :func:`content_adaptive_attention`, in the table format.
+
+    Score of (query block ``i``, key block ``j``) for kv head ``c`` is
+    ``sum_g mean_q[i, (c, g)] . mean_k[j, c]`` (block means of q and k; the query heads of one
+    GQA group share one selection so K/V are gathered once per kv head). The diagonal block is
+    always kept; with ``is_causal`` key blocks ``j > i`` are never chosen (rows ``i < top_k - 1``
+    then hold ``i + 1`` blocks). The selection is discrete: no gradient flows through it.
+
+    Returns:
+      ``indices``: int32 ``(b, hk, nq, top_k)`` ascending, padded by repeating the last valid
+      index; ``counts``: int32 ``(b, hk, nq)``.
+    """
+    q, k, _ = V.check_qkv(q, k, k)
+    is_causal = V.check_bool(is_causal, "is_causal")
+    b, n, h, d = q.shape
+    hk = k.shape[2]
+    bs, top_k = _check_top_k(block_size, top_k, n)
+    nb = _cdiv(n, bs)
+    qm = lax.stop_gradient(_block_means(q, bs)).reshape(b, nb, hk, h // hk, d)
+    km = lax.stop_gradient(_block_means(k, bs))
+    scores = jnp.einsum("bicgd,bjcd->bcij", qm, km, precision=lax.Precision.HIGHEST)
+    rows = np.arange(nb)
+    scores = jnp.where(jnp.asarray(rows[:, None] == rows[None, :]), jnp.inf, scores)
+    if is_causal:
+        scores = jnp.where(jnp.asarray(rows[None, :] > rows[:, None]), -jnp.inf, scores)
+    vals, idx = lax.top_k(scores, top_k)
+    valid = vals > -jnp.inf
+    counts = valid.sum(axis=-1).astype(jnp.int32)
+    idx = jnp.sort(jnp.where(valid, idx, nb), axis=-1)
+    last = jnp.take_along_axis(idx, jnp.maximum(counts - 1, 0)[..., None], axis=-1)
+    idx = jnp.where(jnp.arange(top_k) < counts[..., None], idx, last)
+    return idx.astype(jnp.int32), counts
+
+
+def content_adaptive_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    block_size: int,
+    top_k: int,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> jax.Array:
+    """Exact attention over the ``top_k`` key blocks each query block selects by content.
+
+    Per query block and kv head, :func:`content_adaptive_selection` picks ``top_k`` key blocks
+    by mean-pooled ``q . k`` scores (diagonal always kept, future blocks excluded when causal);
+    then every query attends every key of its selected blocks (and ``t <= p`` when causal) with
+    one exact softmax, through the same gather + blockwise core as
+    :func:`block_sparse_attention`. Gradients flow to q, k and v through the attention; the
+    selection itself is discrete.
+
+    Args:
+      q: ``(b, n, h, d)``; k, v: ``(b, n, hk, d)`` with ``h % hk == 0``.
+      block_size: tokens per block ``B`` (the last block is partial if ``n % B != 0``).
+      top_k: key blocks per query block, ``1 <= top_k <= ceil(n / B)``.
+      is_causal: restrict query ``p`` to keys ``t <= p``.
+      scale: logit scale, default ``1 / sqrt(d)``.
+
+    Returns:
+      ``(b, n, h, d)`` in ``q.dtype``.
+    """
+    q, k, v = V.check_qkv(q, k, v)
+    is_causal = V.check_bool(is_causal, "is_causal")
+    scale = V.check_scale(scale, q.shape[3])
+    b, n, h, d = q.shape
+    hk = k.shape[2]
+    bs, top_k = _check_top_k(block_size, top_k, n)
+    nb = _cdiv(n, bs)
+    idx, counts = content_adaptive_selection(q, k, bs, top_k, is_causal=is_causal)
+    last = jnp.take_along_axis(idx, jnp.maximum(counts - 1, 0)[..., None], axis=-1)[..., 0]
+    if is_causal:
+        # The diagonal block is the last selected one; it goes through the causal call.
+        diag = ((counts > 0) & (last == jnp.arange(nb, dtype=jnp.int32))).astype(jnp.int32)
+        gather = top_k > 1
+        kv_len, diag_len = (counts - diag) * bs, diag * bs
+    else:
+        gather = True
+        kv_len = counts * bs - (nb * bs - n) * (last == nb - 1).astype(jnp.int32)
+        diag_len = None
+    out, _ = attend_tables(
+        q, k, v, idx if gather else None, kv_len if gather else None, diag_len,
+        block_size=bs, U=hk, G=h // hk, kvmap=tuple(range(hk)), scale=scale,
+    )
+    return out

@@ -1,0 +1,1 @@
+from dilax.nn.block_sparse import BlockSparseAttention, BlockSparseMultiheadAttention  # noqa: F401

@@ -1,0 +1,174 @@
+"""Flax NNX modules for block-sparse attention (thin wrappers over the functional op)."""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dilax import _validation as V
+from dilax.block_sparse import _check_implementation, block_sparse_attention
+from dilax.patterns import BlockSparsePattern
+
+
+def _check_pattern_type(pattern) -> BlockSparsePattern:
+    if not isinstance(pattern, BlockSparsePattern):
+        raise TypeError(
+            "pattern must be a dilax.patterns.BlockSparsePattern (e.g. "
+            f"dilax.patterns.local_window(...)), got {type(pattern).__name__}"
+        )
+    return pattern
+
+
+def xavier_normal(gain: float = 1.0) -> nnx.Initializer:
+    """Xavier/Glorot normal init with ``gain`` (PyTorch's ``xavier_normal_``):
+    ``std = gain * sqrt(2 / (fan_in + fan_out))``."""
+    return jax.nn.initializers.variance_scaling(gain**2, "fan_avg", "normal")
+
+
+class BlockSparseAttention(nnx.Module):
+    """Parameter-free block-sparse attention over ``(b, n, h, d)`` q and ``(b, n, hk, d)`` k, v.
+
+    Args:
+      pattern: a :class:`dilax.patterns.BlockSparsePattern` (static).
+      is_causal: default causal flag (overridable per call).
+      implementation: ``None``, ``"xla"`` or ``"reference"``.
+    """
+
+    def __init__(self, pattern: BlockSparsePattern, *, is_causal: bool = False,
+                 implementation: str | None = None):
+        self.pattern = _check_pattern_type(pattern)
+        self.is_causal = V.check_bool(is_causal, "is_causal")
+        self.implementation = _check_implementation(implementation)
+
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                 is_causal: bool | None = None, scale: float | None = None) -> jax.Array:
+        """Returns ``(b, n, h, d)`` (see :func:`dilax.block_sparse_attention`)."""
+        return block_sparse_attention(
+            q, k, v, self.pattern, is_causal=self.is_causal if is_causal is None else is_causal,
+            scale=scale, implementation=self.implementation,
+        )
+
+
+class BlockSparseMultiheadAttention(nnx.Module):
+    """Multi-head block-sparse attention with the MAGNETO sub-LayerNorm.
+
+    Same conventions as ``MultiheadDilatedAttention`` of dilated-attention-pytorch, with a
+    block-sparse ``pattern`` instead of segment lengths and dilation rates: q/k/v projections,
+    block-sparse attention, an optional LayerNorm on the attention output (``layer_norm``,
+    MAGNETO), and the output projection. q and k projections use Xavier-normal init, v and out
+    projections Xavier-normal with gain ``gamma_init``; biases start at 0.
+
+    Args:
+      embed_dim: model width; must be divisible by ``num_heads``.
+      num_heads: query heads ``h``; ``head_dim = embed_dim // num_heads``.
+      pattern: block-sparse pattern with 1 or ``num_heads`` heads.
+      num_kv_heads: key/value heads (GQA/MQA), default ``num_heads``; must divide it.
+      dropout: dropout rate applied to the attention output (before the sub-LayerNorm). The
+        exact blockwise core has no attention-probability dropout.
+      use_bias: biases in the four projections.
+      layer_norm, layer_norm_eps: the MAGNETO sub-LayerNorm before the output projection.
+      gamma_init: Xavier gain of the v and out projections.
+      dtype, param_dtype: computation and parameter dtypes.
+      rngs: ``nnx.Rngs`` (``params``; ``dropout`` when ``dropout > 0``).
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        pattern: BlockSparsePattern,
+        *,
+        num_kv_heads: int | None = None,
+        dropout: float = 0.0,
+        use_bias: bool = True,
+        layer_norm: bool = True,
+        layer_norm_eps: float = 1e-5,
+        gamma_init: float = 1.0,
+        dtype=None,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        embed_dim = V.static_int(embed_dim, "embed_dim")
+        num_heads = V.static_int(num_heads, "num_heads")
+        num_kv_heads = num_heads if num_kv_heads is None else V.static_int(num_kv_heads,
+                                                                           "num_kv_heads")
+        if embed_dim <= 0 or num_heads <= 0 or num_kv_heads <= 0:
+            raise ValueError(
+                f"embed_dim, num_heads and num_kv_heads must be positive, got {embed_dim}, "
+                f"{num_heads}, {num_kv_heads}"
+            )
+        if embed_dim % num_heads != 0:
+            raise ValueError(
+                f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
+            )
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})"
+            )
+        pattern = _check_pattern_type(pattern)
+        if pattern.num_heads not in (1, num_heads):
+            raise ValueError(
+                f"pattern has {pattern.num_heads} heads; it must have 1 (shared) or num_heads "
+                f"({num_heads})"
+            )
+        if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not (
+            0.0 <= dropout < 1.0
+        ):
+            raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.pattern = pattern
+        self.gamma_init = float(gamma_init)
+        kv_dim = num_kv_heads * self.head_dim
+
+        def linear(n_in, n_out, gain):
+            return nnx.Linear(n_in, n_out, use_bias=use_bias, dtype=dtype,
+                              param_dtype=param_dtype, kernel_init=xavier_normal(gain),
+                              bias_init=nnx.initializers.zeros, rngs=rngs)
+
+        self.q_proj = linear(embed_dim, embed_dim, 1.0)
+        self.k_proj = linear(embed_dim, kv_dim, 1.0)
+        self.v_proj = linear(embed_dim, kv_dim, self.gamma_init)
+        self.norm = (
+            nnx.LayerNorm(embed_dim, epsilon=layer_norm_eps, dtype=dtype,
+                          param_dtype=param_dtype, rngs=rngs)
+            if layer_norm else None
+        )
+        self.out_proj = linear(embed_dim, embed_dim, self.gamma_init)
+        self.dropout = nnx.Dropout(float(dropout), rngs=rngs) if dropout > 0 else None
+
+    def __call__(
+        self,
+        query: jax.Array,
+        key: jax.Array | None = None,
+        value: jax.Array | None = None,
+        *,
+        is_causal: bool = False,
+        deterministic: bool | None = None,
+    ) -> jax.Array:
+        """``query``, ``key``, ``value``: ``(b, n, embed_dim)`` (key defaults to query, value to
+        key). Returns ``(b, n, embed_dim)``."""
+        key = query if key is None else key
+        value = key if value is None else value
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if x.ndim != 3 or x.shape[-1] != self.embed_dim:
+                raise ValueError(
+                    f"{name} must have shape (batch, seq_len, embed_dim={self.embed_dim}), "
+                    f"got {tuple(x.shape)}"
+                )
+        b, n, _ = query.shape
+        q = self.q_proj(query).reshape(b, n, self.num_heads, self.head_dim)
+        k = self.k_proj(key).reshape(b, key.shape[1], self.num_kv_heads, self.head_dim)
+        v = self.v_proj(value).reshape(b, value.shape[1], self.num_kv_heads, self.head_dim)
+        x = block_sparse_attention(q, k, v, self.pattern, is_causal=is_causal)
+        x = x.reshape(b, n, self.embed_dim)
+        if self.dropout is not None:
+            x = self.dropout(x, deterministic=deterministic)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.out_proj(x)

@@ -1,0 +1,164 @@
+"""Ring (sequence-parallel) block-sparse attention equals the single-device op on 8 CPU devices.
+
+The 8 host devices need ``XLA_FLAGS`` before jax is imported, so unless this pytest process
+already has >= 8 devices the cases run once in a subprocess (this file run as a script) that
+reports max errors as JSON; the tests below assert on that report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+if __name__ == "__main__":  # worker: must set the device count before importing jax
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    )
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dilax import patterns as P
+from dilax.block_sparse import block_sparse_attention
+from dilax.block_sparse_ring import plan_ring, sharded_block_sparse_attention
+
+N, BSZ, D = 128, 8, 8
+
+
+def _mask_with_empty_rows():
+    # Random per head within 3 blocks of the diagonal: device r needs chunks r, r-1, r-2.
+    near = P.local_window(N, BSZ, 2 * BSZ + 1).block_mask
+    mask = np.array(P.random(N, BSZ, 0.6, seed=7, num_heads=4).block_mask) & near
+    mask[2] = False  # empty head
+    mask[0, 5] = False  # empty query block
+    return P.from_mask(mask, BSZ)
+
+
+CASES = {
+    # name: (pattern, h, hk, causal, mesh shape, batch)
+    "local_window_gqa": (P.local_window(N, BSZ, 10), 4, 2, False, (8,), 2),
+    "per_head_empty_rows_causal": (_mask_with_empty_rows(), 4, 2, True, (8,), 2),
+    "dilated_global_mha_batch_sharded": (
+        P.dilated(N, BSZ, (5,)) | P.global_local(N, BSZ, 8, 0), 2, 2, True, (2, 4), 2),
+}
+
+
+def _run_case(name):
+    pattern, h, hk, causal, mesh_shape, b = CASES[name]
+    auto = (jax.sharding.AxisType.Auto,) * len(mesh_shape)
+    if len(mesh_shape) == 1:
+        mesh = jax.make_mesh(mesh_shape, ("sp",), axis_types=auto)
+        batch_axis = None
+    else:
+        mesh = jax.make_mesh(mesh_shape, ("dp", "sp"), axis_types=auto)
+        batch_axis = "dp"
+    ks = jax.random.split(jax.random.PRNGKey(len(name)), 4)
+    q = jax.random.normal(ks[0], (b, N, h, D))
+    k = jax.random.normal(ks[1], (b, N, hk, D))
+    v = jax.random.normal(ks[2], (b, N, hk, D))
+    cot = jax.random.normal(ks[3], (b, N, h, D))
+
+    def vjp_of(fn):
+        @jax.jit
+        def run(q, k, v, cot):
+            out, vjp = jax.vjp(fn, q, k, v)
+            return out, vjp(cot)
+
+        return run
+
+    single = functools.partial(block_sparse_attention, pattern=pattern, is_causal=causal)
+    ring = functools.partial(sharded_block_sparse_attention, pattern=pattern, mesh=mesh,
+                             seq_axis="sp", batch_axis=batch_axis, is_causal=causal)
+    want = vjp_of(single)(q, k, v, cot)
+    compiled = vjp_of(ring).lower(q, k, v, cot).compile()
+    got = compiled(q, k, v, cot)
+    errors = {
+        key: float(jnp.max(jnp.abs(a - b_)))
+        for key, a, b_ in zip(("out", "dq", "dk", "dv"), (got[0], *got[1]),
+                              (want[0], *want[1]), strict=True)
+    }
+    finite = all(bool(jnp.isfinite(x).all()) for x in (got[0], *got[1]))
+    plan = plan_ring(pattern, mesh.shape["sp"], h, hk, causal)
+    hlo = compiled.as_text()
+    permutes = hlo.count("collective-permute-start") or hlo.count("collective-permute(")
+    return {"errors": errors, "finite": finite, "right": plan.right, "left": plan.left,
+            "steps": sorted(plan.steps), "permutes": permutes,
+            "all_gather": "all-gather" in hlo}
+
+
+def _worker_errors():
+    mesh = jax.make_mesh((8,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+    out = {}
+    for key, n in (("n_not_divisible", 100), ("shard_not_block_multiple", 160)):
+        x = jnp.zeros((1, n, 2, D))
+        try:
+            sharded_block_sparse_attention(x, x, x, P.local_window(n, 8, 0), mesh=mesh)
+            out[key] = "no error"
+        except ValueError as e:
+            out[key] = str(e)
+    return out
+
+
+def _report():
+    report = {name: _run_case(name) for name in CASES}
+    report["errors"] = _worker_errors()
+    return report
+
+
+@pytest.fixture(scope="module")
+def report():
+    if jax.device_count() >= 8:
+        return _report()
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env,
+                          capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_ring_equals_single_device_forward_and_gradient(report, name):
+    case = report[name]
+    assert case["finite"]
+    for key, err in case["errors"].items():
+        assert err <= 1e-5, (name, key, err)
+    assert not case["all_gather"]
+
+
+def test_ring_skips_steps_and_permutes_only_as_far_as_needed(report):
+    lw = report["local_window_gqa"]
+    # A local window needs the neighbours only: one step each way, not P - 1 = 7 steps.
+    assert lw["steps"] == [0, 1, 7] and (lw["right"], lw["left"]) == (1, 1)
+    # (k, v) x (right, left) forward, their cotangents backward; a one-way ring needs 7 steps.
+    assert 0 < lw["permutes"] <= 2 * 2 * 2, lw["permutes"]
+    causal = report["per_head_empty_rows_causal"]
+    assert causal["steps"] == [0, 1, 2] and (causal["right"], causal["left"]) == (2, 0)
+
+
+def test_ring_errors(report):
+    errors = report["errors"]
+    assert "divisible by the size 8" in errors["n_not_divisible"]
+    assert "(n/P = 20) must be a multiple of the pattern's block_size 8" in errors[
+        "shard_not_block_multiple"]
+
+
+def test_ring_errors_in_process():
+    mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = jnp.zeros((1, 60, 2, D))
+    with pytest.raises(ValueError, match="not an axis of the mesh"):
+        sharded_block_sparse_attention(x, x, x, P.local_window(60, 8, 0), mesh=mesh,
+                                       seq_axis="seq")
+    with pytest.raises(ValueError, match="multiple of the pattern's block_size 8"):
+        sharded_block_sparse_attention(x, x, x, P.local_window(60, 8, 0), mesh=mesh)
+
+
+if __name__ == "__main__":
+    print(json.dumps(_report()))
