@@ -227,6 +227,27 @@ def _zero_invalid_keys(x, k_start, kv_len):
     return jnp.where(valid[..., None], x, jnp.zeros((), x.dtype))
 
 
+def _varying_axes(*refs) -> tuple:
+    axes = set()
+    for ref in refs:
+        if ref is not None:
+            aval = jax.typeof(ref)
+            manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+            axes |= set(manual.varying if manual is not None else getattr(aval, "vma", ()))
+    return tuple(sorted(axes))
+
+
+def _varying_like(axes, *xs):
+    """Gives fresh loop-carry values the device-varying type ``axes`` under ``shard_map``.
+
+    Inside ``jax.shard_map`` (with ``check_vma``), a ``fori_loop`` carry must keep its type, so
+    zeros created for it have to be marked varying over the mesh axes its updates vary over.
+    """
+    if not axes:
+        return xs
+    return tuple(lax.pcast(x, axes, to="varying") for x in xs)
+
+
 def _slice_rows(x, b, start, size):
     """``x[b, start:start+size]`` for ``x: (B, L, ...)``."""
     return lax.dynamic_slice(x, (b, start) + (0,) * (x.ndim - 2), (1, size) + x.shape[2:])[0]
@@ -242,6 +263,7 @@ def _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view, block_
     vp = _pad_axis(v, 1, nk * block_k)
     if kv_len is None and nk * block_k != Lk:
         kv_len = jnp.full((B, U), Lk, jnp.int32)
+    axes = _varying_axes(q, k, v, kv_len, q_offset, k_offset)
 
     def row(idx):
         bi, qi = idx // nq, idx % nq
@@ -282,7 +304,8 @@ def _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view, block_
 
             return body
 
-        carry = (
+        carry = _varying_like(
+            axes,
             jnp.full((U, G, block_q), -jnp.inf, _F32),
             jnp.zeros((U, G, block_q), _F32),
             jnp.zeros((U, G, block_q, d), _F32),
@@ -318,6 +341,7 @@ def _backward(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale, 
     if kv_len is None and nk * block_k != Lk:
         kv_len = jnp.full((B, U), Lk, jnp.int32)
     q_scale = jnp.asarray(scale, q.dtype)
+    axes = _varying_axes(q, k, v, kv_len, q_offset, k_offset, dout, dlse)
     out_view = view.output_view()  # reads dout, lse, delta (output layout) per block
 
     def column(dq, idx):
@@ -362,7 +386,8 @@ def _backward(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale, 
 
             return body
 
-        carry = (jnp.zeros((U, block_k, d), _F32), jnp.zeros((U, block_k, d), _F32), dq)
+        carry = _varying_like(axes, jnp.zeros((U, block_k, d), _F32),
+                              jnp.zeros((U, block_k, d), _F32)) + (dq,)
         if is_causal:
             carry = lax.fori_loop(lo, full_lo, make_body(True), carry)
             carry = lax.fori_loop(full_lo, hi, make_body(False), carry)
@@ -371,7 +396,7 @@ def _backward(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale, 
         dk, dv, dq = carry
         return dq, (view.expand_kv(dk.astype(k.dtype)), view.expand_kv(dv.astype(v.dtype)))
 
-    dq0 = jnp.zeros((B, U, G, nq * block_q, d), _F32)
+    (dq0,) = _varying_like(axes, jnp.zeros((B, U, G, nq * block_q, d), _F32))
     dq, (dk, dv) = lax.scan(column, dq0, jnp.arange(B * nk, dtype=jnp.int32))
     dq = (dq[:, :, :, :Lq] * scale).astype(q.dtype)  # (B, U, G, Lq, d)
     dq = jax.vmap(view.expand_full_q)(dq)
@@ -396,7 +421,13 @@ def _core_bwd(scale, is_causal, view, blocks, res, cotangents):
     dout, dlse = cotangents
     dq, dk, dv = _backward(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale,
                            is_causal, view, *blocks[2:])
-    return dq, dk, dv, None, None, None
+    # Under shard_map an input that is invariant over a mesh axis (e.g. replicated K/V) gets
+    # the sum of the per-device cotangents: the transpose of its implicit broadcast.
+    grads = []
+    for primal, grad in ((q, dq), (k, dk), (v, dv)):
+        extra = tuple(a for a in _varying_axes(grad) if a not in _varying_axes(primal))
+        grads.append(lax.psum(grad, extra) if extra else grad)
+    return (*grads, None, None, None)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
