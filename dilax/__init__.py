@@ -4,6 +4,7 @@ Dilated (LongNet) attention, ring attention across devices and block-sparse atte
 built on one blockwise online-softmax core. Semantics: docs/semantics.md (SPEC.md).
 """
 
+from dilax.attention_fn import attention_fn
 from dilax.core import BlockSizes, attention_core, merge_attention_states
 from dilax.dilated import dilated_attention
 from dilax.reference import dilated_counts
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockSizes",
     "attention_core",
+    "attention_fn",
     "dilated_attention",
     "dilated_counts",
     "merge_attention_states",
