@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import math
 import sys
@@ -182,17 +183,27 @@ def make_model(cfg: ModelConfig, seed: int) -> LongNetLM:
     )
 
 
-def make_optimizer(model: LongNetLM, cfg: TrainConfig) -> nnx.Optimizer:
-    """AdamW (decay on matrices only) with warmup + cosine decay, global-norm clipping."""
+@functools.lru_cache(maxsize=16)
+def make_tx(steps: int, lr: float, warmup: int, weight_decay: float,
+            clip_norm: float) -> optax.GradientTransformation:
+    """AdamW (decay on matrices only) with warmup + cosine decay, global-norm clipping.
+
+    Cached: the same hyperparameters give the same object, so the optimizer's static graph and
+    therefore the compiled train step are reused across runs in one process.
+    """
     schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr, warmup_steps=max(cfg.warmup, 1),
-        decay_steps=max(cfg.steps, cfg.warmup + 1), end_value=cfg.lr * 0.1,
+        init_value=0.0, peak_value=lr, warmup_steps=max(warmup, 1),
+        decay_steps=max(steps, warmup + 1), end_value=lr * 0.1,
     )
-    tx = optax.chain(
-        optax.clip_by_global_norm(cfg.clip_norm),
-        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay,
+    return optax.chain(
+        optax.clip_by_global_norm(clip_norm),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay,
                     mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)),
     )
+
+
+def make_optimizer(model: LongNetLM, cfg: TrainConfig) -> nnx.Optimizer:
+    tx = make_tx(cfg.steps, cfg.lr, cfg.warmup, cfg.weight_decay, cfg.clip_norm)
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
