@@ -52,7 +52,7 @@ class ModelConfig:
     d_model: int = 128
     num_heads: int = 4
     num_kv_heads: int | None = None
-    num_layers: int = 4
+    num_layers: int = 2
     dim_feedforward: int = 512
     segment_lengths: tuple[int, ...] = (32, 64, 128)
     dilation_rates: tuple[int, ...] = (1, 2, 4)
@@ -75,10 +75,10 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 600
+    steps: int = 500
     batch_size: int = 16
     seq_len: int = 128
-    lr: float = 3e-3
+    lr: float = 6e-3
     warmup: int = 50
     weight_decay: float = 0.1
     clip_norm: float = 1.0
@@ -86,12 +86,12 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 8
     checkpoint_dir: str | None = None
-    checkpoint_every: int = 200
+    checkpoint_every: int = 250
     keep_checkpoints: int = 3
     resume: bool = False
     stop_after: int | None = None
     sample_tokens: int = 300
-    temperature: float = 0.8
+    temperature: float = 0.6
     prompt: str = "Once upon a time there was"
 
 
@@ -303,6 +303,13 @@ def save_checkpoint(directory: str | Path, step: int, model: nnx.Module,
     return Path(directory).absolute() / str(int(step))
 
 
+def _existing_steps(directory: str | Path) -> list[int]:
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
 def read_checkpoint_meta(directory: str | Path, step: int | None = None) -> tuple[int, dict]:
     """Returns ``(step, meta)`` of the latest (or given) checkpoint in ``directory``."""
     import orbax.checkpoint as ocp
@@ -333,6 +340,18 @@ def read_checkpoint_meta(directory: str | Path, step: int | None = None) -> tupl
     return step, meta
 
 
+def _check_model_config(meta: dict, model_cfg: ModelConfig, where: str | Path) -> None:
+    saved, now = meta.get("model_config") or {}, model_cfg.to_json()
+    if saved != now:
+        diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        raise CheckpointError(
+            f"checkpoint {where} was written for a different model config; differing fields: "
+            f"{diff} (checkpoint: { {k: saved.get(k) for k in diff} }, now: "
+            f"{ {k: now.get(k) for k in diff} }). Use the same model flags or another "
+            "--checkpoint-dir."
+        )
+
+
 def restore_checkpoint(directory: str | Path, model: nnx.Module, optimizer: nnx.Optimizer,
                        model_cfg: ModelConfig, step: int | None = None) -> tuple[int, dict]:
     """Restores the latest (or given) checkpoint into ``model`` and ``optimizer`` in place.
@@ -345,18 +364,10 @@ def restore_checkpoint(directory: str | Path, model: nnx.Module, optimizer: nnx.
 
     directory = Path(directory).absolute()
     step, meta = read_checkpoint_meta(directory, step)
-    saved = meta.get("model_config")
-    if saved != model_cfg.to_json():
-        diff = sorted(k for k in set(saved or {}) | set(model_cfg.to_json())
-                      if (saved or {}).get(k) != model_cfg.to_json().get(k))
-        raise CheckpointError(
-            f"checkpoint {directory / str(step)} was written for a different model config; "
-            f"differing fields: {diff} (checkpoint: "
-            f"{ {k: (saved or {}).get(k) for k in diff} }, now: "
-            f"{ {k: model_cfg.to_json().get(k) for k in diff} }). Use the same model flags "
-            "or another --checkpoint-dir."
-        )
-    target = _state_tree(model, optimizer)
+    _check_model_config(meta, model_cfg, directory / str(step))
+    # Restore to host (NumPy) and put back with jnp.asarray: the arrays are then placed like
+    # freshly initialized ones (uncommitted), so an already compiled train step is reused.
+    target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), _state_tree(model, optimizer))
     mngr = _manager(directory, create=False)
     try:
         tree = mngr.restore(step, args=ocp.args.Composite(
@@ -371,7 +382,7 @@ def restore_checkpoint(directory: str | Path, model: nnx.Module, optimizer: nnx.
                               "SHA-256 does not match the one recorded when it was saved")
     for obj, key in ((model, "model"), (optimizer, "optimizer")):
         state = nnx.state(obj)
-        nnx.replace_by_pure_dict(state, tree[key])
+        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, tree[key]))
         nnx.update(obj, state)
     return step, meta
 
@@ -414,6 +425,8 @@ def _validate(cfg: TrainConfig, model_cfg: ModelConfig, n_train: int, n_val: int
                          f"({n_train} train, {n_val} eval characters)")
     if cfg.resume and not cfg.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir")
+    if cfg.checkpoint_dir and cfg.checkpoint_every <= 0:
+        raise ValueError(f"checkpoint_every must be positive, got {cfg.checkpoint_every}")
     if cfg.stop_after is not None and not 0 < cfg.stop_after <= cfg.steps:
         raise ValueError(f"stop_after must be in [1, steps={cfg.steps}], got {cfg.stop_after}")
 
@@ -431,6 +444,16 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, *, text: str |
     _validate(cfg, model_cfg, len(train_data), len(val_data))
     entropy = unigram_entropy(tokens)
 
+    if cfg.resume:  # fail fast, before building anything: missing, unreadable, other config
+        _, meta = read_checkpoint_meta(cfg.checkpoint_dir)
+        _check_model_config(meta, model_cfg, cfg.checkpoint_dir)
+    if cfg.checkpoint_dir and not cfg.resume:
+        existing = _existing_steps(cfg.checkpoint_dir)
+        if existing:
+            raise CheckpointError(
+                f"{Path(cfg.checkpoint_dir).absolute()} already holds checkpoints (steps "
+                f"{existing}); pass --resume to continue that run or use another "
+                "--checkpoint-dir")
     model = make_model(model_cfg, cfg.seed)
     optimizer = make_optimizer(model, cfg)
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

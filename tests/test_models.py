@@ -203,17 +203,18 @@ def test_remat_same_values_and_gradients_and_every_parameter_gets_one():
         assert float(jnp.abs(g).max()) > 0, f"no gradient reaches {jax.tree_util.keystr(path)}"
     # the rematerialized model really checkpoints each layer (and the plain one does not)
     graphdef, state = nnx.split(remat)
-    jaxpr = str(jax.make_jaxpr(jax.grad(lambda s: loss(nnx.merge(graphdef, s))))(state))
-    assert jaxpr.count("checkpoint[") + jaxpr.count("remat") >= 2
+    jaxpr = str(jax.make_jaxpr(lambda s: loss(nnx.merge(graphdef, s)))(state))
+    assert jaxpr.count("remat2[") == 2  # one jax.checkpoint per layer
     graphdef, state = nnx.split(plain)
-    jaxpr = str(jax.make_jaxpr(jax.grad(lambda s: loss(nnx.merge(graphdef, s))))(state))
-    assert "checkpoint[" not in jaxpr
+    jaxpr = str(jax.make_jaxpr(lambda s: loss(nnx.merge(graphdef, s)))(state))
+    assert "remat2[" not in jaxpr
 
 
 def test_bfloat16_compute_with_float32_params():
     lm16 = _build(lambda: LongNetLM(40, 32, 4, 0, 2, 64, WS, RS, dtype=jnp.bfloat16,
                                     rngs=nnx.Rngs(0)))
-    lm32 = _build(lambda: LongNetLM(40, 32, 4, 0, 2, 64, WS, RS, rngs=nnx.Rngs(0)))
+    lm32 = _build(lambda: LongNetLM(40, 32, 4, 0, 2, 64, WS, RS, implementation=REF,
+                                    rngs=nnx.Rngs(0)))
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(lm16, nnx.Param)))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 16)), jnp.int32)
     y16, y32 = nnx.jit(lambda a, b, t: (a(t), b(t)))(lm16, lm32, tokens)

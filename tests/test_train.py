@@ -20,9 +20,10 @@ TEXT = load_corpus()
 VOCAB = T.CharTokenizer.from_text(TEXT).vocab
 TINY_MODEL = T.ModelConfig(vocab=VOCAB, d_model=32, num_heads=2, num_layers=1,
                            dim_feedforward=64, segment_lengths=(16, 32), dilation_rates=(1, 2))
-# Short runs share these hyperparameters so that they share one compiled train step.
-SHORT = T.TrainConfig(steps=6, batch_size=8, seq_len=32, lr=1e-2, warmup=2, eval_every=3,
-                      eval_batches=2, checkpoint_every=3, sample_tokens=0)
+# Every run here uses these hyperparameters (short runs stop early with stop_after), so that
+# they all share one compiled train step: the optimizer schedule is part of its static graph.
+SHORT = T.TrainConfig(steps=80, batch_size=8, seq_len=32, lr=1e-2, warmup=10, eval_every=3,
+                      eval_batches=2, checkpoint_every=3, sample_tokens=0, stop_after=6)
 
 
 def _run(cfg: T.TrainConfig, model_cfg: T.ModelConfig = TINY_MODEL) -> T.TrainResult:
@@ -68,8 +69,8 @@ def test_corpus_entropy_tokenizer_and_batches():
 
 
 def test_tiny_training_run_loss_drops():
-    cfg = dataclasses.replace(SHORT, steps=80, eval_every=80, eval_batches=4, warmup=10,
-                              checkpoint_every=0, sample_tokens=24, prompt="Once upon")
+    cfg = dataclasses.replace(SHORT, stop_after=None, eval_every=80, eval_batches=4,
+                              sample_tokens=24, prompt="Once upon")
     r = _run(cfg)
     first, last = r.eval_losses[0], r.eval_losses[80]
     print(f"tiny run: eval loss {first:.3f} -> {last:.3f} nats/char, unigram entropy "
@@ -86,20 +87,29 @@ def test_tiny_training_run_loss_drops():
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def test_checkpoint_round_trip_is_bit_exact(tmp_path):
-    r = _run(dataclasses.replace(SHORT, steps=6, eval_every=0))
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, T.TrainResult]:
+    """A 6-step run that checkpointed at step 6, and its in-memory result."""
+    d = tmp_path_factory.mktemp("ckpt") / "run"
+    r = _run(dataclasses.replace(SHORT, eval_every=0, checkpoint_dir=str(d), checkpoint_every=6))
+    return d, r
+
+
+def test_checkpoint_round_trip_is_bit_exact(trained, tmp_path):
+    run_dir, r = trained
     path = T.save_checkpoint(tmp_path, 6, r.model, r.optimizer, TINY_MODEL, SHORT)
     assert path == tmp_path.absolute() / "6"
-    model = T.make_model(TINY_MODEL, seed=123)  # other init: restore must overwrite all
-    opt = T.make_optimizer(model, SHORT)
-    step, meta = T.restore_checkpoint(tmp_path, model, opt, TINY_MODEL)
-    assert step == 6 and meta["model_config"] == TINY_MODEL.to_json()
-    assert int(opt.step[...]) == 6
-    _assert_same_bits(T._state_tree(model, opt), _state(r))
+    for d in (tmp_path, run_dir):  # saved here, and saved by the training loop
+        model = T.make_model(TINY_MODEL, seed=123)  # another init: restore must overwrite all
+        opt = T.make_optimizer(model, SHORT)
+        step, meta = T.restore_checkpoint(d, model, opt, TINY_MODEL)
+        assert step == 6 and meta["model_config"] == TINY_MODEL.to_json()
+        assert int(opt.step[...]) == 6
+        _assert_same_bits(T._state_tree(model, opt), _state(r))
 
 
 def test_resume_reproduces_the_uninterrupted_run_bit_exactly(tmp_path):
-    full = _run(dataclasses.replace(SHORT, checkpoint_dir=str(tmp_path / "a")))
+    full = _run(dataclasses.replace(SHORT, checkpoint_dir=str(tmp_path / "a")))  # steps 1-6
     first = _run(dataclasses.replace(SHORT, checkpoint_dir=str(tmp_path / "b"), stop_after=3))
     assert first.last_step == 3 and sorted(first.losses) == [1, 2, 3]
     assert sorted(p.name for p in (tmp_path / "b").iterdir() if p.name.isdigit()) == ["3"]
@@ -126,14 +136,6 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert "error: no checkpoint found" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--resume needs --checkpoint-dir"):
         _run(dataclasses.replace(SHORT, resume=True))
-
-
-@pytest.fixture(scope="module")
-def saved_checkpoint(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("ckpt")
-    _run(dataclasses.replace(SHORT, steps=6, eval_every=0, checkpoint_dir=str(d / "run"),
-                             checkpoint_every=6))
-    return d / "run"
 
 
 def _corrupt_copy(src: Path, dst: Path, what: str) -> Path:
@@ -164,37 +166,39 @@ def _corrupt_copy(src: Path, dst: Path, what: str) -> Path:
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("what", ["array data", "truncated state", "missing meta",
                                   "bad checksum"])
-def test_corrupt_checkpoint_is_a_clear_error(saved_checkpoint, tmp_path, what):
-    d = _corrupt_copy(saved_checkpoint, tmp_path / "c", what)
+def test_corrupt_checkpoint_is_a_clear_error(trained, tmp_path, what):
+    d = _corrupt_copy(trained[0], tmp_path / "c", what)
     model = T.make_model(TINY_MODEL, seed=0)
     opt = T.make_optimizer(model, SHORT)
     with pytest.raises(T.CheckpointError, match=r"corrupt"):
         T.restore_checkpoint(d, model, opt, TINY_MODEL)
 
 
-def test_checkpoint_of_another_model_config_is_refused(saved_checkpoint):
+def test_checkpoint_of_another_model_config_is_refused(trained):
     other = dataclasses.replace(TINY_MODEL, d_model=48, dilation_rates=(1, 4))
-    model = T.make_model(other, seed=0)
-    opt = T.make_optimizer(model, SHORT)
+    model, opt = nnx.eval_shape(lambda: (m := T.make_model(other, 0), T.make_optimizer(m, SHORT)))
     with pytest.raises(T.CheckpointError,
                        match=r"different model config.*\['d_model', 'dilation_rates'\]"):
-        T.restore_checkpoint(saved_checkpoint, model, opt, other)
+        T.restore_checkpoint(trained[0], model, opt, other)
 
 
 def test_cli_trains_and_resumes(tmp_path, capsys):
     flags = ["--d-model", "32", "--num-heads", "2", "--num-layers", "1", "--dim-feedforward",
-             "64", "--segment-lengths", "16,32", "--dilation-rates", "1,2", "--steps", "6",
-             "--batch-size", "8", "--seq-len", "32", "--lr", "1e-2", "--warmup", "2",
+             "64", "--segment-lengths", "16,32", "--dilation-rates", "1,2", "--steps", "80",
+             "--batch-size", "8", "--seq-len", "32", "--lr", "1e-2", "--warmup", "10",
              "--eval-every", "3", "--eval-batches", "2", "--checkpoint-every", "3",
              "--sample-tokens", "0", "--no-progress", "--checkpoint-dir", str(tmp_path)]
     assert T.main(flags + ["--stop-after", "3"]) == 0
-    assert T.main(flags + ["--resume"]) == 0
+    assert T.main(flags + ["--resume", "--stop-after", "6"]) == 0
     out = capsys.readouterr().out
     assert "unigram entropy" in out and "final eval loss" in out and "resumed from" in out
     # a changed model flag is refused with the differing field named
     assert T.main([f if f != "32" else "64" for f in flags[:2]] + flags[2:] + ["--resume"]) == 2
     assert "different model config" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["3", "6"]
+    # a fresh run does not silently mix its checkpoints into another run's directory
+    assert T.main(flags + ["--stop-after", "3"]) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err
 
 
 def test_train_state_has_no_rng_keys():

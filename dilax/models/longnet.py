@@ -34,19 +34,21 @@ PAPER_SEGMENT_LENGTHS: tuple[int, ...] = (2048, 4096, 8192, 16384, 32768)
 DEFAULT_DILATION_RATES: tuple[int, ...] = (1, 2, 4, 8, 16)
 
 
-def magneto_gammas(num_encoder_layers: int, num_decoder_layers: int) -> tuple[float, float]:
+def magneto_gammas(
+    num_encoder_layers: int, num_decoder_layers: int
+) -> tuple[float | None, float | None]:
     """MAGNETO init gains ``(encoder_gamma, decoder_gamma)`` (MAGNETO paper, Fig. 2).
 
     Encoder-decoder (N, M layers): ``sqrt(log(3M) log(2N) / 3)`` and ``sqrt(log 3M)``.
     Encoder-only: ``sqrt(log 2N)``. Decoder-only: ``sqrt(log 2M)``. The gain of an absent stack
-    is returned as ``nan``.
+    is ``None``.
     """
     n, m = num_encoder_layers, num_decoder_layers
     if n > 0 and m > 0:
         return math.sqrt(math.log(3 * m) * math.log(2 * n) / 3), math.sqrt(math.log(3 * m))
     if n > 0:
-        return math.sqrt(math.log(2 * n)), math.nan
-    return math.nan, math.sqrt(math.log(2 * m))
+        return math.sqrt(math.log(2 * n)), None
+    return None, math.sqrt(math.log(2 * m))
 
 
 def _xpos_tables(n: int, d: int, offset: int, downscale: bool, scale_base: float):
