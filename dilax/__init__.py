@@ -2,9 +2,12 @@
 
 Dilated (LongNet) attention, ring attention across devices and block-sparse attention, all
 built on one blockwise online-softmax core. Semantics: docs/semantics.md (SPEC.md).
+Modules live in :mod:`dilax.nn`, models in :mod:`dilax.models` (import them explicitly).
 """
 
-from dilax import patterns
+from dilax import memory, patterns
+from dilax.attention_fn import attention_fn
+from dilax.backend import describe
 from dilax.block_sparse import block_sparse_attention, content_adaptive_attention
 from dilax.core import BlockSizes, attention_core, merge_attention_states
 from dilax.dilated import dilated_attention
@@ -15,10 +18,13 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockSizes",
     "attention_core",
+    "attention_fn",
     "block_sparse_attention",
     "content_adaptive_attention",
+    "describe",
     "dilated_attention",
     "dilated_counts",
+    "memory",
     "merge_attention_states",
     "patterns",
 ]

@@ -1,0 +1,160 @@
+"""``attention_fn`` adapter: dilated attention inside ``flax.nnx.MultiHeadAttention``.
+
+``nnx.MultiHeadAttention`` projects its inputs to ``(..., n, h, d)`` queries and
+``(..., n, hk, d)`` keys/values (``num_kv_heads`` gives GQA) and then calls
+``attention_fn(query, key, value, mask=..., dropout_rng=..., dropout_rate=...,
+broadcast_dropout=..., deterministic=..., dtype=..., precision=..., module=..., is_causal=...)``.
+:func:`attention_fn` builds such a function from a dilated configuration; the attention itself
+is :func:`dilax.dilated_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dilax import _validation as V
+from dilax.core import BlockSizes
+from dilax.dilated import IMPLEMENTATIONS, dilated_attention
+
+_OPTIONS = ("mode", "is_causal", "scale", "implementation", "block_sizes")
+
+
+def check_options(
+    segment_lengths: Any, dilation_rates: Any, *, mode: Any = "mixture", is_causal: Any = False,
+    scale: Any = None, implementation: Any = None, block_sizes: Any = None,
+) -> dict[str, Any]:
+    """Validates a static dilated configuration (everything but the shapes) and returns it
+    normalized: ``segment_lengths``/``dilation_rates`` as int tuples, the rest checked."""
+    ws, rs = V.check_branches(segment_lengths, dilation_rates)
+    if mode not in V.MODES:
+        raise ValueError(f"mode must be one of {V.MODES}, got {mode!r}")
+    is_causal = V.check_bool(is_causal, "is_causal")
+    if scale is not None:
+        scale = V.check_scale(scale, 1)
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {(None,) + IMPLEMENTATIONS}, got {implementation!r}"
+        )
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"block_sizes must be a dilax.BlockSizes, got {type(block_sizes).__name__}")
+    return dict(segment_lengths=ws, dilation_rates=rs, mode=mode, is_causal=is_causal,
+                scale=scale, implementation=implementation, block_sizes=block_sizes)
+
+
+def attention_fn(
+    segment_lengths: tuple[int, ...] | list[int] | int,
+    dilation_rates: tuple[int, ...] | list[int] | int,
+    **options: Any,
+) -> Callable[..., jax.Array]:
+    """Returns a dilated ``attention_fn`` for ``flax.nnx.MultiHeadAttention``.
+
+    Example::
+
+      mha = nnx.MultiHeadAttention(
+          num_heads=8, in_features=512, num_kv_heads=2, decode=False, rngs=nnx.Rngs(0),
+          attention_fn=dilax.attention_fn((512, 1024), (1, 2), mode="mixture"))
+      y = mha(x, is_causal=True)  # x: (b, n, 512)
+
+    Args:
+      segment_lengths, dilation_rates: the dilated configuration (see
+        :func:`dilax.dilated_attention`).
+      **options: ``mode`` ("mixture" | "grouped"), ``is_causal`` (default ``False``; the
+        effective flag is this one OR the ``is_causal`` the module passes at call time),
+        ``scale``, ``implementation``, ``block_sizes`` — forwarded to
+        :func:`dilax.dilated_attention`.
+
+    The returned function takes ``query (..., n, h, d)``, ``key``/``value (..., n, hk, d)``
+    (any number of leading batch axes, including none) and returns ``(..., n, h, d)``.
+    It accepts every keyword ``nnx.MultiHeadAttention`` passes and refuses, with a
+    ``ValueError``, what dilated attention cannot honour: a dense ``mask`` or ``bias``,
+    attention-weight dropout (``dropout_rate > 0`` with ``deterministic=False``), sowing
+    attention weights (``module`` given, i.e. ``sow_weights=True``) and keys of another length
+    than the queries (e.g. ``decode=True`` with a KV cache). ``precision`` is accepted and has
+    no effect: the core always keeps logits and softmax statistics in float32.
+
+    Raises:
+      TypeError: an unknown option.
+      ValueError / TypeError: an invalid configuration (at construction) or invalid inputs
+        (at trace time).
+    """
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"attention_fn got unknown option(s) {unknown}; valid options are {list(_OPTIONS)}"
+        )
+    cfg = check_options(segment_lengths, dilation_rates, **options)
+
+    def dilated_attention_fn(
+        query: jax.Array,
+        key: jax.Array,
+        value: jax.Array,
+        bias: jax.Array | None = None,
+        mask: jax.Array | None = None,
+        broadcast_dropout: bool = True,
+        dropout_rng: jax.Array | None = None,
+        dropout_rate: float = 0.0,
+        deterministic: bool = False,
+        dtype: Any = None,
+        precision: Any = None,
+        module: Any = None,
+        promote_dtype: Any = None,
+        is_causal: bool = False,
+    ) -> jax.Array:
+        del broadcast_dropout, dropout_rng, precision  # see the docstring
+        if mask is not None:
+            raise ValueError(
+                "dilax.attention_fn does not support a dense `mask`: dilated attention has a "
+                "fixed sparsity pattern; use is_causal=True for causal masking and leave "
+                "mask=None"
+            )
+        if bias is not None:
+            raise ValueError("dilax.attention_fn does not support an attention `bias`")
+        if float(dropout_rate) > 0.0 and not deterministic:
+            raise ValueError(
+                f"dilax.attention_fn does not support attention-weight dropout (dropout_rate="
+                f"{dropout_rate}, deterministic=False): the blockwise core never materializes "
+                "the weights; use dropout_rate=0.0 or deterministic=True"
+            )
+        if module is not None:
+            raise ValueError(
+                "dilax.attention_fn cannot sow attention weights (sow_weights=True): the "
+                "blockwise core never materializes them"
+            )
+        if query.ndim < 3 or key.ndim != query.ndim or value.ndim != query.ndim:
+            raise ValueError(
+                "query, key and value must have layout (..., seq_len, heads, head_dim) with the "
+                f"same rank, got query {query.shape}, key {key.shape}, value {value.shape}"
+            )
+        if key.shape[-3] != query.shape[-3]:
+            raise ValueError(
+                "dilax.attention_fn needs keys of the same length as the queries (got query "
+                f"length {query.shape[-3]}, key length {key.shape[-3]}); autoregressive "
+                "decoding with a KV cache (decode=True) is not supported"
+            )
+        if promote_dtype is not None:
+            query, key, value = promote_dtype((query, key, value), dtype=dtype)
+        else:
+            dt = dtype if dtype is not None else jnp.result_type(query, key, value)
+            query, key, value = (x.astype(dt) for x in (query, key, value))
+        batch = query.shape[:-3]
+        if batch != key.shape[:-3] or batch != value.shape[:-3]:
+            raise ValueError(
+                f"query, key and value must have the same batch axes, got query {query.shape}, "
+                f"key {key.shape}, value {value.shape}"
+            )
+        flat = math.prod(batch)
+        q, k, v = (x.reshape((flat,) + x.shape[-3:]) for x in (query, key, value))
+        out = dilated_attention(
+            q, k, v, cfg["segment_lengths"], cfg["dilation_rates"],
+            is_causal=cfg["is_causal"] or V.check_bool(is_causal, "is_causal"),
+            scale=cfg["scale"], mode=cfg["mode"], implementation=cfg["implementation"],
+            block_sizes=cfg["block_sizes"],
+        )
+        return out.reshape(batch + out.shape[1:])
+
+    return dilated_attention_fn

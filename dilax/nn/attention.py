@@ -1,0 +1,215 @@
+"""Flax NNX attention modules: thin wrappers over :func:`dilax.dilated_attention`.
+
+- :class:`DilatedAttention`: parameter-free, ``(b, n, h, d)`` q/k/v in, ``(b, n, h, d)`` out.
+- :class:`MultiheadDilatedAttention`: q/k/v/out projections around it, with the MAGNETO
+  sub-LayerNorm before the output projection and MAGNETO/Xavier initialization, as in
+  dilated-attention-pytorch's ``MultiheadDilatedAttention``; GQA through ``num_kv_heads``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dilax import _validation as V
+from dilax.attention_fn import check_options
+from dilax.core import BlockSizes
+from dilax.dilated import dilated_attention
+
+Dtype = Any
+
+
+def xavier_normal(gain: float = 1.0) -> nnx.Initializer:
+    """Xavier/Glorot *normal* (not truncated) init: ``std = gain * sqrt(2 / (fan_in + fan_out))``.
+
+    Same distribution as ``torch.nn.init.xavier_normal_(w, gain)``, for ``(fan_in, fan_out)``
+    kernels (``nnx.Linear`` layout).
+    """
+    gain = float(gain)
+    if not gain > 0:
+        raise ValueError(f"gain must be positive, got {gain}")
+    return jax.nn.initializers.variance_scaling(gain**2, "fan_avg", "normal")
+
+
+class DilatedAttention(nnx.Module):
+    """Parameter-free dilated attention over projected heads.
+
+    Args:
+      segment_lengths, dilation_rates: the branches ``(w_i, r_i)``, ``w_i % r_i == 0``.
+      mode: ``"mixture"`` (LongNet Eq. 10, default) or ``"grouped"``
+        (dilated-attention-pytorch).
+      is_causal: default causal flag; ``__call__(..., is_causal=...)`` overrides it.
+      scale: logit scale, default ``1 / sqrt(d)``.
+      implementation, block_sizes: forwarded to :func:`dilax.dilated_attention`.
+
+    ``__call__(q, k, v)`` takes ``q (b, n, h, d)``, ``k``/``v (b, n, hk, d)`` with
+    ``h % hk == 0`` and returns ``(b, n, h, d)`` in ``q.dtype``.
+    """
+
+    def __init__(
+        self,
+        segment_lengths: tuple[int, ...] | list[int] | int,
+        dilation_rates: tuple[int, ...] | list[int] | int,
+        *,
+        mode: str = "mixture",
+        is_causal: bool = False,
+        scale: float | None = None,
+        implementation: str | None = None,
+        block_sizes: BlockSizes | None = None,
+    ):
+        cfg = check_options(segment_lengths, dilation_rates, mode=mode, is_causal=is_causal,
+                            scale=scale, implementation=implementation, block_sizes=block_sizes)
+        self.segment_lengths: tuple[int, ...] = cfg["segment_lengths"]
+        self.dilation_rates: tuple[int, ...] = cfg["dilation_rates"]
+        self.mode: str = cfg["mode"]
+        self.is_causal: bool = cfg["is_causal"]
+        self.scale: float | None = cfg["scale"]
+        self.implementation: str | None = cfg["implementation"]
+        self.block_sizes: BlockSizes | None = cfg["block_sizes"]
+
+    def __call__(
+        self, q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool | None = None
+    ) -> jax.Array:
+        causal = self.is_causal if is_causal is None else V.check_bool(is_causal, "is_causal")
+        return dilated_attention(
+            q, k, v, self.segment_lengths, self.dilation_rates, is_causal=causal,
+            scale=self.scale, mode=self.mode, implementation=self.implementation,
+            block_sizes=self.block_sizes,
+        )
+
+
+class MultiheadDilatedAttention(nnx.Module):
+    """Multi-head dilated attention with MAGNETO sub-LayerNorm.
+
+    ``y = out_proj(LN(dropout(dilated_attention(q_proj(x_q), k_proj(x_k), v_proj(x_v)))))``
+    with heads split as ``(b, n, embed_dim) -> (b, n, h, embed_dim / h)``.
+
+    Args:
+      embed_dim: model width ``E``; ``E % num_heads == 0``.
+      num_heads: query heads ``h``.
+      segment_lengths, dilation_rates: dilated configuration (see :class:`DilatedAttention`).
+      num_kv_heads: key/value heads ``hk`` (GQA/MQA); default ``num_heads``;
+        ``num_heads % num_kv_heads == 0``. ``k_proj``/``v_proj`` map ``E -> hk * E / h``.
+      dropout: dropout rate on the attention output (before the sub-LayerNorm). The blockwise
+        core never materializes attention weights, so there is no attention-weight dropout.
+      use_bias: biases on the four projections (initialized to zero).
+      layer_norm: MAGNETO sub-LayerNorm before ``out_proj`` (the MAGNETO decoder's
+        cross-attention has none: pass ``False``).
+      layer_norm_eps: LayerNorm epsilon.
+      gamma_init: Xavier-normal gain of ``v_proj`` and ``out_proj`` (``q_proj``/``k_proj`` use
+        gain 1), MAGNETO's depth-dependent gamma.
+      mode, scale, implementation, block_sizes: forwarded to :func:`dilax.dilated_attention`.
+      dtype: compute dtype (``None``: from inputs and params); param_dtype: parameter dtype.
+      keep_rngs: keep a forked ``dropout`` stream of ``rngs`` for dropout (only if
+        ``dropout > 0``); with ``False`` pass ``rngs`` at call time.
+      rngs: for parameter initialization.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        segment_lengths: tuple[int, ...] | list[int] | int,
+        dilation_rates: tuple[int, ...] | list[int] | int,
+        *,
+        num_kv_heads: int | None = None,
+        dropout: float = 0.0,
+        use_bias: bool = True,
+        layer_norm: bool = True,
+        layer_norm_eps: float = 1e-5,
+        gamma_init: float = 1.0,
+        mode: str = "mixture",
+        scale: float | None = None,
+        implementation: str | None = None,
+        block_sizes: BlockSizes | None = None,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        keep_rngs: bool = True,
+        rngs: nnx.Rngs,
+    ):
+        embed_dim = V.static_int(embed_dim, "embed_dim")
+        num_heads = V.static_int(num_heads, "num_heads")
+        num_kv_heads = num_heads if num_kv_heads is None else V.static_int(num_kv_heads,
+                                                                           "num_kv_heads")
+        if embed_dim <= 0 or num_heads <= 0 or num_kv_heads <= 0:
+            raise ValueError(
+                "embed_dim, num_heads and num_kv_heads must be positive, got "
+                f"embed_dim={embed_dim}, num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+            )
+        if embed_dim % num_heads != 0:
+            raise ValueError(
+                f"embed_dim must be divisible by num_heads (embed_dim % num_heads == 0), got "
+                f"embed_dim={embed_dim}, num_heads={num_heads}"
+            )
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads must be divisible by num_kv_heads (num_heads % num_kv_heads == 0), "
+                f"got num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+            )
+        dropout = float(dropout)
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        gain = float(gamma_init)
+        if not gain > 0:
+            raise ValueError(f"gamma_init must be positive, got {gamma_init}")
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.gamma_init = gain
+        kv_dim = num_kv_heads * self.head_dim
+
+        def linear(n_in, n_out, g):
+            return nnx.Linear(n_in, n_out, use_bias=use_bias, kernel_init=xavier_normal(g),
+                              bias_init=nnx.initializers.zeros_init(), dtype=dtype,
+                              param_dtype=param_dtype, rngs=rngs)
+
+        self.q_proj = linear(embed_dim, embed_dim, 1.0)
+        self.k_proj = linear(embed_dim, kv_dim, 1.0)
+        self.v_proj = linear(embed_dim, kv_dim, gain)
+        self.attention = DilatedAttention(segment_lengths, dilation_rates, mode=mode, scale=scale,
+                                          implementation=implementation, block_sizes=block_sizes)
+        self.dropout = nnx.Dropout(dropout, rngs=rngs if keep_rngs and dropout > 0 else None)
+        self.norm = (
+            nnx.LayerNorm(embed_dim, epsilon=layer_norm_eps, dtype=dtype, param_dtype=param_dtype,
+                          rngs=rngs)
+            if layer_norm else nnx.data(None)
+        )
+        self.out_proj = linear(embed_dim, embed_dim, gain)
+
+    def __call__(
+        self,
+        query: jax.Array,
+        key: jax.Array | None = None,
+        value: jax.Array | None = None,
+        *,
+        is_causal: bool = False,
+        deterministic: bool | None = None,
+        rngs: nnx.Rngs | None = None,
+    ) -> jax.Array:
+        """``query (b, n, E)``, ``key``/``value (b, n, E)`` (default: ``query``, and ``value``
+        defaults to ``key``) -> ``(b, n, E)``."""
+        if key is None:
+            if value is not None:
+                raise ValueError("key must be given when value is given")
+            key = query
+        if value is None:
+            value = key
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if x.ndim != 3 or x.shape[-1] != self.embed_dim:
+                raise ValueError(
+                    f"{name} must have shape (batch, seq_len, embed_dim={self.embed_dim}), got "
+                    f"{tuple(x.shape)}"
+                )
+        b, n, _ = query.shape
+        q = self.q_proj(query).reshape(b, n, self.num_heads, self.head_dim)
+        k = self.k_proj(key).reshape(*key.shape[:2], self.num_kv_heads, self.head_dim)
+        v = self.v_proj(value).reshape(*value.shape[:2], self.num_kv_heads, self.head_dim)
+        x = self.attention(q, k, v, is_causal=is_causal).reshape(b, n, self.embed_dim)
+        x = self.dropout(x, deterministic=deterministic, rngs=rngs)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.out_proj(x)

@@ -1,0 +1,307 @@
+"""dilax.models: LongNet layers and models, XPOS, init, parameter count (issue 4, 1, 3, 6)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dilax.models import (
+    PAPER_SEGMENT_LENGTHS,
+    DilatedTransformerDecoderLayer,
+    DilatedTransformerEncoderLayer,
+    LongNet,
+    LongNetLM,
+    magneto_gammas,
+    xpos,
+)
+from dilax.reference import dilated_counts, masked_attention
+
+WS, RS = (4, 16), (1, 4)
+TOL = dict(rtol=1e-5, atol=1e-5)
+# Layer wiring is checked with the dense SPEC oracle (implementation="reference"), which
+# compiles much faster on CPU; the XLA path runs in the end-to-end LM tests below and in
+# tests/test_train.py.
+REF = "reference"
+
+
+def _build(ctor, seed: int = 1):
+    """Abstract init (no initializer runs), then N(0, 0.5) parameters drawn with NumPy."""
+    module = nnx.eval_shape(ctor)
+    rng = np.random.default_rng(seed)
+    nnx.update(module, jax.tree.map(
+        lambda x: jnp.asarray(0.5 * rng.standard_normal(x.shape), x.dtype),
+        nnx.state(module, nnx.Param)))
+    return module
+
+
+def _x(seed, shape):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def _p(module):
+    return nnx.to_pure_dict(nnx.state(module, nnx.Param))
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def ln(x, p, eps=1e-5):
+    mu = x.mean(-1, keepdims=True)
+    return (x - mu) / jnp.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps) * p["scale"] + p[
+        "bias"]
+
+
+def lin(x, p):
+    return x @ p["kernel"] + p["bias"]
+
+
+def mhda(p, xq, xkv, h, is_causal, layer_norm):
+    b, n, e = xq.shape
+    d = e // h
+    q, k, v = (lin(x, p[name]).reshape(b, n, h, d)
+               for x, name in ((xq, "q_proj"), (xkv, "k_proj"), (xkv, "v_proj")))
+    a = masked_attention(q, k, v, dilated_counts(n, h, WS, RS, "mixture", is_causal),
+                         1 / math.sqrt(d)).reshape(b, n, e)
+    return lin(ln(a, p["norm"]) if layer_norm else a, p["out_proj"])
+
+
+def ffn(p, x, act):
+    return lin(ln(act(lin(x, p["linear1"])), p["norm"]), p["linear2"])
+
+
+def encoder_layer(p, x, h, is_causal, act=jax.nn.relu):
+    x = x + mhda(p["self_attn"], ln(x, p["norm1"]), ln(x, p["norm1"]), h, is_causal, True)
+    return x + ffn(p["ffn"], ln(x, p["norm2"]), act)
+
+
+def decoder_layer(p, x, mem, h, is_causal, mem_causal):
+    x = x + mhda(p["self_attn"], ln(x, p["norm1"]), ln(x, p["norm1"]), h, is_causal, True)
+    if mem is not None:  # MAGNETO: no sub-LayerNorm in the cross-attention
+        x = x + mhda(p["cross_attn"], ln(x, p["norm2"]), mem, h, mem_causal, False)
+    return x + ffn(p["ffn"], ln(x, p["norm3"]), jax.nn.relu)
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def test_encoder_and_decoder_layers_match_hand_written_composition():
+    kw = dict(dim_feedforward=32, implementation=REF)
+    enc = _build(lambda: DilatedTransformerEncoderLayer(16, 4, WS, RS, activation=jax.nn.gelu,
+                                                        rngs=nnx.Rngs(0), **kw))
+    dec = _build(lambda: DilatedTransformerDecoderLayer(16, 4, WS, RS, rngs=nnx.Rngs(0), **kw))
+    dec_only = _build(lambda: DilatedTransformerDecoderLayer(
+        16, 4, WS, RS, cross_attention=False, rngs=nnx.Rngs(0), **kw))
+    x, mem = _x(0, (2, 16, 16)), _x(1, (2, 16, 16))
+
+    @nnx.jit
+    def run(enc, dec, dec_only, x, mem):
+        return (enc(x, is_causal=True), dec(x, mem, is_causal=True, memory_is_causal=False),
+                dec_only(x, is_causal=False))
+
+    y_enc, y_dec, y_dec_only = run(enc, dec, dec_only, x, mem)
+    np.testing.assert_allclose(y_enc, encoder_layer(_p(enc), x, 4, True, jax.nn.gelu), **TOL)
+    np.testing.assert_allclose(y_dec, decoder_layer(_p(dec), x, mem, 4, True, False), **TOL)
+    np.testing.assert_allclose(y_dec_only, decoder_layer(_p(dec_only), x, None, 4, False, False),
+                               **TOL)
+    assert "cross_attn" not in _p(dec_only)
+    with pytest.raises(ValueError, match="memory must be given"):
+        dec(x)
+    with pytest.raises(ValueError, match="cross_attention=False"):
+        dec_only(x, mem)
+
+
+def test_longnet_stacks_match_their_layers():
+    """Encoder-decoder (decoder attends the final encoder output), decoder-only and
+    encoder-only stacks, all causal."""
+    kw = dict(dim_feedforward=32, implementation=REF)
+    encdec = _build(lambda: LongNet(16, 4, 2, 2, segment_lengths=WS, dilation_rates=RS,
+                                    rngs=nnx.Rngs(0), **kw))
+    dec_only = _build(lambda: LongNet(16, 4, 0, 2, segment_lengths=WS, dilation_rates=RS,
+                                      rngs=nnx.Rngs(0), **kw))
+    enc_only = _build(lambda: LongNet(16, 4, 2, 0, segment_lengths=WS, dilation_rates=RS,
+                                      rngs=nnx.Rngs(0), **kw))
+    x = _x(0, (2, 16, 16))
+    y1, y2, y3 = nnx.jit(lambda a, b, c, x: (a(x), b(x), c(x)))(encdec, dec_only, enc_only, x)
+
+    p = _p(encdec)
+    mem = encoder_layer(p["encoder"][1], encoder_layer(p["encoder"][0], x, 4, True), 4, True)
+    tgt = x
+    for i in range(2):
+        tgt = decoder_layer(p["decoder"][i], tgt, mem, 4, True, True)
+    np.testing.assert_allclose(y1, tgt, **TOL)
+    p = _p(dec_only)
+    ref = decoder_layer(p["decoder"][1], decoder_layer(p["decoder"][0], x, None, 4, True, True),
+                        None, 4, True, True)
+    np.testing.assert_allclose(y2, ref, **TOL)
+    p = _p(enc_only)
+    ref = encoder_layer(p["encoder"][1], encoder_layer(p["encoder"][0], x, 4, True), 4, True)
+    np.testing.assert_allclose(y3, ref, **TOL)
+
+
+# ----------------------------------------------------------------------------- XPOS
+
+
+def test_xpos_matches_a_per_position_loop_and_is_relative():
+    n, d = 12, 8
+    x = np.random.default_rng(0).standard_normal((2, n, d))
+    out = np.asarray(xpos(jnp.asarray(x, jnp.float32)))
+    lo = -(n // 2) if n % 2 == 0 else -(n // 2) - 1
+    ref = np.zeros_like(x)
+    for i in range(n):
+        for j in range(d // 2):
+            theta = i / 10000 ** (j / (d // 2))
+            zeta = (2 * j + 0.4 * d) / (1.4 * d)
+            s = zeta ** ((lo + i) / 512)
+            a, b = x[:, i, 2 * j], x[:, i, 2 * j + 1]
+            ref[:, i, 2 * j] = s * (a * math.cos(theta) - b * math.sin(theta))
+            ref[:, i, 2 * j + 1] = s * (b * math.cos(theta) + a * math.sin(theta))
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+    # XPOS's point: <xpos(q)_m, xpos(k, downscale)_t> depends only on m - t
+    u = jnp.broadcast_to(jnp.asarray(x[0, 0], jnp.float32), (1, n, d))
+    dots = np.asarray(jnp.einsum("bmd,btd->mt", xpos(u), xpos(u, downscale=True)))
+    np.testing.assert_allclose(dots[1:, 1:], dots[:-1, :-1], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="even"):
+        xpos(jnp.zeros((1, 4, 3)))
+
+
+# ----------------------------------------------------------------------------- LM end to end
+
+
+def test_longnet_lm_is_causal():
+    """Default (XLA) implementation, encoder-decoder: a token never influences earlier logits
+    (the encoder, the decoder and the cross-attention to the encoder output are all causal)."""
+    lm = _build(lambda: LongNetLM(40, 16, 4, 1, 1, 32, WS, RS, rngs=nnx.Rngs(0)))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 16)), jnp.int32)
+    changed = tokens.at[:, 9].set((tokens[:, 9] + 1) % 40)
+    a, b = nnx.jit(lambda lm, t, c: (lm(t), lm(c)))(lm, tokens, changed)
+    assert a.shape == (2, 16, 40) and a.dtype == jnp.float32
+    np.testing.assert_array_equal(a[:, :9], b[:, :9])
+    assert float(jnp.abs(a[:, 9:] - b[:, 9:]).max()) > 1e-3
+
+
+def test_remat_same_values_and_gradients_and_every_parameter_gets_one():
+    plain = _build(lambda: LongNetLM(40, 16, 4, 1, 1, 32, WS, RS, implementation=REF,
+                                     rngs=nnx.Rngs(0)))
+    remat = _build(lambda: LongNetLM(40, 16, 4, 1, 1, 32, WS, RS, implementation=REF,
+                                     remat=True, rngs=nnx.Rngs(0)))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 16)), jnp.int32)
+    loss = lambda lm: jnp.mean(lm(tokens) ** 2)
+    step = nnx.jit(nnx.value_and_grad(loss))
+    (v1, g1), (v2, g2) = step(plain), step(remat)
+    np.testing.assert_allclose(v2, v1, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 nnx.to_pure_dict(g2), nnx.to_pure_dict(g1))
+    # gradients reach every parameter of the encoder-decoder LM
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(g1))[0]
+    assert len(flat) == len(jax.tree.leaves(nnx.state(plain, nnx.Param)))
+    for path, g in flat:
+        assert float(jnp.abs(g).max()) > 0, f"no gradient reaches {jax.tree_util.keystr(path)}"
+    # the rematerialized model really checkpoints each layer (and the plain one does not)
+    graphdef, state = nnx.split(remat)
+    jaxpr = str(jax.make_jaxpr(lambda s: loss(nnx.merge(graphdef, s)))(state))
+    assert jaxpr.count("remat2[") == 2  # one jax.checkpoint per layer
+    graphdef, state = nnx.split(plain)
+    jaxpr = str(jax.make_jaxpr(lambda s: loss(nnx.merge(graphdef, s)))(state))
+    assert "remat2[" not in jaxpr
+
+
+def test_bfloat16_compute_with_float32_params():
+    lm16 = _build(lambda: LongNetLM(40, 32, 4, 0, 2, 64, WS, RS, dtype=jnp.bfloat16,
+                                    rngs=nnx.Rngs(0)))
+    lm32 = _build(lambda: LongNetLM(40, 32, 4, 0, 2, 64, WS, RS, implementation=REF,
+                                    rngs=nnx.Rngs(0)))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(lm16, nnx.Param)))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 16)), jnp.int32)
+    y16, y32 = nnx.jit(lambda a, b, t: (a(t), b(t)))(lm16, lm32, tokens)
+    assert y16.dtype == jnp.bfloat16 and y32.dtype == jnp.float32
+    rel = float(jnp.abs(y16.astype(jnp.float32) - y32).max() / jnp.abs(y32).max())
+    assert rel < 3e-2, rel
+
+
+# ----------------------------------------------------------------------------- init
+
+
+def test_layer_init_statistics_and_magneto_gains():
+    def std_ratio(w, fan_in, fan_out, gain):
+        return float(np.std(np.asarray(w))) / (gain * math.sqrt(2 / (fan_in + fan_out)))
+
+    e, f, gain = 512, 1024, 1.7
+    layer = DilatedTransformerEncoderLayer(e, 8, WS, RS, dim_feedforward=f, gamma_init=gain,
+                                           rngs=nnx.Rngs(0))
+    for w, fi, fo, g in ((layer.ffn.linear1.kernel, e, f, gain),
+                         (layer.ffn.linear2.kernel, f, e, gain),
+                         (layer.self_attn.q_proj.kernel, e, e, 1.0),
+                         (layer.self_attn.v_proj.kernel, e, e, gain),
+                         (layer.self_attn.out_proj.kernel, e, e, gain)):
+        assert abs(std_ratio(w[...], fi, fo, g) - 1) < 0.05
+    for lin_ in (layer.ffn.linear1, layer.ffn.linear2):
+        np.testing.assert_array_equal(lin_.bias[...], 0.0)
+    # MAGNETO gains (MAGNETO paper, Fig. 2), and LongNet hands them to its layers
+    enc, dec = magneto_gammas(12, 12)
+    assert enc == pytest.approx(math.sqrt(math.log(36) * math.log(24) / 3))
+    assert dec == pytest.approx(math.sqrt(math.log(36)))
+    assert magneto_gammas(0, 6)[1] == pytest.approx(math.sqrt(math.log(12)))
+    assert magneto_gammas(6, 0)[0] == pytest.approx(math.sqrt(math.log(12)))
+    net = nnx.eval_shape(lambda: LongNet(64, 4, 2, 3, 128, WS, RS, rngs=nnx.Rngs(0)))
+    g_enc, g_dec = magneto_gammas(2, 3)
+    assert net.encoder[1].self_attn.gamma_init == pytest.approx(g_enc)
+    assert net.decoder[2].cross_attn.gamma_init == pytest.approx(g_dec)
+
+
+# ----------------------------------------------------------------------------- parameter count
+
+
+def closed_form_longnet(d, h, n_enc, n_dec, ff, hk=None):
+    """Parameters of LongNet, counted by hand (biases on, LayerNorm scale + bias)."""
+    hk = hk or h
+    kv = hk * (d // h)
+    attn = 2 * (d * d + d) + 2 * (d * kv + kv)  # q, out: d -> d; k, v: d -> kv
+    norm = lambda width: 2 * width
+    ffn = (d * ff + ff) + norm(ff) + (ff * d + d)
+    enc = norm(d) + attn + norm(d) + norm(d) + ffn  # norm1, self_attn(+sub-LN), norm2, ffn
+    dec_cross = norm(d) + attn + norm(d) + norm(d) + attn + norm(d) + ffn
+    dec_self = norm(d) + attn + norm(d) + norm(d) + ffn
+    return n_enc * enc + n_dec * (dec_cross if n_enc else dec_self)
+
+
+def _count(module) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+
+def test_parameter_count_of_longnet_paper_defaults():
+    net = nnx.eval_shape(lambda: LongNet(rngs=nnx.Rngs(0)))  # abstract: nothing allocated
+    count = _count(net)
+    print(f"LongNet() paper defaults (d_model 768, 12 heads, 12+12 layers, ffn 3072, "
+          f"segment_lengths {PAPER_SEGMENT_LENGTHS}): {count:,} parameters")
+    assert count == closed_form_longnet(768, 12, 12, 12, 3072) == 198_660_096
+    # decoder-only with GQA, and the LM (embedding, final norm, head) around it
+    small = nnx.eval_shape(lambda: LongNet(32, 4, 0, 2, 48, WS, RS, num_kv_heads=2,
+                                           rngs=nnx.Rngs(0)))
+    assert _count(small) == closed_form_longnet(32, 4, 0, 2, 48, hk=2)
+    lm = nnx.eval_shape(lambda: LongNetLM(1000, 32, 4, 1, 1, 48, WS, RS, rngs=nnx.Rngs(0)))
+    assert _count(lm) == (closed_form_longnet(32, 4, 1, 1, 48) + 1000 * 32 + 2 * 32
+                          + (32 * 1000 + 1000))
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def test_model_arguments_are_validated():
+    with pytest.raises(ValueError, match="num_encoder_layers and num_decoder_layers"):
+        LongNet(16, 4, 0, 0, 32, WS, RS, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="d_model must be even"):
+        LongNetLM(10, 15, 3, 0, 1, 32, WS, RS, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="embed_dim % num_heads"):
+        nnx.eval_shape(lambda: LongNet(18, 4, 1, 1, 32, WS, RS, rngs=nnx.Rngs(0)))
+    # the paper's dilation rates (1, 2, 4, 6, 12) break SPEC's w % r == 0 (16384 % 6 != 0)
+    with pytest.raises(ValueError, match=r"segment_lengths\[3\]=16384 must be divisible by "
+                                         r"dilation_rates\[3\]=6"):
+        nnx.eval_shape(lambda: LongNet(dilation_rates=(1, 2, 4, 6, 12), rngs=nnx.Rngs(0)))
+    lm = _build(lambda: LongNetLM(10, 16, 4, 0, 1, 32, WS, RS, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="tokens must be an integer array"):
+        lm(jnp.zeros((2, 16)))
