@@ -11,6 +11,7 @@ from dilax.backend import describe
 from dilax.block_sparse import block_sparse_attention, content_adaptive_attention
 from dilax.core import BlockSizes, attention_core, merge_attention_states
 from dilax.dilated import dilated_attention
+from dilax.factory import create_attention
 from dilax.reference import dilated_counts
 
 __version__ = "0.1.0"
@@ -21,6 +22,7 @@ __all__ = [
     "attention_fn",
     "block_sparse_attention",
     "content_adaptive_attention",
+    "create_attention",
     "describe",
     "dilated_attention",
     "dilated_counts",

@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from dilax import _validation as V
+from dilax.backend import IMPLEMENTATIONS
 from dilax.core import BlockSizes
-from dilax.dilated import IMPLEMENTATIONS, dilated_attention
+from dilax.dilated import dilated_attention
 
 _OPTIONS = ("mode", "is_causal", "scale", "implementation", "block_sizes")
 

@@ -31,11 +31,12 @@ import numpy as np
 from jax import lax
 
 from dilax import _validation as V
+from dilax.backend import resolve_implementation
 from dilax.core import BlockSizes, attention_core, merge_attention_states
 from dilax.patterns import BlockSparsePattern, mask_tables
 from dilax.reference import masked_attention
 
-IMPLEMENTATIONS = ("reference", "xla")
+IMPLEMENTATIONS = ("reference", "xla", "pallas")
 
 # Upper bound on gathered K+V bytes per lax.map step (a few query blocks at a time).
 _ROW_BUDGET_BYTES = 64 * 2**20
@@ -72,9 +73,10 @@ def check_pattern(pattern, q: jax.Array) -> BlockSparsePattern:
     return pattern
 
 
-def _check_implementation(implementation) -> str:
+def _check_implementation(implementation) -> str | None:
+    """Validates a name; ``None`` stays ``None`` (resolved per backend at call time)."""
     if implementation is None:
-        return "xla"
+        return None
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation must be one of {(None,) + IMPLEMENTATIONS}, got {implementation!r}"
@@ -351,6 +353,7 @@ def block_sparse_attention(
     is_causal: bool = False,
     scale: float | None = None,
     implementation: str | None = None,
+    interpret: bool = False,
 ) -> jax.Array:
     """Exact block-sparse attention (SPEC.md, "Block-sparse attention").
 
@@ -366,7 +369,10 @@ def block_sparse_attention(
       is_causal: additionally restrict query ``p`` to keys ``t <= p``.
       scale: logit scale, default ``1 / sqrt(d)``.
       implementation: ``None``/``"xla"`` (gathers only the active key blocks; time and memory
-        follow the number of active blocks) or ``"reference"`` (dense, explicit mask).
+        follow the number of active blocks), ``"pallas"`` (the table-driven Pallas kernel;
+        needs ``n % B == 0``) or ``"reference"`` (dense, explicit mask). ``None`` picks
+        ``"pallas"`` on GPU and ``"xla"`` elsewhere.
+      interpret: run the Pallas kernel in the interpreter (CPU testing).
 
     Returns:
       ``(b, n, h, d)`` in ``q.dtype``. Queries with no attended key get 0 (and 0 gradient).
@@ -375,11 +381,31 @@ def block_sparse_attention(
     pattern = check_pattern(pattern, q)
     is_causal = V.check_bool(is_causal, "is_causal")
     scale = V.check_scale(scale, q.shape[3])
-    implementation = _check_implementation(implementation)
+    interpret = V.check_bool(interpret, "interpret")
+    implementation = resolve_implementation(implementation, interpret=interpret,
+                                            allowed=IMPLEMENTATIONS)
     if implementation == "reference":
         return block_sparse_attention_reference(q, k, v, pattern, is_causal=is_causal,
                                                 scale=scale)
+    if implementation == "pallas":
+        return _block_sparse_pallas(q, k, v, pattern, is_causal, scale, interpret)
     return block_sparse_attention_xla(q, k, v, pattern, is_causal=is_causal, scale=scale)
+
+
+def _block_sparse_pallas(q, k, v, pattern, is_causal, scale, interpret):
+    from pallas_kernels.block_sparse import block_sparse_flash_attention  # lazy: optional
+
+    b, n, h, d = q.shape
+    hk = k.shape[2]
+    bs = pattern.block_size
+    if n % bs != 0:
+        raise ValueError(f"implementation='pallas' needs seq_len to be a multiple of "
+                         f"pattern.block_size={bs}, got n={n} (use implementation='xla')")
+    idx, cnt = pattern.tables(is_causal)
+    out, _ = block_sparse_flash_attention(
+        q.reshape(b, n, hk, h // hk, d), k, v, idx, cnt, block_size=bs, scale=scale,
+        is_causal=is_causal, interpret=interpret)
+    return out.reshape(b, n, h, d)
 
 
 # -- content-adaptive selection -----------------------------------------------------------

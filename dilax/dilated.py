@@ -20,6 +20,7 @@ import numpy as np
 from jax import lax
 
 from dilax import _validation as V
+from dilax.backend import resolve_implementation
 from dilax.core import (
     BlockSizes,
     SlotView,
@@ -28,8 +29,6 @@ from dilax.core import (
     static_take,
 )
 from dilax.reference import dilated_attention_reference, group_sizes
-
-IMPLEMENTATIONS = ("reference", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +268,7 @@ def dilated_attention(
     mode: str = "mixture",
     implementation: str | None = None,
     block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
 ) -> jax.Array:
     """Dilated attention (LongNet), exactly as specified in SPEC.md.
 
@@ -283,9 +283,13 @@ def dilated_attention(
       mode: ``"mixture"`` (every head runs every branch with offset ``j % r``, branches merged
         with their softmax mass, LongNet Eq. 10) or ``"grouped"`` (dilated-attention-pytorch:
         head groups, one branch each, output divided by the number of branches).
-      implementation: ``None`` (best available), ``"xla"`` or ``"reference"`` (explicit mask;
-        small ``n`` only).
+      implementation: ``None`` (best for the backend: ``"pallas"`` on GPU, ``"xla"``
+        elsewhere), ``"xla"`` (blockwise core), ``"pallas"`` (Pallas flash kernel per branch),
+        ``"cudnn"`` (``jax.nn.dot_product_attention`` per branch, CUDA only) or
+        ``"reference"`` (explicit mask; small ``n`` only).
       block_sizes: optional :class:`dilax.core.BlockSizes` for the blockwise core.
+      interpret: run the Pallas kernels in the interpreter (CPU testing); implies
+        ``implementation="pallas"`` when ``implementation`` is None.
 
     Returns:
       ``(b, n, h, d)`` in ``q.dtype``. Queries selected by no branch get 0.
@@ -298,16 +302,41 @@ def dilated_attention(
     mode = V.check_mode(mode, q.shape[2], len(ws))
     is_causal = V.check_bool(is_causal, "is_causal")
     scale = V.check_scale(scale, q.shape[3])
-    if implementation is None:
-        implementation = "xla"
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation must be one of {(None,) + IMPLEMENTATIONS}, got {implementation!r}"
-        )
+    interpret = V.check_bool(interpret, "interpret")
+    implementation = resolve_implementation(implementation, interpret=interpret)
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be a dilax.BlockSizes, got {type(block_sizes).__name__}")
     if implementation == "reference":
         return dilated_attention_reference(q, k, v, ws, rs, is_causal=is_causal, scale=scale,
                                            mode=mode)
+    attention_fn = attention_core
+    if implementation == "pallas":
+        from pallas_kernels.flash_attention import flash_attention  # lazy: optional kernels
+
+        attention_fn = functools.partial(flash_attention, interpret=interpret)
+    elif implementation == "cudnn":
+        attention_fn = _cudnn_attention
     return dilated_attention_xla(q, k, v, ws, rs, is_causal=is_causal, scale=scale, mode=mode,
-                                 block_sizes=block_sizes)
+                                 block_sizes=block_sizes, attention_fn=attention_fn)
+
+
+def _cudnn_attention(q, k, v, *, scale, is_causal, kv_len, block_sizes=None):
+    """Core calling convention on top of ``jax.nn.dot_product_attention(implementation="cudnn")``.
+
+    cuDNN takes one key length per batch row, so a ragged last segment is only supported when
+    it is the same for every head (always true without dilation). Unverified on hardware here.
+    """
+    del block_sizes
+    B, L, Hk, G, d = q.shape
+    lengths = None
+    if kv_len is not None:
+        lens = np.asarray(kv_len)
+        if (lens != lens[:, :1]).any():
+            raise ValueError("implementation='cudnn' needs the same valid key length for every "
+                             "head; use n divisible by every segment length, or 'xla'/'pallas'")
+        lengths = jnp.asarray(lens[:, 0], jnp.int32)
+    out, lse = jax.nn.dot_product_attention(
+        q.reshape(B, L, Hk * G, d), k, v, scale=scale, is_causal=is_causal,
+        key_value_seq_lengths=lengths, implementation="cudnn", return_residual=True)
+    lse = jnp.moveaxis(lse, 1, 2) if lse.shape[1] == Hk * G else lse  # (B, L, H)
+    return out.reshape(B, L, Hk, G, d), lse.reshape(B, L, Hk, G).astype(jnp.float32)

@@ -1,0 +1,207 @@
+"""``create_attention``: one entry point that picks the attention module and says why.
+
+The PyTorch project's factory picks a class from a string; here the choice also depends on the
+backend (Pallas kernels on GPU, the blockwise XLA core elsewhere) and on what the caller gives:
+a block pattern means block-sparse, a mesh with a sequence axis means ring attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+
+from dilax.backend import IMPLEMENTATIONS, current_backend, default_implementation
+
+KINDS = ("auto", "dilated", "block_sparse", "ring")
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What :func:`create_attention` built, and why."""
+
+    kind: str
+    implementation: str
+    multihead: bool
+    reason: str
+
+    def __str__(self) -> str:
+        return (f"{self.kind} attention ({'multi-head module' if self.multihead else 'module'}),"
+                f" implementation={self.implementation!r}: {self.reason}")
+
+
+class RingDilatedAttention(nnx.Module):
+    """Dilated attention over a device mesh: the sequence axis is sharded on ``seq_axis``.
+
+    ``__call__(q, k, v)`` takes global ``(b, n, h, d)`` arrays and returns the same as
+    :func:`dilax.dilated_attention` on one device (SPEC.md, "Ring").
+    """
+
+    def __init__(self, segment_lengths, dilation_rates, *, mesh: jax.sharding.Mesh,
+                 seq_axis: str = "sp", batch_axis: str | None = None, mode: str = "mixture",
+                 is_causal: bool = False, scale: float | None = None):
+        self.segment_lengths = tuple(segment_lengths)
+        self.dilation_rates = tuple(dilation_rates)
+        self.mesh = mesh
+        self.seq_axis = seq_axis
+        self.batch_axis = batch_axis
+        self.mode = mode
+        self.is_causal = is_causal
+        self.scale = scale
+
+    def __call__(self, q, k, v, *, is_causal: bool | None = None):
+        from dilax.ring import sharded_dilated_attention
+
+        return sharded_dilated_attention(
+            q, k, v, self.segment_lengths, self.dilation_rates, mesh=self.mesh,
+            seq_axis=self.seq_axis, batch_axis=self.batch_axis,
+            is_causal=self.is_causal if is_causal is None else is_causal, mode=self.mode,
+            scale=self.scale)
+
+
+class Attention(nnx.Module):
+    """The module :func:`create_attention` returns: the chosen module plus the reason.
+
+    Call it like the wrapped module; ``.choice`` says what was picked and why.
+    """
+
+    def __init__(self, inner: nnx.Module, choice: Choice):
+        self.inner = inner
+        self.choice = choice
+
+    def __call__(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"dilax.Attention({self.choice}; module={type(self.inner).__name__})"
+
+
+def _fail(message: str) -> ValueError:
+    valid = ("valid combinations: kind='dilated' with segment_lengths + dilation_rates; "
+             "kind='block_sparse' with pattern; kind='ring' with segment_lengths + "
+             "dilation_rates + mesh (a mesh axis named seq_axis); kind='auto' infers one of "
+             "these. Add embed_dim + num_heads (+ rngs) for a multi-head module.")
+    return ValueError(f"{message}. {valid}")
+
+
+def create_attention(
+    kind: str = "auto",
+    *,
+    segment_lengths=None,
+    dilation_rates=None,
+    pattern=None,
+    mesh: jax.sharding.Mesh | None = None,
+    seq_axis: str = "sp",
+    embed_dim: int | None = None,
+    num_heads: int | None = None,
+    mode: str = "mixture",
+    is_causal: bool = False,
+    implementation: str | None = None,
+    backend: str | None = None,
+    rngs: nnx.Rngs | None = None,
+    **module_kwargs: Any,
+) -> Attention:
+    """Builds the right attention module and reports the choice.
+
+    Args:
+      kind: ``"auto"`` (infer), ``"dilated"``, ``"block_sparse"`` or ``"ring"``.
+      segment_lengths, dilation_rates: dilated/ring configuration.
+      pattern: a :class:`dilax.patterns.BlockSparsePattern` (block-sparse).
+      mesh, seq_axis: a mesh whose ``seq_axis`` shards the sequence (ring).
+      embed_dim, num_heads: give both for a multi-head module with projections (then
+        ``rngs`` is required); otherwise a parameter-free module over ``(b, n, h, d)``.
+      mode, is_causal: as in :func:`dilax.dilated_attention`.
+      implementation: ``None`` = best for ``backend`` (``"pallas"`` on GPU, ``"xla"``
+        elsewhere), or one of ``"reference"``, ``"xla"``, ``"pallas"``, ``"cudnn"``.
+      backend: override the detected backend (``"cpu"``, ``"gpu"``...), e.g. to build a GPU
+        configuration on a CPU host.
+      **module_kwargs: forwarded to the module (``num_kv_heads``, ``dropout``...).
+
+    Returns:
+      :class:`Attention`, whose ``.choice`` (and ``repr``) says what was chosen and why.
+
+    Raises:
+      ValueError: unknown kind/implementation or an impossible combination, listing the
+        valid ones.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {(None,) + IMPLEMENTATIONS}, "
+                         f"got {implementation!r}")
+    backend = current_backend() if backend is None else backend
+    dilated_cfg = segment_lengths is not None or dilation_rates is not None
+    if dilated_cfg and (segment_lengths is None or dilation_rates is None):
+        raise _fail("segment_lengths and dilation_rates must be given together")
+    if pattern is not None and dilated_cfg:
+        raise _fail("give either pattern (block-sparse) or segment_lengths/dilation_rates "
+                    "(dilated), not both")
+    multihead = embed_dim is not None or num_heads is not None
+    if multihead and (embed_dim is None or num_heads is None or rngs is None):
+        raise _fail("a multi-head module needs embed_dim, num_heads and rngs")
+
+    reasons = []
+    if kind == "auto":
+        if pattern is not None:
+            kind, why = "block_sparse", "a block pattern was given"
+        elif dilated_cfg and mesh is not None:
+            kind, why = "ring", f"a mesh was given: the sequence is sharded over '{seq_axis}'"
+        elif dilated_cfg:
+            kind, why = "dilated", "segment_lengths/dilation_rates were given, no mesh"
+        else:
+            raise _fail("create_attention('auto') needs segment_lengths + dilation_rates or a "
+                        "pattern")
+        reasons.append(why)
+    if kind in ("dilated", "ring") and not dilated_cfg:
+        raise _fail(f"kind={kind!r} needs segment_lengths and dilation_rates")
+    if kind == "block_sparse" and pattern is None:
+        raise _fail("kind='block_sparse' needs a pattern")
+    if kind == "ring":
+        if mesh is None:
+            raise _fail("kind='ring' needs a mesh")
+        if seq_axis not in mesh.axis_names:
+            raise _fail(f"seq_axis={seq_axis!r} is not an axis of the mesh {mesh.axis_names}")
+        if multihead:
+            raise _fail("kind='ring' builds a parameter-free module; project q, k, v outside "
+                        "and call it, or use MultiheadDilatedAttention on one device")
+    if kind != "ring" and mesh is not None:
+        raise _fail(f"kind={kind!r} does not take a mesh")
+
+    if implementation is None:
+        implementation = default_implementation(backend)
+        reasons.append(f"backend {backend!r} -> {implementation!r}")
+    else:
+        reasons.append(f"implementation {implementation!r} requested")
+    if kind == "ring":
+        implementation = "xla"
+        reasons.append("ring attention runs the blockwise XLA core on each device")
+    if kind == "block_sparse" and implementation == "cudnn":
+        raise _fail("cuDNN has no block-sparse attention: use implementation 'pallas' or 'xla'")
+
+    from dilax import nn
+
+    if kind == "dilated":
+        if multihead:
+            inner = nn.MultiheadDilatedAttention(
+                embed_dim, num_heads, segment_lengths, dilation_rates, mode=mode,
+                implementation=implementation, rngs=rngs, **module_kwargs)
+        else:
+            inner = nn.DilatedAttention(segment_lengths, dilation_rates, mode=mode,
+                                        is_causal=is_causal, implementation=implementation,
+                                        **module_kwargs)
+    elif kind == "block_sparse":
+        if multihead:
+            # The multi-head block-sparse module always runs the XLA gather path.
+            implementation = "xla"
+            inner = nn.BlockSparseMultiheadAttention(embed_dim, num_heads, pattern, rngs=rngs,
+                                                     **module_kwargs)
+        else:
+            inner = nn.BlockSparseAttention(pattern, is_causal=is_causal,
+                                            implementation=implementation, **module_kwargs)
+    else:
+        inner = RingDilatedAttention(segment_lengths, dilation_rates, mesh=mesh,
+                                     seq_axis=seq_axis, mode=mode, is_causal=is_causal,
+                                     **module_kwargs)
+    return Attention(inner, Choice(kind, implementation, multihead, "; ".join(reasons)))

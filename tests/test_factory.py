@@ -1,0 +1,96 @@
+"""create_attention: selection logic (backend faked), every kind it returns, and its errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import dilax
+from dilax import patterns
+
+Q = jax.random.normal(jax.random.PRNGKey(0), (1, 32, 4, 8))
+KV = jax.random.normal(jax.random.PRNGKey(1), (1, 32, 2, 8))
+
+
+def test_auto_picks_xla_on_cpu_and_pallas_on_gpu():
+    cpu = dilax.create_attention(segment_lengths=(8, 16), dilation_rates=(1, 2))
+    assert cpu.choice.kind == "dilated" and cpu.choice.implementation == "xla"
+    assert "backend 'cpu'" in repr(cpu)
+    gpu = dilax.create_attention(segment_lengths=(8, 16), dilation_rates=(1, 2), backend="gpu")
+    assert gpu.choice.implementation == "pallas"
+    assert gpu.inner.implementation == "pallas"
+    sparse = dilax.create_attention(pattern=patterns.local_window(32, 8, 16), backend="gpu")
+    assert sparse.choice.kind == "block_sparse" and sparse.choice.implementation == "pallas"
+
+
+def test_dilated_kind_computes_the_functional_op():
+    attn = dilax.create_attention("dilated", segment_lengths=(8, 16), dilation_rates=(1, 2),
+                                  is_causal=True)
+    expected = dilax.dilated_attention(Q, KV, KV, (8, 16), (1, 2), is_causal=True,
+                                       implementation="reference")
+    np.testing.assert_allclose(np.asarray(attn(Q, KV, KV)), np.asarray(expected), atol=1e-5)
+
+
+def test_block_sparse_kind_computes_the_functional_op():
+    pattern = patterns.local_window(32, 8, 16)
+    attn = dilax.create_attention(pattern=pattern)
+    expected = dilax.block_sparse_attention(Q, KV, KV, pattern, implementation="reference")
+    np.testing.assert_allclose(np.asarray(attn(Q, KV, KV)), np.asarray(expected), atol=1e-5)
+
+
+def test_multihead_kinds_build_projection_modules():
+    attn = dilax.create_attention(segment_lengths=(8, 16), dilation_rates=(1, 2), embed_dim=32,
+                                  num_heads=4, rngs=nnx.Rngs(0), layer_norm=False)
+    assert isinstance(attn.inner, dilax.nn.MultiheadDilatedAttention) and attn.choice.multihead
+    x = jax.random.normal(jax.random.PRNGKey(2), (1, 32, 32))
+    expected = attn.inner(x)
+    np.testing.assert_allclose(np.asarray(attn(x)), np.asarray(expected))
+    sparse = dilax.create_attention(pattern=patterns.local_window(32, 8, 16), embed_dim=32,
+                                    num_heads=4, rngs=nnx.Rngs(0))
+    assert isinstance(sparse.inner, dilax.nn.BlockSparseMultiheadAttention)
+
+
+def test_ring_kind_on_a_one_device_mesh_equals_single_device():
+    mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+    attn = dilax.create_attention(segment_lengths=(8, 16), dilation_rates=(1, 2), mesh=mesh)
+    assert attn.choice.kind == "ring" and "mesh" in attn.choice.reason
+    expected = dilax.dilated_attention(Q, KV, KV, (8, 16), (1, 2), implementation="reference")
+    np.testing.assert_allclose(np.asarray(attn(Q, KV, KV)), np.asarray(expected), atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(kind="sparse"), "kind must be one of"),
+    (dict(), "needs segment_lengths + dilation_rates or a pattern"),
+    (dict(segment_lengths=(8,)), "must be given together"),
+    (dict(segment_lengths=(8,), dilation_rates=(1,), pattern=patterns.local_window(32, 8, 8)),
+     "not both"),
+    (dict(kind="ring", segment_lengths=(8,), dilation_rates=(1,)), "needs a mesh"),
+    (dict(kind="block_sparse"), "needs a pattern"),
+    (dict(segment_lengths=(8,), dilation_rates=(1,), implementation="triton"),
+     "implementation must be one of"),
+    (dict(segment_lengths=(8,), dilation_rates=(1,), embed_dim=32), "needs embed_dim, num_heads"),
+    (dict(pattern=patterns.local_window(32, 8, 8), implementation="cudnn"), "cuDNN has no"),
+])
+def test_impossible_combinations_list_the_valid_ones(kwargs, fragment):
+    with pytest.raises(ValueError) as info:
+        dilax.create_attention(**kwargs)
+    assert fragment in str(info.value)
+
+
+def test_describe_reports_backend_and_kernels(capsys):
+    text = dilax.describe()
+    assert "backend: cpu" in text and "pallas" in text and "xla" in text
+    assert text in capsys.readouterr().out
+
+
+def test_pallas_off_gpu_needs_interpret():
+    with pytest.raises(ValueError, match="interpret=True"):
+        dilax.dilated_attention(Q, KV, KV, (8,), (1,), implementation="pallas")
+    out = dilax.dilated_attention(Q, KV, KV, (8, 16), (1, 2), interpret=True, is_causal=True)
+    ref = dilax.dilated_attention(Q, KV, KV, (8, 16), (1, 2), implementation="reference",
+                                  is_causal=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
+    assert jnp.isfinite(out).all()
