@@ -87,16 +87,21 @@ def check(pattern, h, hk, causal, n=N, seed=0):
 
 GQA = (4, 2)
 
-PATTERNS = {
-    "local_window": P.local_window(N, BSZ, 9),
-    "dilated": P.dilated(N, BSZ, (3, 4)),
-    "global_local": P.global_local(N, BSZ, 5, 4),
-    "hierarchical": P.hierarchical(N, ((8, 0), (16, 1), (32, 1))),
-    "random": P.random(N, BSZ, 0.3, seed=1),
-    "from_mask": P.from_mask(np.tril(np.ones((NB, NB), bool))[::-1], BSZ),
-    "dilated_segments": P.dilated_segments(N, BSZ, (16, 32), (2, 4)),
-    "combined": (P.local_window(N, BSZ, 0) | P.dilated(N, BSZ, (5,))) & P.random(N, BSZ, .7),
-}
+def make_patterns(N):
+    NB = -(-N // BSZ)
+    return {
+        "local_window": P.local_window(N, BSZ, 9),
+        "dilated": P.dilated(N, BSZ, (3, 4)),
+        "global_local": P.global_local(N, BSZ, 5, 4),
+        "hierarchical": P.hierarchical(N, ((8, 0), (16, 1), (32, 1))),
+        "random": P.random(N, BSZ, 0.3, seed=1),
+        "from_mask": P.from_mask(np.tril(np.ones((NB, NB), bool))[::-1], BSZ),
+        "dilated_segments": P.dilated_segments(N, BSZ, (16, 32), (2, 4)),
+        "combined": (P.local_window(N, BSZ, 0) | P.dilated(N, BSZ, (5,))) & P.random(N, BSZ, .7),
+    }
+
+
+PATTERNS = make_patterns(N)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -447,3 +452,23 @@ def test_argument_errors():
         dilax.content_adaptive_attention(q, k, v, BSZ, NB + 1)
     with pytest.raises(ValueError, match="block_size"):
         dilax.content_adaptive_attention(q, k, v, 0, 1)
+
+
+# -- the same pattern set through every public implementation ------------------------------
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas-interpret"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_every_pattern_public_op_per_implementation(name, causal, impl):
+    """The shared pattern set, run through ``block_sparse_attention`` end to end."""
+    n = 64  # whole blocks: the Pallas kernel has no partial last block
+    pattern = make_patterns(n)[name]
+    q, k, v, cot = inputs(*GQA, n)
+    kwargs = dict(implementation="pallas", interpret=True) if impl == "pallas-interpret" else \
+        dict(implementation=impl)
+    fwd = functools.partial(dilax.block_sparse_attention, pattern=pattern, is_causal=causal,
+                            **kwargs)
+    out, vjp = jax.vjp(fwd, q, k, v)
+    mask = pattern.expanded_mask(n, causal).astype(np.float32)
+    assert_close((out, vjp(cot)), reference_vjp(q, k, v, mask, cot))
