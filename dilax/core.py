@@ -193,13 +193,24 @@ class SlotView:
 
 
 def _scatter_static(x, index, size):
-    """``y[:, index[i]] = x[:, i]`` into ``size`` zero-initialized entries (static, unique)."""
+    """``y[:, f] = sum_{i: index[i] == f} x[:, i]`` into ``size`` zero-initialized entries.
+
+    Static indices; repeated ones (several virtual kv heads reading the same kv head at the
+    same slot, as in uneven GQA splits) are summed.
+    """
     if tuple(index) == tuple(range(size)):
         return x
-    inverse = {f: i for i, f in enumerate(index)}
-    x = static_take(x, tuple(inverse.get(f, 0) for f in range(size)), axis=1)
-    used = np.array([f in inverse for f in range(size)]).reshape((1, size) + (1,) * (x.ndim - 2))
-    return jnp.where(used, x, jnp.zeros((), x.dtype))
+    occurrences: dict[int, list[int]] = {}
+    for i, f in enumerate(index):
+        occurrences.setdefault(f, []).append(i)
+    total = None
+    for level in range(max(len(v) for v in occurrences.values())):
+        src = {f: v[level] for f, v in occurrences.items() if len(v) > level}
+        part = static_take(x, tuple(src.get(f, 0) for f in range(size)), axis=1)
+        used = np.array([f in src for f in range(size)]).reshape((1, size) + (1,) * (x.ndim - 2))
+        part = jnp.where(used, part, jnp.zeros((), x.dtype))
+        total = part if total is None else total + part
+    return total
 
 
 def identity_view(num_kv_heads: int, q_per_kv: int) -> SlotView:

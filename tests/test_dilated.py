@@ -97,6 +97,9 @@ EDGE_CASES = [
     (1, 1, 3, 1, 8, (4, 2), (2, 1), "mixture", True),  # n = 1
     (1, 45, 12, 4, 64, (9, 15, 30, 45), (1, 3, 3, 3), "mixture", True),
     (1, 45, 12, 3, 64, (9, 15, 30, 45), (1, 3, 3, 3), "grouped", False),
+    # uneven GQA split: two virtual kv heads read the same (slot, kv head) -> dk/dv summed
+    (1, 1, 4, 1, 8, (3, 2), (3, 2), "mixture", False),
+    (1, 20, 6, 1, 8, (6, 4), (3, 2), "mixture", True),
 ]
 
 
