@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable, Hashable
 
 import jax
@@ -385,7 +386,7 @@ def _valid_rows(geo: _Geometry, kv_slots, axis_name) -> jax.Array:
     t = jnp.arange(geo.R)
     n_u = jnp.asarray([-(-(geo.n - o) // geo.r) for o in kv_slots], jnp.int32)
     rows = []
-    for F_t, cnt_t in zip(geo.table(geo.F[:-1]), geo.table(geo.cnt)):
+    for F_t, cnt_t in zip(geo.table(geo.F[:-1]), geo.table(geo.cnt), strict=True):
         F, cnt = _lookup(F_t, idx), _lookup(cnt_t, idx)
         rows.append((t < cnt)[:, None] & ((F + t)[:, None] < n_u[None, :]))
     return jnp.stack(rows)
@@ -534,10 +535,10 @@ def _pair_forward(cfg: _RingConfig, q, k, v, Fq, cq, Fk, ck, ok):
 
         results.append((lax.cond(pred, run, skip, (q, ks, vs)), rows))
     (out, lse), _ = results[0]
-    for (o, l), rows in results[1:]:
+    for (o, lse_c), rows in results[1:]:
         sel = rows[None, :, None, None]
         out = jnp.where(sel[..., None], o, out)
-        lse = jnp.where(sel, l, lse)
+        lse = jnp.where(sel, lse_c, lse)
     return out, lse
 
 
@@ -577,17 +578,32 @@ def _tables(cfg: _RingConfig):
     return geo.table(geo.F[:-1]), geo.table(geo.cnt)
 
 
+def _stream_loop(st: _Stream, idx, step, carry, transfer):
+    """Runs ``step(carry, src)`` for every hop of stream ``st``, moving ``transfer(carry)`` one
+    hop between steps. A ``fori_loop`` keeps one block in use and one in flight per device."""
+    src = jnp.asarray(np.asarray(st.src, np.int32))  # (steps, P)
+    hops = len(st.src)
+    carry = transfer(carry, True)
+
+    def body(s, carry):
+        return transfer(step(carry, src[s, idx]), False)
+
+    if hops > 1:
+        carry = lax.fori_loop(0, hops - 1, body, carry)
+    return step(carry, src[hops - 1, idx])
+
+
 def _ring_forward(qd, kd, vd, cfg: _RingConfig):
     C = cfg.geo.C
     idx = lax.axis_index(cfg.axis_name)
     F_t, cnt_t = _tables(cfg)
     Fq = [_lookup(F_t[c], idx) for c in range(C)]
     cq = [_lookup(cnt_t[c], idx) for c in range(C)]
-    state = [None] * C
 
-    def visit(kb, vb, src):
+    def visit(state, kb, vb, src):
         ok = src >= 0
         j = jnp.maximum(src, 0)
+        state = list(state)
         for cp in range(C):
             Fk, ck = _lookup(F_t[cp], j), _lookup(cnt_t[cp], j)
             for c in range(C):
@@ -595,18 +611,32 @@ def _ring_forward(qd, kd, vd, cfg: _RingConfig):
                                        ok)
                 state[c] = (o, lse) if state[c] is None else merge_attention_states(
                     *state[c], o, lse)
+        return tuple(state)
 
-    visit(kd, vd, idx)
-    for st in cfg.streams:
-        kb, vb = kd, vd
-        for row in st.src:
-            kb = lax.ppermute(kb, cfg.axis_name, st.perm)
-            vb = lax.ppermute(vb, cfg.axis_name, st.perm)
-            if max(row) >= 0:
-                visit(kb, vb, _lookup(row, idx))
-    out = jnp.stack([s[0] for s in state], axis=1)
-    lse = jnp.stack([s[1] for s in state], axis=1)
-    return out, lse
+    if not cfg.streams:
+        return _stack_state(visit((None,) * C, kd, vd, idx))
+    # Every transfer sits inside a loop body next to the compute it overlaps with (iteration s
+    # sends the block of hop s + 1 while it computes hop s), so the scheduler cannot hoist the
+    # transfers of later hops ahead of time: each device holds one block in use and one in
+    # flight. Hop 0 is the own block (visited by the first stream only).
+    b, _, R, U, G, d = qd.shape
+    state = ((jnp.zeros((b, R, U, G, d), _F32), jnp.full((b, R, U, G), -jnp.inf, _F32)),) * C
+    for si, st in enumerate(cfg.streams):
+        own = np.arange(cfg.geo.P) if si == 0 else np.full(cfg.geo.P, -1)
+        src = jnp.asarray(np.concatenate([own[None], np.asarray(st.src)]).astype(np.int32))
+
+        def body(s, carry, st=st, src=src):
+            kb, vb, state = carry
+            nxt = [lax.ppermute(x, cfg.axis_name, st.perm) for x in (kb, vb)]
+            return (*nxt, visit(state, kb, vb, src[s, idx]))
+
+        kb, vb, state = lax.fori_loop(0, len(st.src), body, (kd, vd, state))
+        state = visit(state, kb, vb, src[len(st.src), idx])
+    return _stack_state(state)
+
+
+def _stack_state(state):
+    return jnp.stack([s[0] for s in state], axis=1), jnp.stack([s[1] for s in state], axis=1)
 
 
 def _ring_backward(cfg: _RingConfig, res, cts):
@@ -617,11 +647,11 @@ def _ring_backward(cfg: _RingConfig, res, cts):
     F_t, cnt_t = _tables(cfg)
     Fq = [_lookup(F_t[c], idx) for c in range(C)]
     cq = [_lookup(cnt_t[c], idx) for c in range(C)]
-    dq = [jnp.zeros(qd.shape[:1] + qd.shape[2:], _F32) for _ in range(C)]
 
-    def visit(kb, vb, src):
+    def visit(dq, kb, vb, src):
         ok = src >= 0
         j = jnp.maximum(src, 0)
+        dq = list(dq)
         dks, dvs = [], []
         for cp in range(C):
             Fk, ck = _lookup(F_t[cp], j), _lookup(cnt_t[cp], j)
@@ -635,25 +665,27 @@ def _ring_backward(cfg: _RingConfig, res, cts):
                 dk_c, dv_c = dk_c + gk, dv_c + gv
             dks.append(dk_c)
             dvs.append(dv_c)
-        return jnp.stack(dks, axis=1), jnp.stack(dvs, axis=1)
+        return jnp.stack(dq, axis=1), jnp.stack(dks, axis=1), jnp.stack(dvs, axis=1)
 
-    dk, dv = visit(kd, vd, idx)
+    dq0 = [jnp.zeros(qd.shape[:1] + qd.shape[2:], _F32) for _ in range(C)]
+    dq, dk, dv = visit(dq0, kd, vd, idx)
     for st in cfg.streams:
-        kb, vb, dkb, dvb = kd, vd, None, None
-        for row in st.src:
-            kb = lax.ppermute(kb, cfg.axis_name, st.perm)
-            vb = lax.ppermute(vb, cfg.axis_name, st.perm)
-            if dkb is not None:  # accumulators travel with the block they belong to
-                dkb = lax.ppermute(dkb, cfg.axis_name, st.perm)
-                dvb = lax.ppermute(dvb, cfg.axis_name, st.perm)
-            if max(row) >= 0:
-                gk, gv = visit(kb, vb, _lookup(row, idx))
-                dkb = gk if dkb is None else dkb + gk
-                dvb = gv if dvb is None else dvb + gv
-        if dkb is not None:
-            dk = dk + lax.ppermute(dkb, cfg.axis_name, st.ret)
-            dv = dv + lax.ppermute(dvb, cfg.axis_name, st.ret)
-    dq = jnp.stack(dq, axis=1)
+        def transfer(carry, first, st=st):
+            kb, vb, dkb, dvb, dq = carry
+            kb, vb = (lax.ppermute(x, cfg.axis_name, st.perm) for x in (kb, vb))
+            if not first:  # dK/dV accumulators travel with the block they belong to
+                dkb, dvb = (lax.ppermute(x, cfg.axis_name, st.perm) for x in (dkb, dvb))
+            return kb, vb, dkb, dvb, dq
+
+        def step(carry, src):
+            kb, vb, dkb, dvb, dq = carry
+            dq, gk, gv = visit(list(jnp.moveaxis(dq, 1, 0)), kb, vb, src)
+            return kb, vb, dkb + gk, dvb + gv, dq
+
+        zeros = jnp.zeros(kd.shape, _F32)
+        _, _, dkb, dvb, dq = _stream_loop(st, idx, step, (kd, vd, zeros, zeros, dq), transfer)
+        dk = dk + lax.ppermute(dkb, cfg.axis_name, st.ret)
+        dv = dv + lax.ppermute(dvb, cfg.axis_name, st.ret)
     return dq.astype(qd.dtype), dk.astype(kd.dtype), dv.astype(vd.dtype)
 
 
@@ -668,6 +700,56 @@ def _ring_fwd(qd, kd, vd, cfg):
 
 
 _ring.defvjp(_ring_fwd, _ring_backward)
+
+
+_DTYPE_BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1,
+                "pred": 1, "s64": 8, "u64": 8}
+
+
+def collective_permute_bytes(hlo_text: str) -> int:
+    """Bytes one device sends with collective-permutes when it runs a compiled program.
+
+    Parses the (optimized) HLO text of ``jax.jit(...).lower(...).compile().as_text()``: every
+    ``collective-permute`` (or ``-start``) counts its result size, multiplied by the known trip
+    counts of the ``while`` loops around it. A diagnostic for tests and benchmarks.
+    """
+    comps: dict[str, list[str]] = {}
+    entry, name = None, None
+    for line in hlo_text.splitlines():
+        m = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if m and not line.startswith(" "):
+            name = m.group(2)
+            comps[name] = []
+            if m.group(1):
+                entry = name
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            comps[name].append(line)
+
+    @functools.cache
+    def cost(comp: str) -> int:
+        total = 0
+        for line in comps.get(comp, ()):
+            if re.search(r"collective-permute(-start)?\(", line):
+                m = re.search(r"=\s*\(?\s*(\w+)\[([\d,]*)\]", line)
+                dims = [int(x) for x in m.group(2).split(",") if x]
+                total += int(np.prod(dims, dtype=np.int64)) * _DTYPE_BYTES.get(m.group(1), 4)
+            elif " while(" in line:
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                body = re.search(r"body=%?([\w.\-]+)", line).group(1)
+                cond = re.search(r"condition=%?([\w.\-]+)", line).group(1)
+                total += int(trip.group(1) if trip else 1) * cost(body) + cost(cond)
+            elif " conditional(" in line:
+                branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+                names = re.findall(r"%?([\w.\-]+)", branches.group(1)) if branches else []
+                total += max((cost(b) for b in names), default=0)
+            else:
+                for callee in re.findall(r"(?:to_apply|calls)=%?([\w.\-]+)", line):
+                    total += cost(callee)
+        return total
+
+    return cost(entry) if entry else 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -779,8 +861,12 @@ def ring_dilated_attention(
             f"seq_len, got n/P={m} on mesh axis {axis_name!r}"
         )
     plans = dilated_branches(P * m, h, k.shape[2], ws, rs, mode)
-    results = [_branch(q, k, v, plan, P, C, axis_name, scale, is_causal, block_sizes)
-               for plan in plans]
+    results = []
+    for plan in plans:
+        if results:  # run branches one after the other (bounds the live set on GPU; XLA:CPU
+            # drops optimization barriers before scheduling)
+            (q, k, v), _ = lax.optimization_barrier(((q, k, v), results[-1]))
+        results.append(_branch(q, k, v, plan, P, C, axis_name, scale, is_causal, block_sizes))
     if mode == "mixture":
         out, lse = results[0]
         for o_i, lse_i in results[1:]:
