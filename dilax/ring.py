@@ -94,6 +94,21 @@ def zigzag_permutation(n: int, num_devices: int) -> np.ndarray:
     return np.concatenate([np.arange(v * mc, (v + 1) * mc) for v in order])
 
 
+def _varying_like(x: jax.Array, *refs: jax.Array) -> jax.Array:
+    """``x`` typed as varying over the mesh axes the ``refs`` vary over.
+
+    Under ``shard_map(check_vma=True)`` a freshly created constant (zeros, -inf) is not
+    per-device; loop carries and ``lax.cond`` branches must agree on the type.
+    """
+    try:
+        have = jax.typeof(x).mat.varying
+        want = frozenset().union(*(jax.typeof(r).mat.varying for r in refs))
+    except AttributeError:  # outside shard_map, or a jax without varying-axis types
+        return x
+    missing = tuple(sorted(want - have, key=str))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
 def _lookup(table, idx) -> jax.Array:
     """``table[idx]`` for a static int table and a traced device index."""
     return jnp.asarray(np.asarray(table, np.int32))[idx]
@@ -530,8 +545,8 @@ def _pair_forward(cfg: _RingConfig, q, k, v, Fq, cq, Fk, ck, ok):
             return o.astype(_F32), lse
 
         def skip(ops):
-            return (jnp.zeros(ops[0].shape, _F32),
-                    jnp.full(ops[0].shape[:-1], -jnp.inf, _F32))
+            return (_varying_like(jnp.zeros(ops[0].shape, _F32), *ops),
+                    _varying_like(jnp.full(ops[0].shape[:-1], -jnp.inf, _F32), *ops))
 
         results.append((lax.cond(pred, run, skip, (q, ks, vs)), rows))
     (out, lse), _ = results[0]
@@ -564,7 +579,7 @@ def _pair_backward(cfg: _RingConfig, q, k, v, out, lse, dout, dlse, Fq, cq, Fk, 
             return tuple(x.astype(_F32) for x in g)
 
         def skip(ops):
-            return tuple(jnp.zeros(x.shape, _F32) for x in ops[:3])
+            return tuple(_varying_like(jnp.zeros(x.shape, _F32), *ops) for x in ops[:3])
 
         gq, gk, gv = lax.cond(pred, run, skip, (q, ks, vs, out, lse_c, dout, dlse))
         dq = dq + gq
@@ -620,7 +635,8 @@ def _ring_forward(qd, kd, vd, cfg: _RingConfig):
     # transfers of later hops ahead of time: each device holds one block in use and one in
     # flight. Hop 0 is the own block (visited by the first stream only).
     b, _, R, U, G, d = qd.shape
-    state = ((jnp.zeros((b, R, U, G, d), _F32), jnp.full((b, R, U, G), -jnp.inf, _F32)),) * C
+    state = ((_varying_like(jnp.zeros((b, R, U, G, d), _F32), qd, kd),
+              _varying_like(jnp.full((b, R, U, G), -jnp.inf, _F32), qd, kd)),) * C
     for si, st in enumerate(cfg.streams):
         own = np.arange(cfg.geo.P) if si == 0 else np.full(cfg.geo.P, -1)
         src = jnp.asarray(np.concatenate([own[None], np.asarray(st.src)]).astype(np.int32))
@@ -682,7 +698,7 @@ def _ring_backward(cfg: _RingConfig, res, cts):
             dq, gk, gv = visit(list(jnp.moveaxis(dq, 1, 0)), kb, vb, src)
             return kb, vb, dkb + gk, dvb + gv, dq
 
-        zeros = jnp.zeros(kd.shape, _F32)
+        zeros = _varying_like(jnp.zeros(kd.shape, _F32), qd, kd, dout)
         _, _, dkb, dvb, dq = _stream_loop(st, idx, step, (kd, vd, zeros, zeros, dq), transfer)
         dk = dk + lax.ppermute(dkb, cfg.axis_name, st.ret)
         dv = dv + lax.ppermute(dvb, cfg.axis_name, st.ret)

@@ -112,17 +112,15 @@ def test_matches_single_device(P, mode, is_causal):
 @pytest.mark.parametrize(
     "P, n, ws, rs, is_causal, mode",
     [
-        # segments not aligned with shards (m=12, w=16): two segment candidates per block,
-        # bidirectional ring; w=8 < m=12 non-aligned: halo exchange
-        (8, 96, (8, 16), (1, 2), True, "mixture"),
+        # segments not aligned with shards (n/P=12, w=20): two segment candidates per block,
+        # bidirectional ring, last segment shorter (96 % 20 != 0); w=8 < 12 non-aligned: halo
+        (8, 96, (8, 20), (1, 2), False, "mixture"),
         # m=10 not a multiple of r=3 or r=4: boundary rows fetched from the left neighbour;
         # w=6 -> halo regime, w=32 -> ring, irregular dilated blocks
         (8, 80, (6, 32), (3, 4), True, "grouped"),
         # w > n (the whole sequence is one segment) and r=16 > n/P=12: some devices own no
         # dilated row of a head, left context spans two devices
         (8, 96, (12, 128), (1, 16), False, "mixture"),
-        # P=2, w=40 spans 2 devices of 30 positions, last segment shorter (n % w != 0)
-        (2, 60, (20, 40), (2, 4), True, "mixture"),
     ],
 )
 def test_irregular_geometries(P, n, ws, rs, is_causal, mode):

@@ -67,7 +67,7 @@ def _worker(pid: int, port: int) -> None:
 
     assert jax.process_count() == 2 and jax.device_count() == 8, jax.devices()
     b, n, h, hk, d = 1, 128, 4, 2, 8
-    ws, rs = (16, 64, 128), (1, 2, 4)
+    ws, rs = (16, 128), (1, 4)
     rng = np.random.default_rng(0)  # same inputs in both processes
     q, k, v = (rng.standard_normal((b, n, hh, d), dtype=np.float32) for hh in (h, hk, hk))
     g = rng.standard_normal((b, n, h, d), dtype=np.float32)
