@@ -16,6 +16,11 @@ The sequence axis of ``q, k, v`` is split over the ``P`` devices of a mesh axis.
   another segment are skipped with ``lax.cond``. Communication per device is ``O(w / r)`` rows
   per branch, independent of ``n``. The backward pass is a ``jax.custom_vjp`` with a second ring
   that sends K, V and the dK, dV accumulators, so it also keeps ``O(n / P)`` memory per device.
+  The hops run in a ``lax.fori_loop`` whose body sends the next block while it computes the
+  current one: one block in use and one in flight per device. Which devices exchange blocks
+  is planned statically: cyclic rings inside groups of devices that share segments (the
+  aligned case: ``w / (n/P)`` devices, ``w / (n/P) - 1`` hops), or two cyclic shifts (left and
+  right) when segments straddle shard boundaries, whichever needs fewer hops.
 
 Branches are merged exactly like the single-device function (log-sum-exp weights in
 ``mode="mixture"``, ``1/G`` in ``mode="grouped"``), so the result equals
@@ -32,6 +37,9 @@ sequence ``t -> o + r t``. Each chunk ``v`` of ``n/(PC)`` positions owns the dil
 ``r`` divides the chunk length this is just the chunk's own selected rows; otherwise a few
 boundary rows are fetched from the left neighbour and the outputs sent back (a halo of ``< r``
 positions), which keeps every other step uniform across heads.
+
+Inside your own ``jax.shard_map``: pass ``check_vma=False`` (the blockwise core's loop carries
+are not yet typed per device; :func:`sharded_dilated_attention` does this for you).
 """
 
 from __future__ import annotations
@@ -843,9 +851,10 @@ def ring_dilated_attention(
 ) -> jax.Array:
     """Dilated attention on a sequence sharded over mesh axis ``axis_name`` (per-device view).
 
-    Call inside ``jax.shard_map`` with the sequence axis of ``q, k, v`` sharded over
-    ``axis_name``. The result equals :func:`dilax.dilated_attention` on the gathered inputs
-    (forward and backward), while each device holds only ``O(n / P)`` of the data.
+    Call inside ``jax.shard_map(..., check_vma=False)`` with the sequence axis of ``q, k, v``
+    sharded over ``axis_name``. The result equals :func:`dilax.dilated_attention` on the
+    gathered inputs (forward and backward), while each device holds only ``O(n / P)`` of the
+    data and sends ``O(w / r)`` rows per spanning branch.
 
     Args:
       q: local shard ``(b, n/P, h, d)``.

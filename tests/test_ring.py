@@ -112,9 +112,9 @@ def test_matches_single_device(P, mode, is_causal):
 @pytest.mark.parametrize(
     "P, n, ws, rs, is_causal, mode",
     [
-        # segments not aligned with shards (n/P=12, w=20): two segment candidates per block,
-        # bidirectional ring, last segment shorter (96 % 20 != 0); w=8 < 12 non-aligned: halo
-        (8, 96, (8, 20), (1, 2), False, "mixture"),
+        # segments not aligned with shards (n/P=12, w=28): two segment candidates per block,
+        # bidirectional ring, last segment shorter (96 % 28 != 0); w=8 < 12 non-aligned: halo
+        (8, 96, (8, 28), (1, 2), False, "mixture"),
         # m=10 not a multiple of r=3 or r=4: boundary rows fetched from the left neighbour;
         # w=6 -> halo regime, w=32 -> ring, irregular dilated blocks
         (8, 80, (6, 32), (3, 4), True, "grouped"),
