@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from dilax import _validation as V
 from dilax.core import (
@@ -970,5 +970,11 @@ def sharded_dilated_attention(
         )
         return _relayout(out, P, seq_axis, False) if zigzag else out
 
+    axes = [ax for ax in (seq_axis, batch_axis) if ax is not None]
+    if any(mesh.axis_types[mesh.axis_names.index(ax)] == AxisType.Explicit for ax in axes):
+        # Explicit mesh axes (jax.make_mesh's default): shard_map wants the inputs' sharding
+        # to match in_specs already.
+        sharding = NamedSharding(mesh, spec)
+        q, k, v = (jax.sharding.reshard(x, sharding) for x in (q, k, v))
     return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
                          check_vma=False)(q, k, v)

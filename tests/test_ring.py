@@ -167,6 +167,18 @@ def test_batch_axis_and_2d_mesh():
         np.testing.assert_allclose(a, e, **TOL)
 
 
+def test_explicit_mesh_axes():
+    """jax.make_mesh's default (Explicit axes) works too; inputs are resharded onto the mesh."""
+    q, k, v, _ = _inputs(1, 64, 4, 2, 8, seed=6)
+    mesh = jax.make_mesh((8,), ("sp",), devices=jax.devices()[:8])
+    assert mesh.axis_types == (AxisType.Explicit,)
+    fn = lambda q, k, v: sharded_dilated_attention(q, k, v, (8, 64), (1, 4), mesh=mesh)
+    out = _run(fn, q, k, v)
+    assert out.sharding.spec[1] == "sp"
+    ref_out, _ = _reference(MATRIX_SHAPE, (8, 64), (1, 4), "mixture", False, 6)
+    np.testing.assert_allclose(out, ref_out, **TOL)
+
+
 def test_bfloat16():
     q, k, v, _ = _inputs(1, 64, 4, 2, 16, seed=7)
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
