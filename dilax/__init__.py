@@ -13,6 +13,7 @@ from dilax.core import BlockSizes, attention_core, merge_attention_states
 from dilax.dilated import dilated_attention
 from dilax.factory import create_attention
 from dilax.reference import dilated_counts
+from dilax.ring import ring_dilated_attention, sharded_dilated_attention
 
 __version__ = "0.1.0"
 
@@ -29,4 +30,6 @@ __all__ = [
     "memory",
     "merge_attention_states",
     "patterns",
+    "ring_dilated_attention",
+    "sharded_dilated_attention",
 ]

@@ -506,6 +506,27 @@ def attention_core(
     return out.reshape(B, Lq, Hk, G, d), lse.reshape(B, Lq, Hk, G)
 
 
+def attention_core_bwd(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale,
+                       is_causal, block_q, block_k):
+    """The core's backward pass as a function, in :func:`attention_core`'s layout.
+
+    ``q, out, dout: (B, Lq, Hk, G, d)``, ``lse, dlse: (B, Lq, Hk, G)``, ``k, v: (B, Lk, Hk, d)``;
+    ``block_q, block_k`` are the backward's (query, key) block sizes. Returns ``(dq, dk, dv)``
+    in the input dtypes. Used by hand-written backward passes (ring attention) that must
+    recompute one block pair at a time.
+    """
+    B, Lq, Hk, G, d = q.shape
+    H = Hk * G
+    if kv_len is not None:
+        kv_len = jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (B, Hk))
+    dq, dk, dv = _backward(
+        q.reshape(B, Lq, H, d), k, v, kv_len, jnp.asarray(q_offset, jnp.int32),
+        jnp.asarray(k_offset, jnp.int32), out.reshape(B, Lq, H, d), lse.reshape(B, Lq, H),
+        dout.reshape(B, Lq, H, d), dlse.reshape(B, Lq, H), scale, is_causal,
+        identity_view(Hk, G), min(block_q, Lq), min(block_k, k.shape[1]))
+    return dq.reshape(q.shape), dk, dv
+
+
 def merge_attention_states(
     out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
 ) -> tuple[jax.Array, jax.Array]:

@@ -118,6 +118,15 @@ def _expand_slots(y: jax.Array, plan: BranchPlan, n: int, fill) -> jax.Array:
     return full[:, :n] if S * w != n else full
 
 
+def _merge_slots(y: jax.Array, plan: BranchPlan, heads: tuple[int, ...], b: int, n: int,
+                 fill) -> jax.Array:
+    """Inverse of :func:`_split_slots`: ``(b*S, w/r, len(heads), ...)`` in ``heads`` order ->
+    full ``(b, n, H', ...)`` with heads ascending and ``fill`` at unselected positions."""
+    order = tuple(sorted(range(len(heads)), key=heads.__getitem__))
+    y = static_take(y, order, axis=2)
+    return _expand_slots(y, plan, n, fill).reshape(b, -1, *y.shape[2:])[:, :n]
+
+
 def _slot_layout(x: jax.Array, plan: BranchPlan) -> jax.Array:
     """``(b, n, H, d)`` -> ``(b*S, w/r, r, H, d)``: a reshape (plus zero padding of the tail).
 
