@@ -18,7 +18,7 @@ demo: $(STAMP)
 
 ## make test: install (first time) and run the whole test suite
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist load
 
 lint: $(STAMP)
 	$(PY) -m ruff check dilax pallas_kernels benchmarks tests

@@ -311,9 +311,61 @@ def cmd_all(args) -> dict[str, Any]:
     return out["speed"]
 
 
+def cmd_block_sparse(args) -> dict[str, Any]:
+    """Block-sparse rows: the same code path at several densities (time and memory)."""
+    from benchmarks.block_sparse import rows as bs_rows
+
+    n = args.n[0] if args.n else 16384
+    raw = bs_rows(n=n, h=args.heads, d=args.head_dim, repeats=args.repeats,
+                  is_causal=args.causal, backward_memory=True)
+    rows = [dict(r, row=f"block-sparse density {r['density']:.2f}", n=r["n"], pass_="fwd",
+                 ms_median=r["ms_median"], ms_min=r["ms_min"], ms_max=r["ms_max"])
+            for r in raw]
+    full = max(raw, key=lambda r: r["density"])
+    summary = {f"time_ratio_density_{r['density']:.2f}": r["ms_median"] / full["ms_median"]
+               for r in raw}
+    summary.update({f"memory_fwd_bwd_MiB_density_{r['density']:.2f}":
+                    round(r.get("memory_bytes_fwd_bwd", 0) / 2**20, 1) for r in raw})
+    return dict(command="block-sparse", config=_config(args), rows=rows, summary=summary)
+
+
+_RING_CHILD = r"""
+import json, sys
+from benchmarks.ring import rows
+cfg = json.loads(sys.argv[1])
+print("JSON" + json.dumps(rows(n=cfg["n"], h=cfg["h"], d=cfg["d"], repeats=cfg["repeats"]),
+                          default=str))
+"""
+
+
+def cmd_ring(args) -> dict[str, Any]:
+    """Ring rows on 8 fake host devices (a subprocess sets XLA_FLAGS before jax starts)."""
+    n = args.n[0] if args.n else 16384
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        " --xla_force_host_platform_device_count=8").strip()
+    proc = subprocess.run(
+        [sys.executable, "-c", _RING_CHILD,
+         json.dumps(dict(n=n, h=args.heads, d=args.head_dim, repeats=args.repeats))],
+        capture_output=True, text=True, env=env, timeout=args.timeout)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("JSON")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"ring benchmark failed:\n{proc.stderr[-2000:]}")
+    raw = json.loads(lines[-1][4:])
+    rows = [dict(r, row=f"ring P={r['P']}", pass_="fwd",
+                 memory_bytes=r["memory_bytes_per_device"]) for r in raw]
+    base = next((r for r in raw if r["P"] == 1), None)
+    summary = {}
+    if base:
+        summary = {f"P={r['P']}: per-device memory / (single / P)":
+                   round(r["memory_bytes_per_device"] / (base["memory_bytes_per_device"] / r["P"]),
+                         3) for r in raw}
+    return dict(command="ring", config=_config(args), rows=rows, summary=summary)
+
+
 COMMANDS = {
     "speed": cmd_speed, "memory": cmd_memory, "scaling": cmd_scaling, "max-seq": cmd_max_seq,
-    "demo": cmd_demo, "all": cmd_all,
+    "demo": cmd_demo, "all": cmd_all, "block-sparse": cmd_block_sparse, "ring": cmd_ring,
 }
 
 PRESETS = {
@@ -323,6 +375,8 @@ PRESETS = {
     "max-seq": dict(n=[65536, 131072, 262144, 524288, 1048576, 2097152]),
     "demo": dict(n=[4096, 8192], repeats=3),
     "all": dict(n=[8192, 16384, 32768]),
+    "block-sparse": dict(n=[16384], repeats=3),
+    "ring": dict(n=[16384], repeats=3),
 }
 
 

@@ -264,7 +264,8 @@ def _slice_rows(x, b, start, size):
     return lax.dynamic_slice(x, (b, start) + (0,) * (x.ndim - 2), (1, size) + x.shape[2:])[0]
 
 
-def _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view, block_q, block_k):
+def _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view, block_q, block_k,
+             out_dtype=None):
     B, Lq = q.shape[:2]
     Lk, d = k.shape[1], k.shape[-1]
     U, G = len(view.kv_index), view.q_per_kv
@@ -328,7 +329,7 @@ def _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view, block_
         has_key = l > 0
         out = acc / jnp.where(has_key, l, 1.0)[..., None]
         lse = jnp.where(has_key, m + jnp.log(jnp.where(has_key, l, 1.0)), -jnp.inf)
-        return view.expand_q(out.astype(q.dtype)), view.expand_q(lse)
+        return view.expand_q(out.astype(out_dtype or q.dtype)), view.expand_q(lse)
 
     out, lse = lax.map(row, jnp.arange(B * nq, dtype=jnp.int32))
     out = out.reshape(B, nq * block_q, *out.shape[2:])[:, :Lq]
@@ -388,9 +389,13 @@ def _backward(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale, 
                 dv = dv + jnp.einsum("hgqk,hgqd->hkd", p.astype(dout.dtype), dob,
                                      preferred_element_type=_F32)
                 dp = jnp.einsum("hgqd,hkd->hgqk", dob, vb, preferred_element_type=_F32)
-                ds = (p * (dp - del_b[..., None])).astype(q.dtype)
-                dk = dk + jnp.einsum("hgqk,hgqd->hkd", ds, qb, preferred_element_type=_F32)
-                dq_b = jnp.einsum("hgqk,hkd->hgqd", ds, kb, preferred_element_type=_F32)
+                # ds stays float32: rounding it to bf16 before the sums over many query
+                # heads (GQA/MQA) and branches costs ~1e-2 relative in dK.
+                ds = p * (dp - del_b[..., None])
+                dk = dk + jnp.einsum("hgqk,hgqd->hkd", ds, qb.astype(_F32),
+                                     preferred_element_type=_F32)
+                dq_b = jnp.einsum("hgqk,hkd->hgqd", ds, kb.astype(_F32),
+                                  preferred_element_type=_F32)
                 cur = lax.dynamic_slice(dq, (bi, 0, 0, q0, 0), (1, U, G, block_q, d))
                 dq = lax.dynamic_update_slice(dq, cur + dq_b[None], (bi, 0, 0, q0, 0))
                 return dk, dv, dq
@@ -416,14 +421,16 @@ def _backward(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale, 
     return dq, dk, dv
 
 
+# blocks = (block_q, block_k, block_q_dkv, block_k_dkv, out_dtype or None): all static.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
 def _core(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view, blocks):
-    return _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view, *blocks[:2])
+    return _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view, *blocks[:2],
+                    blocks[4])
 
 
 def _core_fwd(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view, blocks):
     out, lse = _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view,
-                        *blocks[:2])
+                        *blocks[:2], blocks[4])
     return (out, lse), (q, k, v, kv_len, q_offset, k_offset, out, lse)
 
 
@@ -431,7 +438,7 @@ def _core_bwd(scale, is_causal, view, blocks, res, cotangents):
     q, k, v, kv_len, q_offset, k_offset, out, lse = res
     dout, dlse = cotangents
     dq, dk, dv = _backward(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale,
-                           is_causal, view, *blocks[2:])
+                           is_causal, view, *blocks[2:4])
     # Under shard_map an input that is invariant over a mesh axis (e.g. replicated K/V) gets
     # the sum of the per-device cotangents: the transpose of its implicit broadcast.
     grads = []
@@ -445,12 +452,14 @@ _core.defvjp(_core_fwd, _core_bwd)
 
 
 def attention_view(q, k, v, view: SlotView, *, scale: float, is_causal: bool = False,
-                   kv_len=None, q_offset=0, k_offset=0, block_sizes: BlockSizes | None = None):
+                   kv_len=None, q_offset=0, k_offset=0, block_sizes: BlockSizes | None = None,
+                   out_dtype=None):
     """The core on a :class:`SlotView`: ``q (B, Lq, R, H, d)``, ``k, v (B, Lk, R, Hk, d)``.
 
     Returns ``out (B, Lq, H_out, d)`` and ``lse (B, Lq, H_out)`` for the heads of the view
     (ascending): row ``i`` of head ``j`` is the query at row ``i`` of ``j``'s slot, i.e. the
-    dilated layout. ``kv_len``: ``(B, U)`` or None.
+    dilated layout. ``kv_len``: ``(B, U)`` or None. ``out_dtype`` (default ``q.dtype``): e.g.
+    float32 when the caller merges partial results before rounding to a half type.
     With ``R = 1`` every array drops the slot axis: ``q (B, Lq, H, d)`` and so on.
     """
     B, Lq = q.shape[:2]
@@ -460,7 +469,7 @@ def attention_view(q, k, v, view: SlotView, *, scale: float, is_causal: bool = F
         block_sizes = default_block_sizes(Lq, Lk, len(view.q_index), bool(is_causal))
     bq_dkv, bk_dkv = block_sizes.backward
     blocks = (min(block_sizes.block_q, Lq), min(block_sizes.block_k, Lk), min(bq_dkv, Lq),
-              min(bk_dkv, Lk))
+              min(bk_dkv, Lk), None if out_dtype is None else jnp.dtype(out_dtype))
     if kv_len is not None:
         kv_len = jnp.minimum(jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (B, U)), Lk)
     q_offset = jnp.asarray(q_offset, jnp.int32)

@@ -168,9 +168,11 @@ def _run_branch(q, k, v, plan: BranchPlan, scale, is_causal, block_sizes,
     kv_len = _plan_kv_len(plan, b)
     if attention_fn is attention_core:
         view = slot_view(plan, h, k.shape[2])
+        # float32 branch outputs: merged (or divided by G) before one final rounding.
         return attention_view(
             _slot_layout(q, plan), _slot_layout(k, plan), _slot_layout(v, plan), view,
-            scale=scale, is_causal=is_causal, kv_len=kv_len, block_sizes=block_sizes)
+            scale=scale, is_causal=is_causal, kv_len=kv_len, block_sizes=block_sizes,
+            out_dtype=jnp.float32)
     U, G = len(plan.kv_heads), plan.q_per_kv
     qd = _split_slots(q, plan, plan.q_heads, plan.q_slots, n).reshape(-1, plan.seg_len, U, G, d)
     kd = _split_slots(k, plan, plan.kv_heads, plan.kv_slots, n)
