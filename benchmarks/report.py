@@ -45,8 +45,11 @@ def markdown(result: dict[str, Any]) -> str:
                 lines.append(f"| {r['row']} | {r['n']:,} | {r['pass_']} | skipped: "
                              f"{r['skipped']} | | | | | | | |")
                 continue
-            t = (f"{r['ms_median']:.1f} ({r['ms_min']:.1f}–{r['ms_max']:.1f})"
-                 if "ms_median" in r else "—")
+            t = "—"
+            if "ms_median" in r:
+                t = f"{r['ms_median']:.1f}"
+                if "ms_min" in r and "ms_max" in r:
+                    t += f" ({r['ms_min']:.1f}–{r['ms_max']:.1f})"
             mem = format_bytes(r["memory_bytes"]) if "memory_bytes" in r else "—"
             lines.append(
                 f"| {r['row']} | {r['n']:,} | {r['pass_']} | {t} | {_fmt(r.get('gflops'))} | "
