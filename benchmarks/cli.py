@@ -300,7 +300,7 @@ def cmd_max_seq(args) -> dict[str, Any]:
 def cmd_demo(args) -> dict[str, Any]:
     args.rows = list(DEFAULT_ROWS)
     args.backward = True
-    return cmd_speed(args)
+    return dict(cmd_speed(args), command="demo")
 
 
 def cmd_all(args) -> dict[str, Any]:
