@@ -63,7 +63,7 @@ def _pow2_at_most(x: int) -> int:
 
 
 def default_block_sizes(len_q: int, len_k: int, num_heads: int, is_causal: bool) -> BlockSizes:
-    """Per-shape defaults tuned on a 2-core x86 CPU (see benchmarks/README.md).
+    """Per-shape defaults tuned on a 2-core x86 CPU with ``python -m benchmarks speed``.
 
     The short (iterated) side is 256; the long side fills a score tile of ~2M floats, capped at
     512 when causal so that blocks entirely in the future are skipped at a fine grain.
@@ -259,6 +259,14 @@ def _varying_like(axes, *xs):
     return tuple(lax.pcast(x, axes, to="varying") for x in xs)
 
 
+def _scaled(qb, scale):
+    """``q * scale``: in place for float32; half types are widened first so the logits match
+    a float32 computation (rounding ``q * scale`` to bf16 would shift every score)."""
+    if qb.dtype == _F32:
+        return qb * jnp.asarray(scale, _F32)
+    return qb.astype(_F32) * jnp.asarray(scale, _F32)
+
+
 def _slice_rows(x, b, start, size):
     """``x[b, start:start+size]`` for ``x: (B, L, ...)``."""
     return lax.dynamic_slice(x, (b, start) + (0,) * (x.ndim - 2), (1, size) + x.shape[2:])[0]
@@ -280,7 +288,7 @@ def _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view, block_
     def row(idx):
         bi, qi = idx // nq, idx % nq
         qb = view.select_q(_slice_rows(qp, bi, qi * block_q, block_q))  # (U, G, bq, d)
-        qb = qb * jnp.asarray(scale, q.dtype)
+        qb = _scaled(qb, scale)
         kl = None if kv_len is None else kv_len[bi]
         q_first = q_offset + qi * block_q
         q_pos = q_first + lax.iota(jnp.int32, block_q)
@@ -310,7 +318,7 @@ def _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view, block_
                 p = jnp.exp(s - m_safe[..., None])
                 corr = jnp.exp(m - m_safe)
                 l = l * corr + jnp.sum(p, axis=-1)
-                pv = jnp.einsum("hgqk,hkd->hgqd", p.astype(v.dtype), vb,
+                pv = jnp.einsum("hgqk,hkd->hgqd", p, vb.astype(_F32),
                                 preferred_element_type=_F32)
                 return m_new, l, acc * corr[..., None] + pv
 
@@ -352,7 +360,6 @@ def _backward(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale, 
     vp = _pad_axis(v, 1, nk * block_k)
     if kv_len is None and nk * block_k != Lk:
         kv_len = jnp.full((B, U), Lk, jnp.int32)
-    q_scale = jnp.asarray(scale, q.dtype)
     axes = _varying_axes(q, k, v, kv_len, q_offset, k_offset, dout, dlse)
     out_view = view.output_view()  # reads dout, lse, delta (output layout) per block
 
@@ -376,7 +383,7 @@ def _backward(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale, 
             def body(qi, carry):
                 dk, dv, dq = carry
                 q0 = qi * block_q
-                qb = view.select_q(_slice_rows(qp, bi, q0, block_q)) * q_scale
+                qb = _scaled(view.select_q(_slice_rows(qp, bi, q0, block_q)), scale)
                 dob = out_view.select_q(_slice_rows(dop, bi, q0, block_q))
                 lse_b = out_view.select_q(_slice_rows(lsep, bi, q0, block_q))
                 del_b = out_view.select_q(_slice_rows(deltap, bi, q0, block_q))
@@ -386,7 +393,7 @@ def _backward(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale, 
                 if mask is not None:
                     s = jnp.where(mask, s, -jnp.inf)
                 p = jnp.exp(s - lse_b[..., None])  # (U, G, bq, bk); masked -> 0
-                dv = dv + jnp.einsum("hgqk,hgqd->hkd", p.astype(dout.dtype), dob,
+                dv = dv + jnp.einsum("hgqk,hgqd->hkd", p, dob.astype(_F32),
                                      preferred_element_type=_F32)
                 dp = jnp.einsum("hgqd,hkd->hgqk", dob, vb, preferred_element_type=_F32)
                 # ds stays float32: rounding it to bf16 before the sums over many query
