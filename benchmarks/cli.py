@@ -357,10 +357,16 @@ def cmd_ring(args) -> dict[str, Any]:
     base = next((r for r in raw if r["P"] == 1), None)
     summary = {}
     if base:
-        summary = {f"P={r['P']}: per-device memory / (single / P)":
-                   round(r["memory_bytes_per_device"] / (base["memory_bytes_per_device"] / r["P"]),
-                         3) for r in raw}
-    return dict(command="ring", config=_config(args), rows=rows, summary=summary)
+        for key, label in (("memory_bytes_per_device", "forward"),
+                           ("train_step_memory_bytes_per_device", "training step")):
+            summary.update({f"P={r['P']}: {label} memory per device / (single / P)":
+                            round(r[key] / (base[key] / r["P"]), 3) for r in raw})
+        summary["permute bytes per device"] = {f"P={r['P']}": r["permute_bytes_per_device"]
+                                               for r in raw}
+    first = raw[0]  # the ring's own configuration (LongNet-style w = n/8 .. n, GQA)
+    config = dict(_config(args), kv_heads=first["hk"], segment_lengths=first["segment_lengths"],
+                  dilation_rates=first["dilation_rates"], causal=first["is_causal"])
+    return dict(command="ring", config=config, rows=rows, summary=summary)
 
 
 COMMANDS = {

@@ -44,7 +44,8 @@ def rows(
     repeats: int = 3,
     dtype=jnp.float32,
 ) -> list[dict]:
-    """One row per ring size P: forward time, per-device memory and bytes sent per device.
+    """One row per ring size P: forward time, per-device memory (forward and training step) and
+    bytes sent per device.
 
     P=1 is the single-device ``dilated_attention`` (no mesh; ``impl`` says which ran).
     Defaults: the LongNet-style configuration ``w = n/8, n/4, n/2, n`` with
@@ -81,6 +82,10 @@ def rows(
                 q, k, v, ws, rs, mesh=mesh, is_causal=is_causal), in_shardings=(sharding,) * 3)
             args = [jax.device_put(x, sharding) for x in inputs]
         compiled = fn.lower(*args).compile()
+        # Training step (gradients of a scalar w.r.t. q, k, v): compiled for memory only.
+        grad_fn = jax.jit(jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v)), argnums=(0, 1, 2)),
+                          **({} if P == 1 else dict(in_shardings=(sharding,) * 3)))
+        train_bytes = _memory(grad_fn.lower(*args).compile())
         jax.block_until_ready(compiled(*args))  # warm-up
         times = []
         for _ in range(repeats):
@@ -92,6 +97,7 @@ def rows(
             impl="sharded_dilated_attention" if P > 1 else "dilated_attention",
             ms_median=statistics.median(times),
             memory_bytes_per_device=_memory(compiled),
+            train_step_memory_bytes_per_device=train_bytes,
             permute_bytes_per_device=collective_permute_bytes(compiled.as_text()),
             h=h, hk=hk, d=d, segment_lengths=ws, dilation_rates=rs, is_causal=is_causal,
             device=jax.devices()[0].platform,
@@ -108,10 +114,12 @@ def main() -> None:
     parser.add_argument("--d", type=int, default=64)
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
     args = parser.parse_args()
-    print(f"{'name':>14} {'P':>3} {'n':>7} {'ms':>9} {'MiB/device':>11} {'permute MiB':>12}")
+    print(f"{'name':>14} {'P':>3} {'n':>7} {'ms':>9} {'MiB/device':>11} {'train MiB':>10} "
+          f"{'permute MiB':>12}")
     for row in rows(n=args.n, h=args.h, d=args.d, devices=tuple(args.devices)):
         print(f"{row['name']:>14} {row['P']:>3} {row['n']:>7} {row['ms_median']:>9.1f} "
               f"{row['memory_bytes_per_device'] / 2**20:>11.2f} "
+              f"{row['train_step_memory_bytes_per_device'] / 2**20:>10.2f} "
               f"{row['permute_bytes_per_device'] / 2**20:>12.2f}")
 
 

@@ -346,13 +346,14 @@ def _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view, block_
 
 
 def _backward(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale, is_causal,
-              view, block_q, block_k):
+              view, block_q, block_k, grad_dtype=None, delta=None):
     B, Lq = q.shape[:2]
     Lk, d = k.shape[1], k.shape[-1]
     U, G = len(view.kv_index), view.q_per_kv
     nq, nk = _cdiv(Lq, block_q), _cdiv(Lk, block_k)
     # delta = rowsum(dO * O) - dlse: the lse cotangent enters ds exactly like -delta.
-    delta = jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1) - dlse.astype(_F32)
+    if delta is None:
+        delta = output_delta(out, dout, dlse)
     lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
     pad_q = functools.partial(_pad_axis, axis=1, size=nq * block_q)
     qp, dop, lsep, deltap = pad_q(q), pad_q(dout), pad_q(lse_safe), pad_q(delta)
@@ -417,42 +418,68 @@ def _backward(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale, 
         else:
             carry = lax.fori_loop(lo, hi, make_body(False), carry)
         dk, dv, dq = carry
-        return dq, (view.expand_kv(dk.astype(k.dtype)), view.expand_kv(dv.astype(v.dtype)))
+        return dq, (view.expand_kv(dk.astype(grad_dtype or k.dtype)),
+                    view.expand_kv(dv.astype(grad_dtype or v.dtype)))
 
     (dq0,) = _varying_like(axes, jnp.zeros((B, U, G, nq * block_q, d), _F32))
     dq, (dk, dv) = lax.scan(column, dq0, jnp.arange(B * nk, dtype=jnp.int32))
-    dq = (dq[:, :, :, :Lq] * scale).astype(q.dtype)  # (B, U, G, Lq, d)
+    dq = (dq[:, :, :, :Lq] * scale).astype(grad_dtype or q.dtype)  # (B, U, G, Lq, d)
     dq = jax.vmap(view.expand_full_q)(dq)
     dk = dk.reshape(B, nk * block_k, *dk.shape[2:])[:, :Lk]
     dv = dv.reshape(B, nk * block_k, *dv.shape[2:])[:, :Lk]
     return dq, dk, dv
 
 
+def fence_after(x: jax.Array) -> jax.Array:
+    """A boolean scalar that is always true but that XLA only knows once ``x`` exists.
+
+    ``x0 <= inf or isnan(x0)`` cannot be constant-folded. Work run under :func:`when` with it
+    is ordered after ``x``: XLA:CPU's default (concurrency-optimized) scheduler would otherwise
+    start independent work -- and allocate its buffers -- as early as possible, and
+    ``lax.optimization_barrier`` does not survive to its scheduler."""
+    x0 = lax.stop_gradient(jnp.ravel(x)[0])
+    return (x0 <= jnp.inf) | jnp.isnan(x0)
+
+
+def when(fence, fn, operands: tuple):
+    """``fn(*operands)``, inside a ``lax.cond`` on ``fence`` (:func:`fence_after`) if given.
+
+    Nothing of ``fn`` can be hoisted out of the conditional, so its working buffers are
+    allocated only once ``fence`` is known. Use it on primal computations only (inside a
+    ``custom_vjp``): differentiating through the cond would copy its inputs as residuals."""
+    if fence is None:
+        return fn(*operands)
+    skip = lambda ops: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                    jax.eval_shape(lambda o: fn(*o), ops))
+    return lax.cond(fence, lambda ops: fn(*ops), skip, operands)
+
+
 # blocks = (block_q, block_k, block_q_dkv, block_k_dkv, out_dtype or None): all static.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _core(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view, blocks):
-    return _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view, *blocks[:2],
-                    blocks[4])
+# fence: None or a boolean from fence_after (ordering only; see when()).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _core(q, k, v, kv_len, q_offset, k_offset, fence, scale, is_causal, view, blocks):
+    fwd = lambda *a: _forward(*a, scale, is_causal, view, *blocks[:2], blocks[4])
+    return when(fence, fwd, (q, k, v, kv_len, q_offset, k_offset))
 
 
-def _core_fwd(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view, blocks):
-    out, lse = _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view,
-                        *blocks[:2], blocks[4])
-    return (out, lse), (q, k, v, kv_len, q_offset, k_offset, out, lse)
+def _core_fwd(q, k, v, kv_len, q_offset, k_offset, fence, scale, is_causal, view, blocks):
+    out, lse = _core(q, k, v, kv_len, q_offset, k_offset, fence, scale, is_causal, view,
+                     blocks)
+    return (out, lse), (q, k, v, kv_len, q_offset, k_offset, fence, out, lse)
 
 
 def _core_bwd(scale, is_causal, view, blocks, res, cotangents):
-    q, k, v, kv_len, q_offset, k_offset, out, lse = res
+    q, k, v, kv_len, q_offset, k_offset, fence, out, lse = res
     dout, dlse = cotangents
-    dq, dk, dv = _backward(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale,
-                           is_causal, view, *blocks[2:4])
+    bwd = lambda *a: _backward(*a, scale, is_causal, view, *blocks[2:4])
+    dq, dk, dv = when(fence, bwd, (q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse))
     # Under shard_map an input that is invariant over a mesh axis (e.g. replicated K/V) gets
     # the sum of the per-device cotangents: the transpose of its implicit broadcast.
     grads = []
     for primal, grad in ((q, dq), (k, dk), (v, dv)):
         extra = tuple(a for a in _varying_axes(grad) if a not in _varying_axes(primal))
         grads.append(lax.psum(grad, extra) if extra else grad)
-    return (*grads, None, None, None)
+    return (*grads, None, None, None, None)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -460,7 +487,7 @@ _core.defvjp(_core_fwd, _core_bwd)
 
 def attention_view(q, k, v, view: SlotView, *, scale: float, is_causal: bool = False,
                    kv_len=None, q_offset=0, k_offset=0, block_sizes: BlockSizes | None = None,
-                   out_dtype=None):
+                   out_dtype=None, fence=None):
     """The core on a :class:`SlotView`: ``q (B, Lq, R, H, d)``, ``k, v (B, Lk, R, Hk, d)``.
 
     Returns ``out (B, Lq, H_out, d)`` and ``lse (B, Lq, H_out)`` for the heads of the view
@@ -468,7 +495,15 @@ def attention_view(q, k, v, view: SlotView, *, scale: float, is_causal: bool = F
     dilated layout. ``kv_len``: ``(B, U)`` or None. ``out_dtype`` (default ``q.dtype``): e.g.
     float32 when the caller merges partial results before rounding to a half type.
     With ``R = 1`` every array drops the slot axis: ``q (B, Lq, H, d)`` and so on.
+    ``fence``: run forward and backward only after it is known (:func:`fence_after`).
     """
+    kv_len, q_offset, k_offset, blocks = _view_args(q, k, view, is_causal, kv_len, q_offset,
+                                                    k_offset, block_sizes, out_dtype)
+    return _core(q, k, v, kv_len, q_offset, k_offset, fence, float(scale), bool(is_causal),
+                 view, blocks)
+
+
+def _view_args(q, k, view, is_causal, kv_len, q_offset, k_offset, block_sizes, out_dtype):
     B, Lq = q.shape[:2]
     Lk = k.shape[1]
     U = len(view.kv_index)
@@ -479,10 +514,35 @@ def attention_view(q, k, v, view: SlotView, *, scale: float, is_causal: bool = F
               min(bk_dkv, Lk), None if out_dtype is None else jnp.dtype(out_dtype))
     if kv_len is not None:
         kv_len = jnp.minimum(jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (B, U)), Lk)
-    q_offset = jnp.asarray(q_offset, jnp.int32)
-    k_offset = jnp.asarray(k_offset, jnp.int32)
-    return _core(q, k, v, kv_len, q_offset, k_offset, float(scale), bool(is_causal), view,
-                 blocks)
+    return kv_len, jnp.asarray(q_offset, jnp.int32), jnp.asarray(k_offset, jnp.int32), blocks
+
+
+def view_forward(q, k, v, view: SlotView, *, scale: float, is_causal: bool = False,
+                 kv_len=None, block_sizes: BlockSizes | None = None, out_dtype=None):
+    """:func:`attention_view`'s forward pass as a plain function (no ``custom_vjp``), for
+    hand-written backward passes that call :func:`view_backward` (e.g. several branches
+    accumulating their gradients in float32)."""
+    kv_len, q_off, k_off, blocks = _view_args(q, k, view, is_causal, kv_len, 0, 0, block_sizes,
+                                              out_dtype)
+    return _forward(q, k, v, kv_len, q_off, k_off, float(scale), bool(is_causal), view,
+                    *blocks[:2], blocks[4])
+
+
+def output_delta(out, dout, dlse):
+    """``rowsum(dO * O) - dlse`` (float32): all the backward pass needs of ``out``."""
+    return jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1) - dlse.astype(_F32)
+
+
+def view_backward(q, k, v, view: SlotView, delta, lse, dout, *, scale: float,
+                  is_causal: bool = False, kv_len=None, block_sizes: BlockSizes | None = None,
+                  grad_dtype=None):
+    """Gradients ``(dq, dk, dv)`` of :func:`view_forward` in the input (slot) layouts, in
+    ``grad_dtype`` (default: the input dtypes), recomputing blocks from ``lse``.
+    ``delta = output_delta(out, dout, dlse)``: the output itself is not needed."""
+    kv_len, q_off, k_off, blocks = _view_args(q, k, view, is_causal, kv_len, 0, 0, block_sizes,
+                                              None)
+    return _backward(q, k, v, kv_len, q_off, k_off, None, lse, dout, None, float(scale),
+                     bool(is_causal), view, *blocks[2:4], grad_dtype, delta)
 
 
 def attention_core(

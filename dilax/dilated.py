@@ -26,7 +26,12 @@ from dilax.core import (
     SlotView,
     attention_core,
     attention_view,
+    fence_after,
+    output_delta,
     static_take,
+    view_backward,
+    view_forward,
+    when,
 )
 from dilax.reference import dilated_attention_reference, group_sizes
 
@@ -155,15 +160,86 @@ def _plan_kv_len(plan: BranchPlan, b: int):
     return jnp.tile(jnp.asarray(np.array(plan.kv_len, np.int32)), (b, 1))  # (b*S, U)
 
 
+def _unslot(x: jax.Array, plan: BranchPlan, n: int) -> jax.Array:
+    """Inverse of :func:`_slot_layout`: ``(b*S, w/r, [r,] H, d)`` -> ``(b, n, H, d)``."""
+    b = x.shape[0] // plan.num_segments
+    return x.reshape(b, plan.num_segments * plan.w, *x.shape[-2:])[:, :n]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Branches:
+    """Static configuration of :func:`_xla_branches`."""
+
+    plans: tuple[BranchPlan, ...]
+    scale: float
+    is_causal: bool
+    block_sizes: BlockSizes | None
+
+
+def _branch_io(q, k, v, plan, cfg: _Branches):
+    view = slot_view(plan, q.shape[2], k.shape[2])
+    kw = dict(scale=cfg.scale, is_causal=cfg.is_causal, kv_len=_plan_kv_len(plan, q.shape[0]),
+              block_sizes=cfg.block_sizes)
+    return (_slot_layout(q, plan), _slot_layout(k, plan), _slot_layout(v, plan)), view, kw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _xla_branches(q, k, v, cfg: _Branches):
+    """All branches with the blockwise core, in the dilated layout (``outs``, ``lses`` tuples).
+
+    One ``custom_vjp`` over every branch: the backward adds each branch's float32 dq, dk, dv
+    into one float32 accumulator and rounds once, and every branch (forward and backward) is
+    fenced behind the previous one (:func:`dilax.core.when`), so only one branch's working
+    set and gradients exist at a time."""
+    return _xla_branches_fwd(q, k, v, cfg)[0]
+
+
+def _xla_branches_fwd(q, k, v, cfg: _Branches):
+    outs, lses = [], []
+    for plan in cfg.plans:
+        def run(q, k, v, plan=plan):
+            ops, view, kw = _branch_io(q, k, v, plan, cfg)
+            # float32 branch outputs: merged (or divided by G) before one final rounding.
+            return view_forward(*ops, view, out_dtype=jnp.float32, **kw)
+
+        out, lse = when(fence_after(lses[-1]) if lses else None, run, (q, k, v))
+        outs.append(out)
+        lses.append(lse)
+    outs, lses = tuple(outs), tuple(lses)
+    return (outs, lses), (q, k, v, outs, lses)
+
+
+def _xla_branches_bwd(cfg: _Branches, res, cts):
+    q, k, v, outs, lses = res
+    n = q.shape[1]
+    # The outputs are only needed through rowsum(dO * O): reduce them first, so they can go.
+    deltas = [output_delta(o, do, dl) for o, do, dl in zip(outs, *cts)]
+    grads = None
+    for plan, delta, lse, dout in zip(cfg.plans, deltas, lses, cts[0]):
+        def run(q, k, v, delta, lse, dout, plan=plan):
+            ops, view, kw = _branch_io(q, k, v, plan, cfg)
+            g = view_backward(*ops, view, delta, lse, dout, grad_dtype=jnp.float32, **kw)
+            return tuple(_unslot(x, plan, n) for x in g)
+
+        fence = None if grads is None else fence_after(grads[0])
+        g = when(fence, run, (q, k, v, delta, lse, dout))
+        grads = g if grads is None else tuple(a + b for a, b in zip(grads, g))
+    return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+
+
+_xla_branches.defvjp(_xla_branches_fwd, _xla_branches_bwd)
+
+
 def _run_branch(q, k, v, plan: BranchPlan, scale, is_causal, block_sizes,
-                attention_fn=attention_core):
+                attention_fn=attention_core, fence=None):
     """One branch for ``plan.q_heads``, in the dilated layout: ``out (b*S, w/r, H', d)`` and
     ``lse (b*S, w/r, H')``, heads ascending (:func:`_expand_slots` gives full positions).
 
     With the default core the dilated rows are read in place through a
     :class:`dilax.core.SlotView` (reshape only, no copies). Any other ``attention_fn`` with the
     signature of :func:`dilax.core.attention_core` (e.g. a Pallas kernel) gets gathered
-    ``(b*S, w/r, U, G, d)`` inputs instead."""
+    ``(b*S, w/r, U, G, d)`` inputs instead. ``fence``: run the branch only once this boolean is
+    known (:func:`dilax.core.fence_after`; ordering only)."""
     b, n, h, d = q.shape
     kv_len = _plan_kv_len(plan, b)
     if attention_fn is attention_core:
@@ -172,7 +248,7 @@ def _run_branch(q, k, v, plan: BranchPlan, scale, is_causal, block_sizes,
         return attention_view(
             _slot_layout(q, plan), _slot_layout(k, plan), _slot_layout(v, plan), view,
             scale=scale, is_causal=is_causal, kv_len=kv_len, block_sizes=block_sizes,
-            out_dtype=jnp.float32)
+            out_dtype=jnp.float32, fence=fence)
     U, G = len(plan.kv_heads), plan.q_per_kv
     qd = _split_slots(q, plan, plan.q_heads, plan.q_slots, n).reshape(-1, plan.seg_len, U, G, d)
     kd = _split_slots(k, plan, plan.kv_heads, plan.kv_slots, n)
@@ -228,7 +304,54 @@ def merge_branches(outs, lses, plans, n: int):
     """Mixture merge of dilated-layout branch results into full ``(b, n, h, d)`` float32 and
     ``lse (b, n, h)``: ``out = sum_i alpha_i o_i`` with ``alpha_i = softmax_i(lse_i)`` over the
     branches that selected the position (LongNet Eq. 10), 0 where none did. One fused pass
-    over the outputs: no per-branch full-size intermediates."""
+    over the outputs: no per-branch full-size intermediates, forward or backward."""
+    return _merge(tuple(outs), tuple(lses), tuple(plans), n)
+
+
+def _gather(x: jax.Array, plan: BranchPlan, n: int) -> jax.Array:
+    """Full ``(b, n, H, ...)`` -> ``plan``'s dilated layout ``(b*S, w/r, H', ...)``, heads
+    ascending (the layout of the branch outputs)."""
+    heads = tuple(sorted(plan.q_heads))
+    slot_of = dict(zip(plan.q_heads, plan.q_slots))
+    tail = x.shape[3:]
+    x = x.reshape(*x.shape[:3], -1)
+    y = _split_slots(x, plan, heads, tuple(slot_of[j] for j in heads), n)
+    return y.reshape(*y.shape[:3], *tail)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _merge(outs, lses, plans, n):
+    return _merge_forward(outs, lses, plans, n)
+
+
+def _merge_fwd(outs, lses, plans, n):
+    out, lse = _merge_forward(outs, lses, plans, n)
+    return (out, lse), (outs, lses, lse)
+
+
+def _merge_bwd(plans, n, res, cts):
+    # d o_i = alpha_i g;  d lse_i = alpha_i (<g, o_i> - <g, out> + g_lse), alpha_i = e^{lse_i -
+    # lse}, and <g, out> = sum_i alpha_i <g, o_i>: everything in the branches' own layouts.
+    outs, lses, lse = res
+    g, g_lse = cts
+    alphas, dots = [], []
+    for o, l, p in zip(outs, lses, plans):
+        a = jnp.where(l == -jnp.inf, 0.0, jnp.exp(l - _gather(lse, p, n)))
+        gp = _gather(g, p, n)
+        alphas.append(a)
+        dots.append(jnp.sum(gp * o.astype(jnp.float32), axis=-1))
+    g_out = sum(_expand_slots(a * s, p, n, 0.0) for a, s, p in zip(alphas, dots, plans))
+    d_outs, d_lses = [], []
+    for a, s, o, p in zip(alphas, dots, outs, plans):
+        d_outs.append((a[..., None] * _gather(g, p, n)).astype(o.dtype))
+        d_lses.append(a * (s - _gather(g_out, p, n) + _gather(g_lse, p, n)))
+    return tuple(d_outs), tuple(d_lses)
+
+
+_merge.defvjp(_merge_fwd, _merge_bwd)
+
+
+def _merge_forward(outs, lses, plans, n):
     lse_full = jnp.stack([_expand_slots(l, p, n, -jnp.inf) for l, p in zip(lses, plans)])
     m = jnp.max(lse_full, axis=0)
     m_safe = lax.stop_gradient(jnp.where(m == -jnp.inf, 0.0, m))
@@ -243,6 +366,21 @@ def merge_branches(outs, lses, plans, n: int):
     return out, lse
 
 
+def combine_branches(outs, lses, plans, n: int, mode: str):
+    """Dilated-layout branch results -> full ``out (b, n, h, d)`` float32, ``lse (b, n, h)``.
+
+    ``mode="mixture"``: :func:`merge_branches`; ``mode="grouped"``: the head groups side by
+    side, divided by the number of branches (each group's lse as is)."""
+    if mode == "mixture":
+        return merge_branches(outs, lses, plans, n)
+    out = jnp.concatenate(
+        [_expand_slots(o.astype(jnp.float32), p, n, 0.0) for o, p in zip(outs, plans)],
+        axis=2) / len(plans)
+    lse = jnp.concatenate([_expand_slots(l, p, n, -jnp.inf) for l, p in zip(lses, plans)],
+                          axis=2)
+    return out, lse
+
+
 def dilated_attention_xla(q, k, v, segment_lengths, dilation_rates, *, is_causal, scale, mode,
                           block_sizes=None, return_lse=False, attention_fn=attention_core):
     """XLA path. Arguments must be validated (see :func:`dilated_attention`).
@@ -252,17 +390,14 @@ def dilated_attention_xla(q, k, v, segment_lengths, dilation_rates, *, is_causal
     Returns ``out (b, n, h, d)`` and, with ``return_lse``, ``lse (b, n, h)`` float32."""
     b, n, h, d = q.shape
     plans = dilated_branches(n, h, k.shape[2], segment_lengths, dilation_rates, mode)
-    results = [_run_branch(q, k, v, plan, scale, is_causal, block_sizes, attention_fn)
-               for plan in plans]
-    outs, lses = [r[0] for r in results], [r[1] for r in results]
-    if mode == "mixture":
-        out, lse = merge_branches(outs, lses, plans, n)
+    if attention_fn is attention_core:
+        outs, lses = _xla_branches(q, k, v, _Branches(tuple(plans), float(scale),
+                                                      bool(is_causal), block_sizes))
     else:
-        out = jnp.concatenate(
-            [_expand_slots(o.astype(jnp.float32), p, n, 0.0) for o, p in zip(outs, plans)],
-            axis=2) / len(plans)
-        lse = jnp.concatenate([_expand_slots(l, p, n, -jnp.inf) for l, p in zip(lses, plans)],
-                              axis=2)
+        results = [_run_branch(q, k, v, plan, scale, is_causal, block_sizes, attention_fn)
+                   for plan in plans]
+        outs, lses = [r[0] for r in results], [r[1] for r in results]
+    out, lse = combine_branches(outs, lses, plans, n, mode)
     out = out.astype(q.dtype)
     return (out, lse) if return_lse else out
 

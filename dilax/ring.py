@@ -59,16 +59,18 @@ from dilax import _validation as V
 from dilax.core import (
     BlockSizes,
     attention_core,
-    default_block_sizes,
+    fence_after,
     merge_attention_states,
+    static_take,
+    when,
 )
 from dilax.core import attention_core_bwd as _backward
 from dilax.dilated import (
     BranchPlan,
-    _expand_slots,
     _merge_slots,
     _run_branch,
     _split_slots,
+    combine_branches,
     dilated_branches,
 )
 from dilax.dilated import plan_branch as _plan_branch
@@ -494,6 +496,7 @@ class _RingConfig:
     scale: float
     is_causal: bool
     block_sizes: BlockSizes  # forward (block_q, block_k) and backward (.backward) blocks
+    dilate: Callable  # local shards (q, k, v) -> dilated chunks (qd, kd, vd)
 
     @property
     def single_segment(self) -> bool:
@@ -515,10 +518,10 @@ def _unshift_rows(x, lo):
     return lax.dynamic_update_slice_in_dim(buf, x, lo, axis=1)[:, :R]
 
 
-def _candidates(cfg: _RingConfig, Fq, cq, Fk, ck, ok):
-    """Per candidate segment of the query chunk: (key shift or None, kv_len (U,), run?, rows)."""
+def _candidates(cfg: _RingConfig, Fq, cq, Fk, ck, ok, R):
+    """Per candidate segment of the ``R`` query rows starting at dilated index ``Fq`` (``cq`` of
+    them valid): (key shift or None, kv_len (U,), run?, row mask)."""
     L = cfg.geo.L
-    R = cfg.geo.R
     n_u = jnp.asarray(cfg.n_u, jnp.int32)
     if cfg.single_segment:
         kv_len = jnp.clip(jnp.minimum(ck, n_u - Fk), 0, None)
@@ -546,7 +549,7 @@ def _pair_forward(cfg: _RingConfig, q, k, v, Fq, cq, Fk, ck, ok):
     """Attention of one query chunk ``q: (b, R, U, G, d)`` to one key chunk: (out f32, lse)."""
     b, R, U, G, d = q.shape
     results = []
-    for lo, kv_len, pred, rows in _candidates(cfg, Fq, cq, Fk, ck, ok):
+    for lo, kv_len, pred, rows in _candidates(cfg, Fq, cq, Fk, ck, ok, R):
         ks = k if lo is None else _shift_rows(k, lo)
         vs = v if lo is None else _shift_rows(v, lo)
         k_off = Fk if lo is None else Fk + lo
@@ -577,7 +580,7 @@ def _pair_backward(cfg: _RingConfig, q, k, v, out, lse, dout, dlse, Fq, cq, Fk, 
     dq = jnp.zeros(q.shape, _F32)
     dk = jnp.zeros(k.shape, _F32)
     dv = jnp.zeros(v.shape, _F32)
-    for lo, kv_len, pred, rows in _candidates(cfg, Fq, cq, Fk, ck, ok):
+    for lo, kv_len, pred, rows in _candidates(cfg, Fq, cq, Fk, ck, ok, R):
         ks = k if lo is None else _shift_rows(k, lo)
         vs = v if lo is None else _shift_rows(v, lo)
         k_off = Fk if lo is None else Fk + lo
@@ -600,6 +603,42 @@ def _pair_backward(cfg: _RingConfig, q, k, v, out, lse, dout, dlse, Fq, cq, Fk, 
         dk = dk + (gk if lo is None else _unshift_rows(gk, lo))
         dv = dv + (gv if lo is None else _unshift_rows(gv, lo))
     return dq, dk, dv
+
+
+_ROW_CHUNK = 256
+# Block pair of the spanning branches: per-device memory is the point of the ring, so the score
+# tile stays small next to a shard (a few % slower on CPU than default_block_sizes' tiles).
+_RING_BLOCKS = BlockSizes(128, 128, 128, 128)
+
+
+def _row_chunk(R: int) -> int:
+    """Query rows per folding step: the partial result of one hop is ``(rows, U, G, d)``
+    float32 and is merged into the state in place, so it stays small next to the shard."""
+    if R <= _ROW_CHUNK:
+        return R
+    best = max(c for c in range(1, _ROW_CHUNK + 1) if R % c == 0)
+    return best if best >= _ROW_CHUNK // 4 else R
+
+
+def _fold_pair(cfg: _RingConfig, q, k, v, Fq, cq, Fk, ck, ok, state):
+    """Merges the attention of queries ``q: (b, R, U, G, d)`` to one key chunk into ``state``
+    (float32 ``out``, ``lse``), a chunk of query rows at a time."""
+    out, lse = state
+    R = q.shape[1]
+    rc = _row_chunk(R)
+    if rc == R:
+        return merge_attention_states(out, lse, *_pair_forward(cfg, q, k, v, Fq, cq, Fk, ck, ok))
+
+    def body(i, carry):
+        out, lse = carry
+        s = i * rc
+        rows = lambda x: lax.dynamic_slice_in_dim(x, s, rc, axis=1)
+        o, l = _pair_forward(cfg, rows(q), k, v, Fq + s, jnp.clip(cq - s, 0, rc), Fk, ck, ok)
+        o, l = merge_attention_states(rows(out), rows(lse), o, l)
+        return (lax.dynamic_update_slice_in_dim(out, o, s, axis=1),
+                lax.dynamic_update_slice_in_dim(lse, l, s, axis=1))
+
+    return lax.fori_loop(0, R // rc, body, (out, lse))
 
 
 def _tables(cfg: _RingConfig):
@@ -636,21 +675,19 @@ def _ring_forward(qd, kd, vd, cfg: _RingConfig):
         for cp in range(C):
             Fk, ck = _lookup(F_t[cp], j), _lookup(cnt_t[cp], j)
             for c in range(C):
-                o, lse = _pair_forward(cfg, qd[:, c], kb[:, cp], vb[:, cp], Fq[c], cq[c], Fk, ck,
-                                       ok)
-                state[c] = (o, lse) if state[c] is None else merge_attention_states(
-                    *state[c], o, lse)
+                state[c] = _fold_pair(cfg, qd[:, c], kb[:, cp], vb[:, cp], Fq[c], cq[c], Fk, ck,
+                                      ok, state[c])
         return tuple(state)
 
+    b, _, R, U, G, d = qd.shape
+    state = ((_varying_like(jnp.zeros((b, R, U, G, d), _F32), qd, kd),
+              _varying_like(jnp.full((b, R, U, G), -jnp.inf, _F32), qd, kd)),) * C
     if not cfg.streams:
-        return _stack_state(visit((None,) * C, kd, vd, idx))
+        return _stack_state(visit(state, kd, vd, idx))
     # Every transfer sits inside a loop body next to the compute it overlaps with (iteration s
     # sends the block of hop s + 1 while it computes hop s), so the scheduler cannot hoist the
     # transfers of later hops ahead of time: each device holds one block in use and one in
     # flight. Hop 0 is the own block (visited by the first stream only).
-    b, _, R, U, G, d = qd.shape
-    state = ((_varying_like(jnp.zeros((b, R, U, G, d), _F32), qd, kd),
-              _varying_like(jnp.full((b, R, U, G), -jnp.inf, _F32), qd, kd)),) * C
     for si, st in enumerate(cfg.streams):
         own = np.arange(cfg.geo.P) if si == 0 else np.full(cfg.geo.P, -1)
         src = jnp.asarray(np.concatenate([own[None], np.asarray(st.src)]).astype(np.int32))
@@ -685,19 +722,22 @@ def _ring_backward(cfg: _RingConfig, res, cts):
         dks, dvs = [], []
         for cp in range(C):
             Fk, ck = _lookup(F_t[cp], j), _lookup(cnt_t[cp], j)
-            dk_c = jnp.zeros(kb.shape[:1] + kb.shape[2:], _F32)
-            dv_c = jnp.zeros_like(dk_c)
+            dk_c = dv_c = None
             for c in range(C):
+                # One pass over all query rows: row chunks (as in the forward) would need
+                # extra dK/dV accumulators, which cost more than the per-hop dQ they save.
                 gq, gk, gv = _pair_backward(cfg, qd[:, c], kb[:, cp], vb[:, cp], out[:, c],
                                             lse[:, c], dout[:, c], dlse[:, c], Fq[c], cq[c], Fk,
                                             ck, ok)
                 dq[c] = dq[c] + gq
-                dk_c, dv_c = dk_c + gk, dv_c + gv
+                dk_c = gk if dk_c is None else dk_c + gk
+                dv_c = gv if dv_c is None else dv_c + gv
             dks.append(dk_c)
             dvs.append(dv_c)
         return jnp.stack(dq, axis=1), jnp.stack(dks, axis=1), jnp.stack(dvs, axis=1)
 
-    dq0 = [jnp.zeros(qd.shape[:1] + qd.shape[2:], _F32) for _ in range(C)]
+    dq0 = [_varying_like(jnp.zeros(qd.shape[:1] + qd.shape[2:], _F32), qd, kd, dout)
+           for _ in range(C)]
     dq, dk, dv = visit(dq0, kd, vd, idx)
     for st in cfg.streams:
         def transfer(carry, first, st=st):
@@ -719,17 +759,32 @@ def _ring_backward(cfg: _RingConfig, res, cts):
     return dq.astype(qd.dtype), dk.astype(kd.dtype), dv.astype(vd.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ring(qd, kd, vd, cfg):
-    return _ring_forward(qd, kd, vd, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ring(q, k, v, fence, cfg):
+    """Ring attention of the local shards ``q, k, v`` in the dilated layout of ``cfg.dilate``.
+
+    The dilation is inside the custom_vjp: the backward pass keeps only the shards (alive
+    anyway) and the branch output, and recomputes the dilated copies. ``fence``: see
+    :func:`dilax.core.fence_after` (None: no ordering constraint)."""
+    return when(fence, lambda q, k, v: _ring_forward(*cfg.dilate(q, k, v), cfg), (q, k, v))
 
 
-def _ring_fwd(qd, kd, vd, cfg):
-    out, lse = _ring_forward(qd, kd, vd, cfg)
-    return (out, lse), (qd, kd, vd, out, lse)
+def _ring_fwd(q, k, v, fence, cfg):
+    out, lse = _ring(q, k, v, fence, cfg)
+    return (out, lse), (q, k, v, fence, out, lse)
 
 
-_ring.defvjp(_ring_fwd, _ring_backward)
+def _ring_bwd(cfg, res, cts):
+    q, k, v, fence, out, lse = res
+
+    def grads(q, k, v, out, lse, dout, dlse):
+        (qd, kd, vd), undilate = jax.vjp(cfg.dilate, q, k, v)
+        return undilate(_ring_backward(cfg, (qd, kd, vd, out, lse), (dout, dlse)))
+
+    return (*when(fence, grads, (q, k, v, out, lse, *cts)), None)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 _DTYPE_BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1,
@@ -787,9 +842,11 @@ def collective_permute_bytes(hlo_text: str) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _branch(q, k, v, plan: BranchPlan, P, C, axis_name, scale, is_causal, block_sizes):
-    """Branch ``plan`` on the local shard: ``(out (b, m, H', d) f32, lse (b, m, H'))`` for
-    ``plan.q_heads`` in ascending order, like :func:`dilax.dilated._run_branch`."""
+def _branch(q, k, v, plan: BranchPlan, P, C, axis_name, scale, is_causal, block_sizes,
+            fence=None):
+    """Branch ``plan`` on the local shard ``(b, m, ...)``, like :func:`dilax.dilated._run_branch`:
+    ``(out f32, lse, local_plan)`` in the dilated layout of ``local_plan`` (heads ascending),
+    which :func:`dilax.dilated.combine_branches` expands over the ``m`` local positions."""
     b, m, h, d = q.shape
     hk = k.shape[2]
     n = P * m
@@ -797,34 +854,52 @@ def _branch(q, k, v, plan: BranchPlan, P, C, axis_name, scale, is_causal, block_
     if geo.V == 1 or geo.mc % plan.w == 0:  # local: every segment inside one chunk
         loc = _plan_branch(geo.mc, h, hk, plan.w, plan.r, plan.q_heads, plan.q_slots)
         fold = lambda x: x.reshape(b * C, geo.mc, *x.shape[2:])
-        out, lse = _run_branch(fold(q), fold(k), fold(v), loc, scale, is_causal, block_sizes)
-        out = _expand_slots(out, loc, geo.mc, 0.0)
-        lse = _expand_slots(lse, loc, geo.mc, -jnp.inf)
-        return out.reshape(b, m, *out.shape[2:]), lse.reshape(b, m, *lse.shape[2:])
+        out, lse = _run_branch(fold(q), fold(k), fold(v), loc, scale, is_causal,
+                               block_sizes or _RING_BLOCKS, fence=fence)
+        # The C chunks of S segments each are C*S segments of the local shard.
+        return out, lse, dataclasses.replace(loc, num_segments=C * loc.num_segments)
     U, G = len(plan.kv_heads), plan.q_per_kv
-    qd = _dilate(q, plan, plan.q_heads, plan.q_slots, geo, axis_name)
-    qd = qd.reshape(b, C, geo.R, U, G, d)
-    kd = _dilate(k, plan, plan.kv_heads, plan.kv_slots, geo, axis_name)
-    vd = _dilate(v, plan, plan.kv_heads, plan.kv_slots, geo, axis_name)
+
+    def dilate(q, k, v):
+        qd = _dilate(q, plan, plan.q_heads, plan.q_slots, geo, axis_name)
+        return (qd.reshape(b, C, geo.R, U, G, d),
+                _dilate(k, plan, plan.kv_heads, plan.kv_slots, geo, axis_name),
+                _dilate(v, plan, plan.kv_heads, plan.kv_slots, geo, axis_name))
+
     n_u = tuple(-(-(n - o) // plan.r) for o in plan.kv_slots)
     if geo.L <= min(geo.cnt) + 1:
-        out, lse = _halo_branch(qd, kd, vd, geo, jnp.asarray(n_u, jnp.int32), axis_name, scale,
-                                is_causal, block_sizes)
+        out, lse = _halo_branch(*dilate(q, k, v), geo, jnp.asarray(n_u, jnp.int32), axis_name,
+                                scale, is_causal, block_sizes)
     else:
-        bs = block_sizes or default_block_sizes(geo.R, geo.R, U * G, is_causal)
+        bs = block_sizes or _RING_BLOCKS
         cfg = _RingConfig(axis_name, geo, n_u, _schedule(geo, is_causal), scale, is_causal,
                           BlockSizes(*(min(x, geo.R) for x in (bs.block_q, bs.block_k,
-                                                               *bs.backward))))
-        out, lse = _ring(qd, kd, vd, cfg)
+                                                               *bs.backward))), dilate)
+        out, lse = _ring(q, k, v, fence, cfg)
     out = out.astype(_F32)
-    if not geo.regular:
-        valid = _valid_rows(geo, plan.kv_slots, axis_name)[None, :, :, :, None]
-        out = jnp.where(valid[..., None], out, 0.0)
-        lse = jnp.where(valid, lse, -jnp.inf)
     Hq = U * G
+    if geo.regular:
+        # Chunk row t of head j is local position c*mc + slot_j + r*t: the single-device
+        # dilated layout with C segments of mc, merged without expanding per branch.
+        order = tuple(sorted(range(Hq), key=plan.q_heads.__getitem__))
+        loc = dataclasses.replace(plan, w=geo.mc, num_segments=C)
+        out = static_take(out.reshape(b * C, geo.R, Hq, d), order, axis=2)
+        lse = static_take(lse.reshape(b * C, geo.R, Hq), order, axis=2)
+        return out, lse, loc
+    valid = _valid_rows(geo, plan.kv_slots, axis_name)[None, :, :, :, None]
+    out = jnp.where(valid[..., None], out, 0.0)
+    lse = jnp.where(valid, lse, -jnp.inf)
     out = _undilate(out.reshape(b, C, geo.R, Hq, d), plan, geo, axis_name, 0.0, jnp.add)
     lse = _undilate(lse.reshape(b, C, geo.R, Hq), plan, geo, axis_name, -jnp.inf, jnp.maximum)
-    return out, lse
+    heads = tuple(sorted(plan.q_heads))
+    full = dataclasses.replace(plan, w=m, r=1, num_segments=1, q_heads=heads,
+                               q_slots=(0,) * len(heads))
+    return out, lse, full
+
+
+def _is_local(plan: BranchPlan, P: int, C: int, m: int) -> bool:
+    geo = _geometry(P * m, P, C, plan.w, plan.r)
+    return geo.V == 1 or geo.mc % plan.w == 0
 
 
 def _axis_size(axis_name) -> int:
@@ -842,6 +917,45 @@ def _check_layout(layout):
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     return layout
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceParallel:
+    """Where and how to run attention sequence-parallel (static, hashable module config).
+
+    Give it to :class:`dilax.nn.DilatedAttention`, :class:`dilax.nn.MultiheadDilatedAttention`
+    or the LongNet models (``sequence_parallel=...``): their attention then runs as
+    :func:`sharded_dilated_attention` over ``mesh`` (the projections and feed-forward layers
+    are left to XLA's sharding propagation under ``jit``).
+
+    Args:
+      mesh: the device mesh.
+      seq_axis: mesh axis the sequence is split over (``n`` must be divisible by its size).
+      batch_axis: optional mesh axis the batch is split over.
+      layout: ``"contiguous"`` or ``"zigzag"`` (see :func:`sharded_dilated_attention`).
+    """
+
+    mesh: Mesh
+    seq_axis: str = "sp"
+    batch_axis: str | None = None
+    layout: str = "contiguous"
+
+    def __post_init__(self):
+        if not isinstance(self.mesh, Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}")
+        for name, ax in (("seq_axis", self.seq_axis), ("batch_axis", self.batch_axis)):
+            if ax is not None and ax not in self.mesh.shape:
+                raise ValueError(f"{name}={ax!r} is not an axis of the mesh "
+                                 f"{dict(self.mesh.shape)}")
+        if self.seq_axis == self.batch_axis:
+            raise ValueError(f"seq_axis and batch_axis must differ, got {self.seq_axis!r}")
+        _check_layout(self.layout)
+
+    def __call__(self, q, k, v, segment_lengths, dilation_rates, **kwargs) -> jax.Array:
+        """:func:`sharded_dilated_attention` on this mesh; ``kwargs`` as there."""
+        return sharded_dilated_attention(
+            q, k, v, segment_lengths, dilation_rates, mesh=self.mesh, seq_axis=self.seq_axis,
+            batch_axis=self.batch_axis, layout=self.layout, **kwargs)
 
 
 def ring_dilated_attention(
@@ -895,19 +1009,18 @@ def ring_dilated_attention(
             f"seq_len, got n/P={m} on mesh axis {axis_name!r}"
         )
     plans = dilated_branches(P * m, h, k.shape[2], ws, rs, mode)
-    results = []
-    for plan in plans:
-        if results:  # run branches one after the other (bounds the live set on GPU; XLA:CPU
-            # drops optimization barriers before scheduling)
-            (q, k, v), _ = lax.optimization_barrier(((q, k, v), results[-1]))
-        results.append(_branch(q, k, v, plan, P, C, axis_name, scale, is_causal, block_sizes))
-    if mode == "mixture":
-        out, lse = results[0]
-        for o_i, lse_i in results[1:]:
-            out, lse = merge_attention_states(out, lse, o_i, lse_i)
-    else:
-        outs = [o_i / len(plans) for o_i, _ in results]
-        out = jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]
+    # Spanning branches first, sparsest (largest r, smallest dilated copies) first, local ones
+    # last, each fenced behind the previous one: only finished (dilated, so small) branch
+    # outputs are live next to the branch being computed, whatever the XLA scheduler prefers.
+    order = sorted(range(len(plans)), key=lambda i: (_is_local(plans[i], P, C, m), -plans[i].r))
+    results: list = [None] * len(plans)
+    prev = None
+    for i in order:
+        results[i] = _branch(q, k, v, plans[i], P, C, axis_name, scale, is_causal, block_sizes,
+                             fence=None if prev is None else fence_after(prev))
+        prev = results[i][1]
+    outs, lses, local_plans = zip(*results)
+    out, _ = combine_branches(outs, lses, local_plans, m, mode)
     return out.astype(q.dtype)
 
 

@@ -247,11 +247,16 @@ MEM_CFG = dict(n=16384, h=8, hk=2, d=32, ws=(2048, 4096, 8192, 16384), rs=(1, 2,
 def test_memory_per_device(grad):
     """Per-device memory at P=8 vs the single-device program (memory_analysis).
 
-    Measured now: training step 1.56x and forward 1.70x of (single-device / 8). The issue's
-    target is 1.15x; it is NOT met since the single-device path stopped copying dilated rows
-    (SlotView) while the ring still gathers its dilated K/V blocks and keeps one block in use
-    plus one in flight. This test pins the current bound so it cannot regress; the scaling
-    itself is O(n / P) (test_memory_scales_with_ring_size).
+    Issue bound: <= 1.15 x (single / 8). Forward: measured 1.140, met. Training step: the ring
+    takes 24.8 MiB per device, 1.05 x the single-device training step as it was (188 MiB);
+    that program has since dropped to 111 MiB (one custom_vjp over all branches with float32
+    accumulation, a hand-written merge backward), which the ring's per-branch backward does
+    not get yet: 1.78 x now, NOT met. The bound pins the current figure against regressions.
+
+    What holds the forward: spanning branches run first and one after the other (fenced, so
+    the scheduler cannot hoist every branch's dilated copies to the start), partial results
+    are merged into the ring state a chunk of query rows at a time, branch outputs stay in
+    the dilated layout until one fused merge, and the backward recomputes the dilated copies.
     """
     c = MEM_CFG
     bs = BlockSizes(64, 128, 64, 128)
@@ -264,7 +269,7 @@ def test_memory_per_device(grad):
                      c["n"], c["h"], c["hk"], c["d"], mesh=mesh, grad=grad)
     ratio = _bytes(ring) / (_bytes(single) / 8)
     print(f"per-device / (single / 8) = {ratio:.3f}")
-    assert ratio <= (1.65 if grad else 1.8), ratio
+    assert ratio <= (1.85 if grad else 1.15), ratio
 
 
 def test_memory_scales_with_ring_size():
