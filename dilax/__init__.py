@@ -13,12 +13,13 @@ from dilax.core import BlockSizes, attention_core, merge_attention_states
 from dilax.dilated import dilated_attention
 from dilax.factory import create_attention
 from dilax.reference import dilated_counts
-from dilax.ring import ring_dilated_attention, sharded_dilated_attention
+from dilax.ring import SequenceParallel, ring_dilated_attention, sharded_dilated_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BlockSizes",
+    "SequenceParallel",
     "attention_core",
     "attention_fn",
     "block_sparse_attention",

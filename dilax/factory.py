@@ -14,6 +14,9 @@ import jax
 from flax import nnx
 
 from dilax.backend import IMPLEMENTATIONS, current_backend, default_implementation
+from dilax.core import BlockSizes
+from dilax.nn.attention import DilatedAttention
+from dilax.ring import SequenceParallel
 
 KINDS = ("auto", "dilated", "block_sparse", "ring")
 
@@ -32,33 +35,21 @@ class Choice:
                 f" implementation={self.implementation!r}: {self.reason}")
 
 
-class RingDilatedAttention(nnx.Module):
+class RingDilatedAttention(DilatedAttention):
     """Dilated attention over a device mesh: the sequence axis is sharded on ``seq_axis``.
 
-    ``__call__(q, k, v)`` takes global ``(b, n, h, d)`` arrays and returns the same as
-    :func:`dilax.dilated_attention` on one device (SPEC.md, "Ring").
+    A :class:`dilax.nn.DilatedAttention` with ``sequence_parallel=SequenceParallel(mesh,
+    seq_axis, batch_axis)``. ``__call__(q, k, v)`` takes global ``(b, n, h, d)`` arrays and
+    returns the same as :func:`dilax.dilated_attention` on one device (SPEC.md, "Ring").
     """
 
     def __init__(self, segment_lengths, dilation_rates, *, mesh: jax.sharding.Mesh,
                  seq_axis: str = "sp", batch_axis: str | None = None, mode: str = "mixture",
-                 is_causal: bool = False, scale: float | None = None):
-        self.segment_lengths = tuple(segment_lengths)
-        self.dilation_rates = tuple(dilation_rates)
-        self.mesh = mesh
-        self.seq_axis = seq_axis
-        self.batch_axis = batch_axis
-        self.mode = mode
-        self.is_causal = is_causal
-        self.scale = scale
-
-    def __call__(self, q, k, v, *, is_causal: bool | None = None):
-        from dilax.ring import sharded_dilated_attention
-
-        return sharded_dilated_attention(
-            q, k, v, self.segment_lengths, self.dilation_rates, mesh=self.mesh,
-            seq_axis=self.seq_axis, batch_axis=self.batch_axis,
-            is_causal=self.is_causal if is_causal is None else is_causal, mode=self.mode,
-            scale=self.scale)
+                 is_causal: bool = False, scale: float | None = None,
+                 block_sizes: BlockSizes | None = None):
+        super().__init__(segment_lengths, dilation_rates, mode=mode, is_causal=is_causal,
+                         scale=scale, block_sizes=block_sizes,
+                         sequence_parallel=SequenceParallel(mesh, seq_axis, batch_axis))
 
 
 class Attention(nnx.Module):
@@ -163,9 +154,6 @@ def create_attention(
             raise _fail("kind='ring' needs a mesh")
         if seq_axis not in mesh.axis_names:
             raise _fail(f"seq_axis={seq_axis!r} is not an axis of the mesh {mesh.axis_names}")
-        if multihead:
-            raise _fail("kind='ring' builds a parameter-free module; project q, k, v outside "
-                        "and call it, or use MultiheadDilatedAttention on one device")
     if kind != "ring" and mesh is not None:
         raise _fail(f"kind={kind!r} does not take a mesh")
 
@@ -200,6 +188,10 @@ def create_attention(
         else:
             inner = nn.BlockSparseAttention(pattern, is_causal=is_causal,
                                             implementation=implementation, **module_kwargs)
+    elif multihead:
+        inner = nn.MultiheadDilatedAttention(
+            embed_dim, num_heads, segment_lengths, dilation_rates, mode=mode, rngs=rngs,
+            sequence_parallel=SequenceParallel(mesh, seq_axis), **module_kwargs)
     else:
         inner = RingDilatedAttention(segment_lengths, dilation_rates, mesh=mesh,
                                      seq_axis=seq_axis, mode=mode, is_causal=is_causal,

@@ -23,6 +23,7 @@ from flax import nnx
 from dilax import _validation as V
 from dilax.core import BlockSizes
 from dilax.nn.attention import MultiheadDilatedAttention, xavier_normal
+from dilax.ring import SequenceParallel
 
 Dtype = Any
 
@@ -147,8 +148,9 @@ class DilatedTransformerEncoderLayer(nnx.Module):
       activation: FFN nonlinearity (default ReLU, as in LongNet/MAGNETO).
       layer_norm_eps: LayerNorm epsilon.
       gamma_init: MAGNETO gain on ``v_proj``, ``out_proj``, ``linear1`` and ``linear2``.
-      mode, use_bias, implementation, block_sizes, dtype, param_dtype, keep_rngs, rngs: as in
-        :class:`~dilax.nn.MultiheadDilatedAttention`.
+      mode, use_bias, implementation, block_sizes, sequence_parallel, dtype, param_dtype,
+        keep_rngs, rngs: as in :class:`~dilax.nn.MultiheadDilatedAttention`
+        (``sequence_parallel``: run attention as ring attention over a mesh).
 
     ``__call__(x (b, n, d_model), *, is_causal=False) -> (b, n, d_model)``.
     """
@@ -170,6 +172,7 @@ class DilatedTransformerEncoderLayer(nnx.Module):
         use_bias: bool = True,
         implementation: str | None = None,
         block_sizes: BlockSizes | None = None,
+        sequence_parallel: SequenceParallel | None = None,
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
         keep_rngs: bool = True,
@@ -186,7 +189,8 @@ class DilatedTransformerEncoderLayer(nnx.Module):
         self.self_attn = MultiheadDilatedAttention(
             d_model, num_heads, segment_lengths, dilation_rates, num_kv_heads=num_kv_heads,
             dropout=dropout, use_bias=use_bias, layer_norm=True, gamma_init=gamma_init, mode=mode,
-            implementation=implementation, block_sizes=block_sizes, **common,
+            implementation=implementation, block_sizes=block_sizes,
+            sequence_parallel=sequence_parallel, **common,
         )
         self.norm2 = nnx.LayerNorm(d_model, epsilon=layer_norm_eps, dtype=dtype,
                                    param_dtype=param_dtype, rngs=rngs)
@@ -239,6 +243,7 @@ class DilatedTransformerDecoderLayer(nnx.Module):
         use_bias: bool = True,
         implementation: str | None = None,
         block_sizes: BlockSizes | None = None,
+        sequence_parallel: SequenceParallel | None = None,
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
         keep_rngs: bool = True,
@@ -253,7 +258,7 @@ class DilatedTransformerDecoderLayer(nnx.Module):
                       keep_rngs=keep_rngs, rngs=rngs)
         attn = dict(num_kv_heads=num_kv_heads, dropout=dropout, use_bias=use_bias,
                     gamma_init=gamma_init, mode=mode, implementation=implementation,
-                    block_sizes=block_sizes, **common)
+                    block_sizes=block_sizes, sequence_parallel=sequence_parallel, **common)
 
         def norm():
             return nnx.LayerNorm(d_model, epsilon=layer_norm_eps, dtype=dtype,
@@ -337,6 +342,7 @@ class LongNet(nnx.Module):
         remat: bool = False,
         implementation: str | None = None,
         block_sizes: BlockSizes | None = None,
+        sequence_parallel: SequenceParallel | None = None,
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
         keep_rngs: bool = True,
@@ -355,8 +361,9 @@ class LongNet(nnx.Module):
         layer_kw = dict(
             dim_feedforward=dim_feedforward, num_kv_heads=num_kv_heads, dropout=dropout,
             activation=activation, layer_norm_eps=layer_norm_eps, mode=mode, use_bias=use_bias,
-            implementation=implementation, block_sizes=block_sizes, dtype=dtype,
-            param_dtype=param_dtype, keep_rngs=keep_rngs, rngs=rngs,
+            implementation=implementation, block_sizes=block_sizes,
+            sequence_parallel=sequence_parallel, dtype=dtype, param_dtype=param_dtype,
+            keep_rngs=keep_rngs, rngs=rngs,
         )
         args = (d_model, num_heads, segment_lengths, dilation_rates)
         self.encoder = nnx.List([
@@ -437,6 +444,7 @@ class LongNetLM(nnx.Module):
         xpos_scale_base: float = 512.0,
         implementation: str | None = None,
         block_sizes: BlockSizes | None = None,
+        sequence_parallel: SequenceParallel | None = None,
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
         keep_rngs: bool = True,
@@ -457,8 +465,9 @@ class LongNetLM(nnx.Module):
             d_model, num_heads, num_encoder_layers, num_decoder_layers, dim_feedforward,
             segment_lengths, dilation_rates, num_kv_heads=num_kv_heads, dropout=dropout,
             activation=activation, layer_norm_eps=layer_norm_eps, mode=mode, use_bias=use_bias,
-            remat=remat, implementation=implementation, block_sizes=block_sizes, dtype=dtype,
-            param_dtype=param_dtype, keep_rngs=keep_rngs, rngs=rngs,
+            remat=remat, implementation=implementation, block_sizes=block_sizes,
+            sequence_parallel=sequence_parallel, dtype=dtype, param_dtype=param_dtype,
+            keep_rngs=keep_rngs, rngs=rngs,
         )
         self.norm = nnx.LayerNorm(d_model, epsilon=layer_norm_eps, dtype=dtype,
                                   param_dtype=param_dtype, rngs=rngs)

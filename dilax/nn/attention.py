@@ -18,6 +18,7 @@ from dilax import _validation as V
 from dilax.attention_fn import check_options
 from dilax.core import BlockSizes
 from dilax.dilated import dilated_attention
+from dilax.ring import SequenceParallel
 
 Dtype = Any
 
@@ -44,6 +45,9 @@ class DilatedAttention(nnx.Module):
       is_causal: default causal flag; ``__call__(..., is_causal=...)`` overrides it.
       scale: logit scale, default ``1 / sqrt(d)``.
       implementation, block_sizes: forwarded to :func:`dilax.dilated_attention`.
+      sequence_parallel: a :class:`dilax.SequenceParallel` (mesh and axes) to run as ring
+        attention over the devices (:func:`dilax.sharded_dilated_attention`; XLA core, so
+        ``implementation`` must be None or ``"xla"``); None: one device.
 
     ``__call__(q, k, v)`` takes ``q (b, n, h, d)``, ``k``/``v (b, n, hk, d)`` with
     ``h % hk == 0`` and returns ``(b, n, h, d)`` in ``q.dtype``.
@@ -59,9 +63,19 @@ class DilatedAttention(nnx.Module):
         scale: float | None = None,
         implementation: str | None = None,
         block_sizes: BlockSizes | None = None,
+        sequence_parallel: SequenceParallel | None = None,
     ):
         cfg = check_options(segment_lengths, dilation_rates, mode=mode, is_causal=is_causal,
                             scale=scale, implementation=implementation, block_sizes=block_sizes)
+        if sequence_parallel is not None:
+            if not isinstance(sequence_parallel, SequenceParallel):
+                raise TypeError("sequence_parallel must be a dilax.SequenceParallel or None, got "
+                                f"{type(sequence_parallel).__name__}")
+            if cfg["implementation"] not in (None, "xla"):
+                raise ValueError("sequence_parallel runs the XLA core on every device: "
+                                 "implementation must be None or 'xla', got "
+                                 f"{cfg['implementation']!r}")
+        self.sequence_parallel: SequenceParallel | None = sequence_parallel
         self.segment_lengths: tuple[int, ...] = cfg["segment_lengths"]
         self.dilation_rates: tuple[int, ...] = cfg["dilation_rates"]
         self.mode: str = cfg["mode"]
@@ -74,6 +88,10 @@ class DilatedAttention(nnx.Module):
         self, q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool | None = None
     ) -> jax.Array:
         causal = self.is_causal if is_causal is None else V.check_bool(is_causal, "is_causal")
+        if self.sequence_parallel is not None:
+            return self.sequence_parallel(
+                q, k, v, self.segment_lengths, self.dilation_rates, is_causal=causal,
+                scale=self.scale, mode=self.mode, block_sizes=self.block_sizes)
         return dilated_attention(
             q, k, v, self.segment_lengths, self.dilation_rates, is_causal=causal,
             scale=self.scale, mode=self.mode, implementation=self.implementation,
@@ -101,7 +119,8 @@ class MultiheadDilatedAttention(nnx.Module):
       layer_norm_eps: LayerNorm epsilon.
       gamma_init: Xavier-normal gain of ``v_proj`` and ``out_proj`` (``q_proj``/``k_proj`` use
         gain 1), MAGNETO's depth-dependent gamma.
-      mode, scale, implementation, block_sizes: forwarded to :func:`dilax.dilated_attention`.
+      mode, scale, implementation, block_sizes, sequence_parallel: as in
+        :class:`DilatedAttention`.
       dtype: compute dtype (``None``: from inputs and params); param_dtype: parameter dtype.
       keep_rngs: keep a forked ``dropout`` stream of ``rngs`` for dropout (only if
         ``dropout > 0``); with ``False`` pass ``rngs`` at call time.
@@ -125,6 +144,7 @@ class MultiheadDilatedAttention(nnx.Module):
         scale: float | None = None,
         implementation: str | None = None,
         block_sizes: BlockSizes | None = None,
+        sequence_parallel: SequenceParallel | None = None,
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
         keep_rngs: bool = True,
@@ -171,7 +191,8 @@ class MultiheadDilatedAttention(nnx.Module):
         self.k_proj = linear(embed_dim, kv_dim, 1.0)
         self.v_proj = linear(embed_dim, kv_dim, gain)
         self.attention = DilatedAttention(segment_lengths, dilation_rates, mode=mode, scale=scale,
-                                          implementation=implementation, block_sizes=block_sizes)
+                                          implementation=implementation, block_sizes=block_sizes,
+                                          sequence_parallel=sequence_parallel)
         self.dropout = nnx.Dropout(dropout, rngs=rngs if keep_rngs and dropout > 0 else None)
         self.norm = (
             nnx.LayerNorm(embed_dim, epsilon=layer_norm_eps, dtype=dtype, param_dtype=param_dtype,

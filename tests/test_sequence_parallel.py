@@ -1,0 +1,117 @@
+"""Sequence-parallel modules and models (``sequence_parallel=dilax.SequenceParallel(...)``).
+
+The same parameters run once on one device and once as ring attention over a 4-device mesh
+(8 host CPU devices come from tests/conftest.py); outputs and parameter gradients must agree.
+The ring itself is checked against the mask-based reference in test_ring.py; here the point is
+that the option reaches every attention of a module/model and changes nothing but placement.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+
+import dilax
+from dilax.models import LongNetLM
+from dilax.nn import DilatedAttention, MultiheadDilatedAttention
+
+# fp32; the ring merges the same partial softmax results in another order than one device.
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def _mesh(P=4, names=("sp",)):
+    return jax.make_mesh((P,), names, axis_types=(AxisType.Auto,), devices=jax.devices()[:P])
+
+
+def _grads_and_out(model, x, loss):
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def f(params):
+        out = nnx.merge(graphdef, params)(x)
+        return loss(out), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+    return out, grads
+
+
+def _assert_trees_close(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb) > 0
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **TOL)
+
+
+def test_multihead_module_sequence_parallel_equals_one_device():
+    sp = dilax.SequenceParallel(_mesh())
+    cfg = dict(embed_dim=32, num_heads=4, segment_lengths=(8, 64), dilation_rates=(1, 4),
+               num_kv_heads=2)
+    one = MultiheadDilatedAttention(**cfg, rngs=nnx.Rngs(0))
+    ring = MultiheadDilatedAttention(**cfg, sequence_parallel=sp, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 64, 32))
+    g = jax.random.normal(jax.random.PRNGKey(2), (2, 64, 32))
+    loss = lambda y: jnp.vdot(y, g)
+    out_1, grads_1 = _grads_and_out(one, x, loss)
+    out_r, grads_r = _grads_and_out(ring, x, loss)
+    np.testing.assert_allclose(out_r, out_1, **TOL)
+    _assert_trees_close(grads_r, grads_1)
+
+
+def test_longnet_lm_sequence_parallel_equals_one_device():
+    """Decoder-only LM, causal, two layers: every layer's attention runs as a ring."""
+    cfg = dict(num_tokens=17, d_model=32, num_heads=4, num_encoder_layers=0,
+               num_decoder_layers=2, dim_feedforward=64, segment_lengths=(16, 64),
+               dilation_rates=(1, 2))
+    one = LongNetLM(**cfg, rngs=nnx.Rngs(0))
+    ring = LongNetLM(**cfg, sequence_parallel=dilax.SequenceParallel(_mesh()),
+                     rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (1, 64), 0, 17)
+    targets = jnp.roll(tokens, -1, axis=1)
+
+    def loss(logits):
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+    logits_1, grads_1 = _grads_and_out(one, tokens, loss)
+    logits_r, grads_r = _grads_and_out(ring, tokens, loss)
+    np.testing.assert_allclose(logits_r, logits_1, **TOL)
+    _assert_trees_close(grads_r, grads_1)
+
+
+def test_factory_ring_multihead_and_batch_axis():
+    mesh2d = jax.make_mesh((2, 4), ("dp", "sp"), axis_types=(AxisType.Auto,) * 2)
+    attn = dilax.create_attention(segment_lengths=(8, 32), dilation_rates=(1, 2), mesh=_mesh(),
+                                  embed_dim=16, num_heads=2, rngs=nnx.Rngs(0))
+    assert attn.choice.kind == "ring" and attn.choice.multihead
+    one = MultiheadDilatedAttention(16, 2, (8, 32), (1, 2), rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.PRNGKey(4), (2, 32, 16))
+    np.testing.assert_allclose(attn(x), one(x), **TOL)
+    # batch over "dp", sequence over "sp"
+    both = DilatedAttention((8, 32), (1, 2), is_causal=True,
+                            sequence_parallel=dilax.SequenceParallel(mesh2d, "sp", "dp"))
+    q = jax.random.normal(jax.random.PRNGKey(5), (2, 32, 4, 8))
+    kv = jax.random.normal(jax.random.PRNGKey(6), (2, 32, 2, 8))
+    ref = dilax.dilated_attention(q, kv, kv, (8, 32), (1, 2), is_causal=True,
+                                  implementation="reference")
+    np.testing.assert_allclose(both(q, kv, kv), ref, **TOL)
+
+
+@pytest.mark.parametrize("make, exc, fragment", [
+    (lambda: dilax.SequenceParallel("mesh"), TypeError, "mesh must be a jax.sharding.Mesh"),
+    (lambda: dilax.SequenceParallel(_mesh(), seq_axis="x"), ValueError,
+     "seq_axis='x' is not an axis of the mesh"),
+    (lambda: dilax.SequenceParallel(_mesh(), batch_axis="sp"), ValueError,
+     "seq_axis and batch_axis must differ"),
+    (lambda: dilax.SequenceParallel(_mesh(), layout="spiral"), ValueError, "layout must be one"),
+    (lambda: DilatedAttention((8,), (1,), implementation="pallas",
+                              sequence_parallel=dilax.SequenceParallel(_mesh())),
+     ValueError, "implementation must be None or 'xla'"),
+    (lambda: DilatedAttention((8,), (1,), sequence_parallel=_mesh()), TypeError,
+     "sequence_parallel must be a dilax.SequenceParallel"),
+])
+def test_sequence_parallel_errors(make, exc, fragment):
+    with pytest.raises(exc, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        make()
