@@ -384,6 +384,7 @@ def block_sparse_attention(
     interpret = V.check_bool(interpret, "interpret")
     implementation = resolve_implementation(implementation, interpret=interpret,
                                             allowed=IMPLEMENTATIONS)
+    V.check_memory(q, k, dense=implementation == "reference", op="block_sparse_attention")
     if implementation == "reference":
         return block_sparse_attention_reference(q, k, v, pattern, is_causal=is_causal,
                                                 scale=scale)
@@ -510,6 +511,7 @@ def content_adaptive_attention(
     b, n, h, d = q.shape
     hk = k.shape[2]
     bs, top_k = _check_top_k(block_size, top_k, n)
+    V.check_memory(q, k, op="content_adaptive_attention")
     nb = _cdiv(n, bs)
     idx, counts = content_adaptive_selection(q, k, bs, top_k, is_causal=is_causal)
     last = jnp.take_along_axis(idx, jnp.maximum(counts - 1, 0)[..., None], axis=-1)[..., 0]

@@ -315,6 +315,8 @@ def dilated_attention(
     scale = V.check_scale(scale, q.shape[3])
     interpret = V.check_bool(interpret, "interpret")
     implementation = resolve_implementation(implementation, interpret=interpret)
+    V.check_memory(q, k, num_branches=len(ws), dense=implementation == "reference",
+                   op="dilated_attention")
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be a dilax.BlockSizes, got {type(block_sizes).__name__}")
     if implementation == "reference":

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from dilax._validation import MODES, check_bool
 from dilax.backend import IMPLEMENTATIONS, current_backend, default_implementation
 
 KINDS = ("auto", "dilated", "block_sparse", "ring")
@@ -42,6 +43,16 @@ class RingDilatedAttention(nnx.Module):
     def __init__(self, segment_lengths, dilation_rates, *, mesh: jax.sharding.Mesh,
                  seq_axis: str = "sp", batch_axis: str | None = None, mode: str = "mixture",
                  is_causal: bool = False, scale: float | None = None):
+        from dilax.attention_fn import check_options
+
+        cfg = check_options(segment_lengths, dilation_rates, mode=mode, is_causal=is_causal,
+                            scale=scale)
+        _check_mesh(mesh, seq_axis)
+        if batch_axis is not None and (batch_axis not in mesh.axis_names
+                                       or batch_axis == seq_axis):
+            raise ValueError(f"batch_axis={batch_axis!r} must be an axis of the mesh "
+                             f"{mesh.axis_names} other than seq_axis={seq_axis!r}")
+        segment_lengths, dilation_rates = cfg["segment_lengths"], cfg["dilation_rates"]
         self.segment_lengths = tuple(segment_lengths)
         self.dilation_rates = tuple(dilation_rates)
         self.mesh = mesh
@@ -76,6 +87,16 @@ class Attention(nnx.Module):
 
     def __repr__(self) -> str:
         return f"dilax.Attention({self.choice}; module={type(self.inner).__name__})"
+
+
+def _check_mesh(mesh: Any, seq_axis: Any) -> None:
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if seq_axis not in mesh.axis_names:
+        raise ValueError(f"seq_axis={seq_axis!r} is not an axis of the mesh {mesh.axis_names}")
+
+
+BACKENDS = ("cpu", "gpu", "cuda", "rocm", "tpu")
 
 
 def _fail(message: str) -> ValueError:
@@ -131,6 +152,13 @@ def create_attention(
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {(None,) + IMPLEMENTATIONS}, "
                          f"got {implementation!r}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be None (detect) or one of {BACKENDS}, got {backend!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    is_causal = check_bool(is_causal, "is_causal")
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     backend = current_backend() if backend is None else backend
     dilated_cfg = segment_lengths is not None or dilation_rates is not None
     if dilated_cfg and (segment_lengths is None or dilation_rates is None):

@@ -886,6 +886,7 @@ def ring_dilated_attention(
     layout = _check_layout(layout)
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be a dilax.BlockSizes, got {type(block_sizes).__name__}")
+    V.check_memory(q, k, num_branches=len(ws), op="ring_dilated_attention (per device)")
     P = _axis_size(axis_name)
     b, m, h, d = q.shape
     C = 2 if layout == "zigzag" and P > 1 else 1
