@@ -385,6 +385,13 @@ def block_sparse_attention(
     implementation = resolve_implementation(implementation, interpret=interpret,
                                             allowed=IMPLEMENTATIONS)
     V.check_memory(q, k, dense=implementation == "reference", op="block_sparse_attention")
+    return _block_sparse_dispatch(q, k, v, pattern, is_causal, scale, implementation, interpret)
+
+
+# One compiled program per static configuration: an eager call runs exactly the program a
+# jitted caller gets, so results are bitwise identical with and without jax.jit.
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7))
+def _block_sparse_dispatch(q, k, v, pattern, is_causal, scale, implementation, interpret):
     if implementation == "reference":
         return block_sparse_attention_reference(q, k, v, pattern, is_causal=is_causal,
                                                 scale=scale)
