@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 MODES = ("mixture", "grouped")
+FLOAT_DTYPES = tuple(jnp.dtype(t) for t in ("float32", "bfloat16", "float16", "float64"))
 
 
 def _is_traced(x: Any) -> bool:
@@ -98,6 +99,9 @@ def check_float_array(x: Any, name: str) -> jax.Array:
     if not jnp.issubdtype(arr.dtype, jnp.floating):
         raise TypeError(f"{name} must have a floating dtype (float32, bfloat16, float16), "
                         f"got {arr.dtype}")
+    if jnp.dtype(arr.dtype) not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must have dtype float32, bfloat16 or float16 (float64 with "
+                        f"jax_enable_x64), got {arr.dtype}")
     return arr
 
 
@@ -133,7 +137,7 @@ def check_qkv(q: Any, k: Any, v: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     if h % hk != 0:
         raise ValueError(
             f"the number of query heads must be a multiple of the number of key/value heads "
-            f"(h % hk == 0 for GQA/MQA), got h={h}, hk={hk}"
+            f"(h % hk == 0 for GQA/MQA), got h={h} (axis 2 of q) and hk={hk} (axis 2 of k, v)"
         )
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(
@@ -164,3 +168,26 @@ def check_bool(value: Any, name: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
     return bool(value)
+
+
+def check_memory(q: Any, k: Any, *, num_branches: int = 1, dense: bool = False,
+                 op: str = "attention") -> None:
+    """Fails fast, from the shapes alone, when a call cannot fit in memory.
+
+    Compares :func:`dilax.memory.attention_bytes` (a lower bound: q, k, v, the output and the
+    log-sum-exp; with ``dense`` the ``n x n`` logits of a reference path) with
+    :func:`dilax.memory.available_bytes`. Shapes are the ones this call sees, so inside
+    ``shard_map`` the per-device shapes are checked.
+    """
+    from dilax import memory  # lazy: memory imports nothing of dilax, keep it that way
+
+    need = memory.attention_bytes(q.shape, k.shape, q.dtype, num_branches=num_branches,
+                                  dense=dense)
+    memory.check_fits(
+        need,
+        f"{op} on q of shape {tuple(q.shape)} {q.dtype} (seq_len n={q.shape[1]}"
+        + (", dense n x n reference" if dense else "") + ")",
+        hint="use a shorter seq_len or a smaller batch, shard the sequence over devices "
+             "(dilax.sharded_dilated_attention)"
+             + (", or implementation='xla'" if dense else ""),
+    )

@@ -384,6 +384,14 @@ def block_sparse_attention(
     interpret = V.check_bool(interpret, "interpret")
     implementation = resolve_implementation(implementation, interpret=interpret,
                                             allowed=IMPLEMENTATIONS)
+    V.check_memory(q, k, dense=implementation == "reference", op="block_sparse_attention")
+    return _block_sparse_dispatch(q, k, v, pattern, is_causal, scale, implementation, interpret)
+
+
+# One compiled program per static configuration: an eager call runs exactly the program a
+# jitted caller gets, so results are bitwise identical with and without jax.jit.
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7))
+def _block_sparse_dispatch(q, k, v, pattern, is_causal, scale, implementation, interpret):
     if implementation == "reference":
         return block_sparse_attention_reference(q, k, v, pattern, is_causal=is_causal,
                                                 scale=scale)
@@ -510,6 +518,7 @@ def content_adaptive_attention(
     b, n, h, d = q.shape
     hk = k.shape[2]
     bs, top_k = _check_top_k(block_size, top_k, n)
+    V.check_memory(q, k, op="content_adaptive_attention")
     nb = _cdiv(n, bs)
     idx, counts = content_adaptive_selection(q, k, bs, top_k, is_causal=is_causal)
     last = jnp.take_along_axis(idx, jnp.maximum(counts - 1, 0)[..., None], axis=-1)[..., 0]

@@ -325,18 +325,21 @@ def _merge(outs, lses, plans, n):
 
 
 def _merge_fwd(outs, lses, plans, n):
-    out, lse = _merge_forward(outs, lses, plans, n)
-    return (out, lse), (outs, lses, lse)
+    out, lse, m_safe, total_safe = _merge_forward(outs, lses, plans, n, stats=True)
+    return (out, lse), (outs, lses, m_safe, total_safe)
 
 
 def _merge_bwd(plans, n, res, cts):
-    # d o_i = alpha_i g;  d lse_i = alpha_i (<g, o_i> - <g, out> + g_lse), alpha_i = e^{lse_i -
-    # lse}, and <g, out> = sum_i alpha_i <g, o_i>: everything in the branches' own layouts.
-    outs, lses, lse = res
+    # d o_i = alpha_i g;  d lse_i = alpha_i (<g, o_i> - <g, out> + g_lse), and
+    # <g, out> = sum_i alpha_i <g, o_i>: everything in the branches' own layouts. alpha_i is
+    # recomputed exactly as in the forward, e^{lse_i - m} / total: e^{lse_i - lse} would lose
+    # ulp(lse) of relative precision (1e-3 at |logits| ~ 1e4).
+    outs, lses, m_safe, total_safe = res
     g, g_lse = cts
     alphas, dots = [], []
     for o, l, p in zip(outs, lses, plans):
-        a = jnp.where(l == -jnp.inf, 0.0, jnp.exp(l - _gather(lse, p, n)))
+        a = jnp.where(l == -jnp.inf, 0.0,
+                      jnp.exp(l - _gather(m_safe, p, n)) / _gather(total_safe, p, n))
         gp = _gather(g, p, n)
         alphas.append(a)
         dots.append(jnp.sum(gp * o.astype(jnp.float32), axis=-1))
@@ -351,7 +354,7 @@ def _merge_bwd(plans, n, res, cts):
 _merge.defvjp(_merge_fwd, _merge_bwd)
 
 
-def _merge_forward(outs, lses, plans, n):
+def _merge_forward(outs, lses, plans, n, stats=False):
     lse_full = jnp.stack([_expand_slots(l, p, n, -jnp.inf) for l, p in zip(lses, plans)])
     m = jnp.max(lse_full, axis=0)
     m_safe = lax.stop_gradient(jnp.where(m == -jnp.inf, 0.0, m))
@@ -363,7 +366,7 @@ def _merge_forward(outs, lses, plans, n):
     out = sum(alpha[i][..., None] * _expand_slots(o.astype(jnp.float32), p, n, 0.0)
               for i, (o, p) in enumerate(zip(outs, plans)))
     lse = jnp.where(has_branch, m_safe + jnp.log(total_safe), -jnp.inf)
-    return out, lse
+    return (out, lse, m_safe, total_safe) if stats else (out, lse)
 
 
 def combine_branches(outs, lses, plans, n: int, mode: str):
@@ -450,8 +453,19 @@ def dilated_attention(
     scale = V.check_scale(scale, q.shape[3])
     interpret = V.check_bool(interpret, "interpret")
     implementation = resolve_implementation(implementation, interpret=interpret)
+    V.check_memory(q, k, num_branches=len(ws), dense=implementation == "reference",
+                   op="dilated_attention")
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be a dilax.BlockSizes, got {type(block_sizes).__name__}")
+    return _dilated_jit(q, k, v, ws, rs, is_causal, scale, mode, implementation, block_sizes,
+                        interpret)
+
+
+# One compiled program per static configuration: eager calls then give bitwise the same
+# result as calls under jax.jit (op-by-op dispatch would fuse, and round, differently).
+@functools.partial(jax.jit, static_argnums=tuple(range(3, 11)))
+def _dilated_jit(q, k, v, ws, rs, is_causal, scale, mode, implementation, block_sizes,
+                 interpret):
     if implementation == "reference":
         return dilated_attention_reference(q, k, v, ws, rs, is_causal=is_causal, scale=scale,
                                            mode=mode)

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from dilax._validation import MODES, check_bool
 from dilax.backend import IMPLEMENTATIONS, current_backend, default_implementation
 from dilax.core import BlockSizes
 from dilax.nn.attention import DilatedAttention
@@ -69,6 +70,9 @@ class Attention(nnx.Module):
         return f"dilax.Attention({self.choice}; module={type(self.inner).__name__})"
 
 
+BACKENDS = ("cpu", "gpu", "cuda", "rocm", "tpu")
+
+
 def _fail(message: str) -> ValueError:
     valid = ("valid combinations: kind='dilated' with segment_lengths + dilation_rates; "
              "kind='block_sparse' with pattern; kind='ring' with segment_lengths + "
@@ -122,6 +126,13 @@ def create_attention(
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {(None,) + IMPLEMENTATIONS}, "
                          f"got {implementation!r}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be None (detect) or one of {BACKENDS}, got {backend!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    is_causal = check_bool(is_causal, "is_causal")
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     backend = current_backend() if backend is None else backend
     dilated_cfg = segment_lengths is not None or dilation_rates is not None
     if dilated_cfg and (segment_lengths is None or dilation_rates is None):

@@ -335,10 +335,24 @@ def _non_negative(value: Any, name: str) -> int:
     return value
 
 
-def _num_blocks(n: Any, block_size: Any) -> tuple[int, int, int]:
+def _num_blocks(n: Any, block_size: Any, num_heads: int = 1) -> tuple[int, int, int]:
     n = _positive(n, "n")
     block_size = _positive(block_size, "block_size")
-    return n, block_size, _cdiv(n, block_size)
+    nb = _cdiv(n, block_size)
+    _check_mask_fits(nb, num_heads, n, block_size)
+    return n, block_size, nb
+
+
+def _check_mask_fits(nb: int, num_heads: int, n: int, block_size: int) -> None:
+    """Fails fast when the ``(heads, nb, nb)`` block mask (and a few same-size temporaries)
+    cannot be built in memory: the message names ``n`` and ``block_size``."""
+    from dilax import memory
+
+    memory.check_fits(
+        9 * num_heads * nb * nb,  # the bool mask plus one int64 temporary of the builders
+        f"a block pattern for n={n} with block_size={block_size} ({nb} x {nb} blocks"
+        f"{f', {num_heads} heads' if num_heads > 1 else ''})",
+        hint="use a larger block_size (the mask has (n / block_size)^2 entries)")
 
 
 def _block_extents(n: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -482,6 +496,7 @@ def hierarchical(n: int, levels: Sequence[tuple[int, int]]) -> BlockSparsePatter
         parsed.append((s, k))
     block_size = parsed[0][0]
     nb = _cdiv(n, block_size)
+    _check_mask_fits(nb, 1, n, block_size)
     blocks = np.arange(nb)
     mask = np.zeros((nb, nb), bool)
     for s, k in parsed:
@@ -505,6 +520,7 @@ def random(n: int, block_size: int, density: float, seed: int = 0, *,
     n, block_size, nb = _num_blocks(n, block_size)
     seed = _non_negative(seed, "seed")
     num_heads = _positive(num_heads, "num_heads")
+    _check_mask_fits(nb, num_heads, n, block_size)
     if isinstance(density, bool) or not isinstance(density, (numbers.Real, np.floating)):
         raise TypeError(f"density must be a float in [0, 1], got {density!r}")
     density = float(density)
@@ -548,6 +564,7 @@ def dilated_segments(
         head_branches = [[(w, r, o) for w, r in zip(ws, rs, strict=True) for o in range(min(r, n))]]
     else:
         num_heads = _positive(num_heads, "num_heads")
+        _check_mask_fits(nb, num_heads, n, block_size)
         mode = V.check_mode(mode, num_heads, len(ws))
         if mode == "mixture":
             head_branches = [

@@ -98,9 +98,14 @@ def masked_attention(
     p = jnp.exp(s - m)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(denom > 0, denom, 1.0)
+    v32 = v.astype(jnp.float32)
+    bad = jnp.isnan(v32)
     out = jnp.einsum(
-        "bhqk,bkhd->bqhd", p, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+        "bhqk,bkhd->bqhd", p, jnp.where(bad, 0.0, v32), precision=jax.lax.Precision.HIGHEST
     )
+    # A NaN value reaches exactly the queries that attend its key (0 * NaN would reach all).
+    hit = jnp.einsum("bhqk,bkhd->bqhd", allowed.astype(jnp.float32), bad.astype(jnp.float32))
+    out = jnp.where(hit > 0, jnp.nan, out)
     return out.astype(q.dtype)
 
 

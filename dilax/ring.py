@@ -1000,6 +1000,7 @@ def ring_dilated_attention(
     layout = _check_layout(layout)
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be a dilax.BlockSizes, got {type(block_sizes).__name__}")
+    V.check_memory(q, k, num_branches=len(ws), op="ring_dilated_attention (per device)")
     P = _axis_size(axis_name)
     b, m, h, d = q.shape
     C = 2 if layout == "zigzag" and P > 1 else 1
@@ -1081,6 +1082,23 @@ def sharded_dilated_attention(
             f"batch size {b} must be divisible by the size {mesh.shape[batch_axis]} of mesh "
             f"axis {batch_axis!r}"
         )
+    ws, rs = V.check_branches(segment_lengths, dilation_rates)
+    mode = V.check_mode(mode, q.shape[2], len(ws))
+    is_causal = V.check_bool(is_causal, "is_causal")
+    scale = V.check_scale(scale, q.shape[3])
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"block_sizes must be a dilax.BlockSizes, got {type(block_sizes).__name__}")
+    return _sharded_jit(q, k, v, ws, rs, mesh, seq_axis, batch_axis, is_causal, mode, scale,
+                        layout, block_sizes)
+
+
+# One compiled program per static configuration (cached across eager calls, and bitwise the
+# same result as a call under the caller's jax.jit).
+@functools.partial(jax.jit, static_argnums=tuple(range(3, 13)))
+def _sharded_jit(q, k, v, segment_lengths, dilation_rates, mesh, seq_axis, batch_axis,
+                 is_causal, mode, scale, layout, block_sizes):
+    P = mesh.shape[seq_axis]
+    zigzag = layout == "zigzag" and P > 1
     spec = PartitionSpec(batch_axis, seq_axis)
 
     def body(q, k, v):

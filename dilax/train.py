@@ -89,6 +89,7 @@ class TrainConfig:
     checkpoint_every: int = 250
     keep_checkpoints: int = 3
     resume: bool = False
+    allow_config_change: bool = False
     stop_after: int | None = None
     sample_tokens: int = 300
     temperature: float = 0.6
@@ -352,6 +353,23 @@ def _check_model_config(meta: dict, model_cfg: ModelConfig, where: str | Path) -
         )
 
 
+_TRAJECTORY_FIELDS = ("steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay",
+                      "clip_norm", "seed")
+
+
+def _check_train_config_unchanged(meta: dict, cfg: TrainConfig) -> None:
+    saved = meta.get("train_config") or {}
+    changed = {k: (saved.get(k), getattr(cfg, k)) for k in _TRAJECTORY_FIELDS
+               if k in saved and saved[k] != getattr(cfg, k)}
+    if changed and not cfg.allow_config_change:
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in changed)
+        raise CheckpointError(
+            f"checkpoint in {Path(cfg.checkpoint_dir).absolute()} was written with a different "
+            f"training config ({flags}; checkpoint vs now: {changed}); resuming would not "
+            "reproduce the interrupted run. Use the same flags, or pass --allow-config-change "
+            "to continue anyway")
+
+
 def restore_checkpoint(directory: str | Path, model: nnx.Module, optimizer: nnx.Optimizer,
                        model_cfg: ModelConfig, step: int | None = None) -> tuple[int, dict]:
     """Restores the latest (or given) checkpoint into ``model`` and ``optimizer`` in place.
@@ -416,19 +434,110 @@ class _Progress:
             self.bar.close()
 
 
-def _validate(cfg: TrainConfig, model_cfg: ModelConfig, n_train: int, n_val: int) -> None:
-    for name in ("steps", "batch_size", "seq_len"):
-        if getattr(cfg, name) <= 0:
-            raise ValueError(f"{name} must be positive, got {getattr(cfg, name)}")
+def _flag(name: str) -> str:
+    return f"{name} (--{name.replace('_', '-')})"
+
+
+def _check_number(cfg: Any, name: str, *, low: float, strict: bool, integer: bool) -> None:
+    value = getattr(cfg, name)
+    kind = "an int" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float) if not integer else int):
+        raise TypeError(f"{_flag(name)} must be {kind}, got {value!r}")
+    if not math.isfinite(value) or (value <= low if strict else value < low):
+        rule = f"> {low:g}" if strict else f">= {low:g}"
+        raise ValueError(f"{_flag(name)} must be finite and {rule}, got {value}")
+
+
+# (name, lower bound, strictly greater, int)
+_TRAIN_RULES = (
+    ("steps", 0, True, True), ("batch_size", 0, True, True), ("seq_len", 0, True, True),
+    ("lr", 0.0, True, False), ("warmup", 0, False, True), ("weight_decay", 0.0, False, False),
+    ("clip_norm", 0.0, True, False), ("eval_every", 0, False, True),
+    ("eval_batches", 0, True, True), ("checkpoint_every", 0, True, True),
+    ("keep_checkpoints", 0, True, True), ("sample_tokens", 0, False, True),
+    ("temperature", 0.0, False, False),
+)
+_MODEL_RULES = (
+    ("d_model", 0, True, True), ("num_heads", 0, True, True), ("num_layers", 0, True, True),
+    ("dim_feedforward", 0, True, True), ("dropout", 0.0, False, False),
+)
+
+
+def check_model_config(model_cfg: ModelConfig) -> None:
+    """Raises ``ValueError``/``TypeError`` naming the flag of the first invalid field."""
+    from dilax import _validation as V
+
+    for name, low, strict, integer in _MODEL_RULES:
+        _check_number(model_cfg, name, low=low, strict=strict, integer=integer)
+    m = model_cfg
+    if m.d_model % 2:
+        raise ValueError(f"{_flag('d_model')} must be even (XPOS rotates feature pairs), "
+                         f"got {m.d_model}")
+    if m.d_model % m.num_heads:
+        raise ValueError(f"{_flag('d_model')}={m.d_model} must be divisible by "
+                         f"{_flag('num_heads')}={m.num_heads}")
+    if m.num_kv_heads is not None:
+        _check_number(m, "num_kv_heads", low=0, strict=True, integer=True)
+        if m.num_heads % m.num_kv_heads:
+            raise ValueError(f"{_flag('num_heads')}={m.num_heads} must be divisible by "
+                             f"{_flag('num_kv_heads')}={m.num_kv_heads}")
+    if not m.dropout < 1.0:
+        raise ValueError(f"{_flag('dropout')} must be in [0, 1), got {m.dropout}")
+    if m.dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"{_flag('dtype')} must be float32 or bfloat16, got {m.dtype!r}")
+    try:
+        ws, _ = V.check_branches(m.segment_lengths, m.dilation_rates)
+        V.check_mode(m.mode, m.num_heads, len(ws))
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"invalid model flags (--segment-lengths, --dilation-rates, --mode, "
+                      f"--num-heads): {e}") from None
+
+
+def _activation_bytes(cfg: TrainConfig, m: ModelConfig) -> int:
+    """A lower bound on one train step's activations: per layer and token the attention
+    inputs/outputs and the feed-forward hidden layer, plus the logits (float32)."""
+    per_token = m.num_layers * (6 * m.d_model + m.dim_feedforward) + 2 * len(m.vocab)
+    return 4 * cfg.batch_size * cfg.seq_len * per_token
+
+
+def check_train_config(cfg: TrainConfig, model_cfg: ModelConfig, n_train: int,
+                       n_val: int) -> None:
+    """Validates the training flags against each other, the corpus and the machine.
+
+    Raises ``ValueError``/``TypeError`` naming the flag; nothing is built or read.
+    """
+    from dilax import memory
+
+    for name, low, strict, integer in _TRAIN_RULES:
+        _check_number(cfg, name, low=low, strict=strict, integer=integer)
     if cfg.seq_len + 1 >= min(n_train, n_val):
-        raise ValueError(f"seq_len={cfg.seq_len} is too long for the corpus splits "
+        raise ValueError(f"{_flag('seq_len')}={cfg.seq_len} is too long for the corpus splits "
                          f"({n_train} train, {n_val} eval characters)")
     if cfg.resume and not cfg.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir")
-    if cfg.checkpoint_dir and cfg.checkpoint_every <= 0:
-        raise ValueError(f"checkpoint_every must be positive, got {cfg.checkpoint_every}")
-    if cfg.stop_after is not None and not 0 < cfg.stop_after <= cfg.steps:
-        raise ValueError(f"stop_after must be in [1, steps={cfg.steps}], got {cfg.stop_after}")
+    if cfg.stop_after is not None and (
+        isinstance(cfg.stop_after, bool) or not isinstance(cfg.stop_after, int)
+        or not 0 < cfg.stop_after <= cfg.steps
+    ):
+        raise ValueError(f"{_flag('stop_after')} must be in [1, --steps={cfg.steps}], "
+                         f"got {cfg.stop_after}")
+    if cfg.sample_tokens > 0:
+        if not cfg.prompt:
+            raise ValueError(f"{_flag('prompt')} must not be empty (or pass --sample-tokens 0)")
+        missing = sorted(set(cfg.prompt) - set(model_cfg.vocab))
+        if missing:
+            raise ValueError(f"{_flag('prompt')} has characters outside the corpus "
+                             f"vocabulary: {missing}")
+    memory.check_fits(
+        _activation_bytes(cfg, model_cfg),
+        f"a train step with {_flag('batch_size')}={cfg.batch_size} and "
+        f"{_flag('seq_len')}={cfg.seq_len}",
+        hint="use a smaller --batch-size or --seq-len (or --remat)")
+
+
+def _validate(cfg: TrainConfig, model_cfg: ModelConfig, n_train: int, n_val: int) -> None:
+    check_model_config(model_cfg)
+    check_train_config(cfg, model_cfg, n_train, n_val)
 
 
 def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, *, text: str | None = None,
@@ -447,6 +556,7 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, *, text: str |
     if cfg.resume:  # fail fast, before building anything: missing, unreadable, other config
         _, meta = read_checkpoint_meta(cfg.checkpoint_dir)
         _check_model_config(meta, model_cfg, cfg.checkpoint_dir)
+        _check_train_config_unchanged(meta, cfg)
     if cfg.checkpoint_dir and not cfg.resume:
         existing = _existing_steps(cfg.checkpoint_dir)
         if existing:
@@ -466,6 +576,12 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, *, text: str |
         changed = {k: (v, getattr(cfg, k)) for k, v in meta["train_config"].items()
                    if k in ("steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay",
                             "clip_norm", "seed") and getattr(cfg, k) != v}
+        if changed and not cfg.allow_config_change:
+            raise CheckpointError(
+                f"checkpoint {Path(cfg.checkpoint_dir).absolute() / str(start)} was written "
+                f"with a different training config; differing fields (checkpoint, now): "
+                f"{changed}. Resuming would not reproduce the interrupted run: use the same "
+                "flags, or pass --allow-config-change to continue anyway")
         if changed:
             log(f"warning: training config differs from the checkpoint's {changed}; the run "
                 "will not reproduce an uninterrupted one")
@@ -507,8 +623,9 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, *, text: str |
                 bar.write(f"step {step}: train loss {losses[step]:.4f}, eval loss "
                           f"{eval_losses[step]:.4f} nats/char")
             if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or step == end):
-                save_checkpoint(cfg.checkpoint_dir, step, model, optimizer, model_cfg, cfg,
-                                cfg.keep_checkpoints)
+                path = save_checkpoint(cfg.checkpoint_dir, step, model, optimizer, model_cfg,
+                                       cfg, cfg.keep_checkpoints)
+                bar.write(f"checkpoint saved: step {step} ({path})")
     finally:
         bar.close()
     elapsed = time.perf_counter() - t0
@@ -538,9 +655,16 @@ def _ints(s: str) -> tuple[int, ...]:
     return tuple(int(v) for v in s.split(",") if v.strip())
 
 
+class _Parser(argparse.ArgumentParser):
+    """Raises ``ValueError`` (naming the flag) instead of exiting; :func:`main` reports it."""
+
+    def error(self, message: str):
+        raise ValueError(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     t, m = TrainConfig(), ModelConfig(vocab="")
-    p = argparse.ArgumentParser(prog="python -m dilax.train", description=__doc__.split("\n")[0])
+    p = _Parser(prog="python -m dilax.train", description=__doc__.split("\n")[0])
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=t.steps)
     g.add_argument("--batch-size", type=int, default=t.batch_size)
@@ -557,6 +681,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--keep-checkpoints", type=int, default=t.keep_checkpoints)
     g.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --checkpoint-dir")
+    g.add_argument("--allow-config-change", action="store_true",
+                   help="with --resume: continue even if training flags differ from the "
+                        "checkpoint's (the run then differs from an uninterrupted one)")
     g.add_argument("--stop-after", type=int, default=None,
                    help="stop after this step (checkpointed), as if interrupted")
     g.add_argument("--sample-tokens", type=int, default=t.sample_tokens)
@@ -587,12 +714,33 @@ def configs_from_args(args: argparse.Namespace, vocab: str) -> tuple[TrainConfig
     return tcfg, mcfg
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def configs_from_argv(argv: Sequence[str] | None = None, text: str | None = None
+                      ) -> tuple[TrainConfig, ModelConfig]:
+    """Parses and validates the command line (nothing is built or trained).
+
+    Raises:
+      ValueError / TypeError: naming the offending flag (unknown flag, bad value, flags that
+        contradict each other, a run that cannot fit in memory).
+    """
     args = build_parser().parse_args(argv)
+    text = load_corpus() if text is None else text
+    tok = CharTokenizer.from_text(text)
+    tcfg, mcfg = configs_from_args(args, tok.vocab)
+    train_data, val_data = split_corpus(np.zeros(len(text), np.int8))
+    _validate(tcfg, mcfg, len(train_data), len(val_data))
+    return tcfg, mcfg
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     text = load_corpus()
-    tcfg, mcfg = configs_from_args(args, CharTokenizer.from_text(text).vocab)
     try:
-        train(tcfg, mcfg, text=text, progress=not args.no_progress)
+        tcfg, mcfg = configs_from_argv(argv, text)
+    except (ValueError, TypeError) as e:
+        print(f"{parser.format_usage()}{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        train(tcfg, mcfg, text=text, progress=not parser.parse_args(argv).no_progress)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,12 +1,14 @@
 """Bad input -> ValueError/TypeError at trace time naming the argument (SPEC.md, "Errors").
 
 The table doubles as documentation: (description, call, exception, message fragment).
+The first rows cover ``dilated_attention``; the rest one row per other entry point.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import dilax
@@ -17,6 +19,11 @@ KV = jnp.zeros((1, 16, 2, 8))
 
 def call(q=Q, k=KV, v=KV, ws=(8,), rs=(2,), **kw):
     return lambda: dilax.dilated_attention(q, k, v, ws, rs, **kw)
+
+
+def call_bs(q=Q, k=KV, v=None, pattern=None, **kw):
+    v = k if v is None else v
+    return lambda: dilax.block_sparse_attention(q, k, v, pattern or PATTERN, **kw)
 
 
 ERROR_TABLE = [
@@ -56,6 +63,82 @@ ERROR_TABLE = [
      "implementation must be one of"),
     ("non-bool causal", call(is_causal="yes"), TypeError, "is_causal must be a bool"),
 ]
+
+
+BIG = jax.ShapeDtypeStruct((1, 2**31, 8, 64), jnp.float32)  # 4 TiB per tensor, never allocated
+PATTERN = dilax.patterns.local_window(16, 4, 4)
+
+
+def _eval(fn, *args):
+    return lambda: jax.eval_shape(fn, *args)
+
+
+def _mesh():
+    from jax.sharding import AxisType, Mesh
+
+    return Mesh(np.array(jax.devices()[:2]), ("sp",), axis_types=(AxisType.Auto,))
+
+
+def _cli(*flags):
+    from dilax import train
+
+    base = ["--d-model", "32", "--num-heads", "2", "--segment-lengths", "16,32",
+            "--dilation-rates", "1,2", "--seq-len", "32"]
+    return lambda: train.configs_from_argv(base + list(flags))
+
+
+# Every other public entry point: same contract (see tests/test_fuzz.py for the fuzz).
+ERROR_TABLE += [
+    ("huge n fails fast from the shapes", _eval(
+        lambda q: dilax.dilated_attention(q, q, q, (2048,), (1,)), BIG), ValueError,
+     "would need about 16.06 TiB (at least), this machine has"),
+    ("block mask of the wrong shape", call_bs(q=jnp.zeros((1, 20, 4, 8)),
+                                              k=jnp.zeros((1, 20, 2, 8))), ValueError,
+     "pattern has 4x4 blocks of block_size 4, but q/k have seq_len n=20"),
+    ("pattern heads != h", lambda: dilax.block_sparse_attention(
+        Q, KV, KV, dilax.patterns.random(16, 4, 0.5, num_heads=3)), ValueError,
+     "pattern has 3 heads"),
+    ("pallas block-sparse with a partial block", lambda: dilax.block_sparse_attention(
+        jnp.zeros((1, 18, 4, 8)), jnp.zeros((1, 18, 2, 8)), jnp.zeros((1, 18, 2, 8)),
+        dilax.patterns.local_window(18, 4, 4), implementation="pallas", interpret=True),
+     ValueError, "needs seq_len to be a multiple of pattern.block_size=4"),
+    ("content-adaptive top_k too large", lambda: dilax.content_adaptive_attention(
+        Q, KV, KV, 4, 5), ValueError, "top_k must be in [1, ceil(n / block_size)] = [1, 4]"),
+    ("pattern too large to build", lambda: dilax.patterns.local_window(2**40, 1, 4),
+     ValueError, "a block pattern for n=1099511627776 with block_size=1"),
+    ("from_mask of rank 4", lambda: dilax.patterns.from_mask(np.ones((1, 1, 2, 2)), 4),
+     ValueError, "block_mask must have shape (nq, nk) or (heads, nq, nk)"),
+    ("ring: n not divisible by devices", lambda: dilax.sharded_dilated_attention(
+        jnp.zeros((1, 15, 4, 8)), jnp.zeros((1, 15, 2, 8)), jnp.zeros((1, 15, 2, 8)), (8,),
+        (1,), mesh=_mesh()), ValueError, "seq_len n=15 must be divisible by the size 2"),
+    ("ring outside shard_map", lambda: dilax.ring_dilated_attention(Q, KV, KV, (8,), (1,),
+                                                                    axis_name="sp"),
+     ValueError, "axis_name='sp' is not a mesh axis bound here"),
+    ("factory: mesh of the wrong type", lambda: dilax.create_attention(
+        segment_lengths=(8,), dilation_rates=(1,), mesh="sp"), TypeError,
+     "mesh must be a jax.sharding.Mesh"),
+    ("factory: unknown backend", lambda: dilax.create_attention(
+        segment_lengths=(8,), dilation_rates=(1,), backend="quantum"), ValueError,
+     "backend must be None (detect) or one of"),
+    ("module: embed_dim % num_heads", lambda: _mha(18, 4), ValueError,
+     "embed_dim must be divisible by num_heads"),
+    ("CLI: odd --d-model", _cli("--d-model=31"), ValueError,
+     "d_model (--d-model) must be even"),
+    ("CLI: unknown flag", _cli("--lr-max", "1"), ValueError,
+     "unrecognized arguments: --lr-max"),
+    ("CLI: --stop-after beyond --steps", _cli("--steps", "5", "--stop-after", "6"), ValueError,
+     "stop_after (--stop-after) must be in [1, --steps=5]"),
+    ("CLI: batch that cannot fit", _cli("--batch-size", "100000000000"), ValueError,
+     "would need about"),
+]
+
+
+def _mha(embed_dim, num_heads):
+    from flax import nnx
+
+    from dilax.nn import MultiheadDilatedAttention
+
+    return MultiheadDilatedAttention(embed_dim, num_heads, (8,), (1,), rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("desc,fn,exc,fragment", ERROR_TABLE, ids=[r[0] for r in ERROR_TABLE])

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import jax
@@ -169,6 +170,9 @@ class MultiheadDilatedAttention(nnx.Module):
                 f"num_heads must be divisible by num_kv_heads (num_heads % num_kv_heads == 0), "
                 f"got num_heads={num_heads}, num_kv_heads={num_kv_heads}"
             )
+        for name, x in (("dropout", dropout), ("gamma_init", gamma_init)):
+            if isinstance(x, bool) or not isinstance(x, numbers.Real):
+                raise TypeError(f"{name} must be a float, got {x!r}")
         dropout = float(dropout)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")

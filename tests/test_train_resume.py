@@ -1,0 +1,91 @@
+"""Kill -9 a training run after a checkpoint, resume it, lose nothing (issue #9)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from dilax import train as T
+from dilax.data import load_corpus
+
+REPO = Path(__file__).resolve().parents[1]
+TEXT = load_corpus()
+FLAGS = ["--d-model", "32", "--num-heads", "2", "--num-layers", "1", "--dim-feedforward", "64",
+         "--segment-lengths", "16,32", "--dilation-rates", "1,2", "--steps", "30",
+         "--batch-size", "4", "--seq-len", "32", "--lr", "1e-2", "--warmup", "3",
+         "--eval-every", "0", "--checkpoint-every", "1", "--keep-checkpoints", "2",
+         "--sample-tokens", "0", "--no-progress"]
+KILL_AFTER = 3  # SIGKILL once the log shows the checkpoint of this step
+
+
+def _bits(tree):
+    return [np.atleast_1d(np.asarray(x)).view(np.uint8) for x in jax.tree.leaves(tree)]
+
+
+def _kill_after_checkpoint(ckpt: Path) -> list[int]:
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "dilax.train", *FLAGS, "--checkpoint-dir",
+                             str(ckpt)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, cwd=REPO)
+    lines, deadline = [], time.monotonic() + 240
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if f"checkpoint saved: step {KILL_AFTER} " in line:
+                proc.send_signal(signal.SIGKILL)
+                break
+            assert time.monotonic() < deadline, "".join(lines[-20:])
+        else:
+            raise AssertionError("run ended before its checkpoint at step "
+                                 f"{KILL_AFTER}:\n{''.join(lines[-20:])}")
+        lines += proc.stdout.readlines()  # whatever it logged before it died
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    return [int(s) for s in re.findall(r"checkpoint saved: step (\d+)", "".join(lines))]
+
+
+def test_killed_run_resumes_without_losing_a_completed_step(tmp_path):
+    ckpt = tmp_path / "killed"
+    logged = _kill_after_checkpoint(ckpt)
+    assert logged and logged[-1] >= KILL_AFTER
+    tcfg, mcfg = T.configs_from_argv(FLAGS + ["--checkpoint-dir", str(ckpt), "--resume"], TEXT)
+    resumed = T.train(tcfg, mcfg, text=TEXT, progress=False, log=lambda s: None)
+    # every step whose checkpoint was reported is kept: the run goes on after the last one
+    assert resumed.start_step >= logged[-1]
+    assert sorted(resumed.losses) == list(range(resumed.start_step + 1, 31))
+    full = T.train(dataclasses.replace(tcfg, checkpoint_dir=str(tmp_path / "full"),
+                                       resume=False), mcfg, text=TEXT, progress=False,
+                   log=lambda s: None)
+    assert {s: full.losses[s] for s in resumed.losses} == resumed.losses
+    for a, b in zip(_bits(T._state_tree(resumed.model, resumed.optimizer)),
+                    _bits(T._state_tree(full.model, full.optimizer)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    meta = [T.read_checkpoint_meta(d)[1] for d in (ckpt, tmp_path / "full")]
+    assert meta[0]["step"] == meta[1]["step"] == 30
+    assert meta[0]["checksum"] == meta[1]["checksum"]
+
+
+def test_resume_with_another_config_is_refused(tmp_path, capsys):
+    d = str(tmp_path / "run")
+    assert T.main(FLAGS + ["--checkpoint-dir", d, "--stop-after", "2"]) == 0
+    capsys.readouterr()
+    changed_model = [x if x != "32" else "48" for x in FLAGS[:2]] + FLAGS[2:]
+    assert T.main(changed_model + ["--checkpoint-dir", d, "--resume"]) == 2
+    assert "different model config; differing fields: ['d_model']" in capsys.readouterr().err
+    changed_lr = FLAGS + ["--lr", "3e-3", "--checkpoint-dir", d, "--resume"]
+    assert T.main(changed_lr) == 2
+    err = capsys.readouterr().err
+    assert "different training config (--lr" in err and "--allow-config-change" in err
+    assert T.main(changed_lr + ["--allow-config-change", "--stop-after", "3"]) == 0
+    assert "warning: training config differs" in capsys.readouterr().out
