@@ -1,4 +1,4 @@
-"""Block-sparse attention (SPEC.md, "Block-sparse attention") on top of the blockwise core.
+"""Block-sparse attention (docs/semantics.md, "Block-sparse attention") on top of the blockwise core.
 
 XLA path, per query block ``i`` (one *row*): the active key blocks of the row are gathered
 from the compact tables into a contiguous ``(count * B)`` key sequence and
@@ -355,7 +355,7 @@ def block_sparse_attention(
     implementation: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """Exact block-sparse attention (SPEC.md, "Block-sparse attention").
+    """Exact block-sparse attention (docs/semantics.md, "Block-sparse attention").
 
     Query ``p`` of head ``j`` attends key ``t`` iff ``pattern.block_mask[j or 0, p // B, t // B]``
     and, when ``is_causal``, ``t <= p``; one softmax over all attended keys.

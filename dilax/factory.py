@@ -36,7 +36,7 @@ class RingDilatedAttention(nnx.Module):
     """Dilated attention over a device mesh: the sequence axis is sharded on ``seq_axis``.
 
     ``__call__(q, k, v)`` takes global ``(b, n, h, d)`` arrays and returns the same as
-    :func:`dilax.dilated_attention` on one device (SPEC.md, "Ring").
+    :func:`dilax.dilated_attention` on one device (docs/semantics.md, "Ring attention").
     """
 
     def __init__(self, segment_lengths, dilation_rates, *, mesh: jax.sharding.Mesh,

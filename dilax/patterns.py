@@ -1,7 +1,7 @@
 """Block-sparse attention patterns: immutable, hashable block masks with compact tables.
 
 A :class:`BlockSparsePattern` is a boolean block mask ``M`` of shape ``(H_pat, nq, nk)`` with
-block size ``B`` (SPEC.md, "Block-sparse attention"): query ``p`` attends key ``t`` iff
+block size ``B`` (docs/semantics.md, "Block-sparse attention"): query ``p`` attends key ``t`` iff
 ``M[head, p // B, t // B]`` (and ``t <= p`` when causal). ``H_pat`` is 1 (one mask shared by
 all heads) or ``h`` (one mask per query head). The pattern is static configuration: it is
 hashable, compares by value, and can be closed over or passed as a static argument to
@@ -528,7 +528,7 @@ def dilated_segments(
     num_heads: int | None = None,
     mode: str = "mixture",
 ) -> BlockSparsePattern:
-    """Block cover of a dilated (LongNet) configuration (SPEC.md, dilated semantics).
+    """Block cover of a dilated (LongNet) configuration (docs/semantics.md, "One branch").
 
     Block ``(i, j)`` is active iff some query in block ``i`` may attend some key in block ``j``
     in some branch (non-causal; the causal cut is applied by the attention call). Note that

@@ -245,7 +245,7 @@ for name, fn in rows.items():
         peak[name][n_m] = memory_report(fn, s, s, s).peak_bytes
 
 for name, byn in peak.items():
-    print(f"{name}:\n   ", "  ".join(f"{n_m}: {format_bytes(p)}" for n_m, p in byn.items()))
+    print(f"{name}:\\n   ", "  ".join(f"{n_m}: {format_bytes(p)}" for n_m, p in byn.items()))
 
 fig, ax = plt.subplots(figsize=(6, 4))
 for name, byn in peak.items():
