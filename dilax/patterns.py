@@ -29,6 +29,13 @@ With ``n % block_size != 0`` the last block is partial (``ceil(n / block_size)``
 - :func:`dilated_segments`: the block cover of a dilated (LongNet) configuration.
 - ``a | b`` and ``a & b`` combine patterns of the same block size and block counts (a shared
   mask broadcasts against a per-head one).
+
+Every constructor returns a :class:`BlockSparsePattern` with ``ceil(n / block_size)`` query and
+key blocks and 1 head (or ``num_heads``), and checks its arguments eagerly: ``TypeError`` for a
+non-int size, ``ValueError`` (naming the argument) for non-positive sizes, out-of-range values
+(``density`` outside ``[0, 1]``, ``global_tokens > n``), malformed ``levels`` or an invalid
+dilated configuration. Combining patterns of different block sizes or block counts raises
+``ValueError``.
 """
 
 from __future__ import annotations

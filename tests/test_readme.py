@@ -18,8 +18,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 NOT_RUN = re.compile(r"<!--\s*not-run:(.*?)-->", re.S)
@@ -210,12 +208,3 @@ def test_readme_shows_the_committed_demo_result():
     committed = (results / "demo.md").read_text()
     assert markdown(json.loads((results / "demo.json").read_text())) == committed
     assert _demo_section(README.read_text()) == committed
-
-
-LOCAL_LINKS = sorted({t for t in re.findall(r"\]\(([^)#\s]+)\)", README.read_text())
-                      if not re.match(r"[a-z]+:", t)})
-
-
-@pytest.mark.parametrize("target", LOCAL_LINKS)
-def test_relative_links_exist(target):
-    assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
