@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist load
 
 lint: $(STAMP)
-	$(PY) -m ruff check dilax pallas_kernels benchmarks tests
+	$(PY) -m ruff check dilax pallas_kernels benchmarks tests docs notebooks
 
 bench: $(STAMP)
 	$(PY) -m benchmarks all

@@ -1,7 +1,7 @@
 """dilax: long-context attention for JAX/Flax.
 
 Dilated (LongNet) attention, ring attention across devices and block-sparse attention, all
-built on one blockwise online-softmax core. Semantics: docs/semantics.md (SPEC.md).
+built on one blockwise online-softmax core. Semantics: docs/semantics.md.
 Modules live in :mod:`dilax.nn`, models in :mod:`dilax.models` (import them explicitly).
 """
 

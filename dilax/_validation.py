@@ -1,7 +1,7 @@
 """Trace-time argument checks shared by every public op.
 
 Every check raises ``ValueError`` (``TypeError`` for dtypes and non-static config) with a
-message that names the argument and the rule it broke (SPEC.md, "Errors").
+message that names the argument and the rule it broke (docs/semantics.md, "Errors").
 """
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ def attention_fn(
         :func:`dilax.dilated_attention`.
 
     The returned function takes ``query (..., n, h, d)``, ``key``/``value (..., n, hk, d)``
-    (any number of leading batch axes, including none) and returns ``(..., n, h, d)``.
+    (any number of leading batch axes, including none) and returns ``(..., n, h, d)`` in the
+    dtype of ``query`` (float32 softmax statistics inside for bf16/fp16).
     It accepts every keyword ``nnx.MultiHeadAttention`` passes and refuses, with a
     ``ValueError``, what dilated attention cannot honour: a dense ``mask`` or ``bias``,
     attention-weight dropout (``dropout_rate > 0`` with ``deterministic=False``), sowing

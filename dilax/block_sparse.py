@@ -1,4 +1,5 @@
-"""Block-sparse attention (SPEC.md, "Block-sparse attention") on top of the blockwise core.
+"""Block-sparse attention on top of the blockwise core (docs/semantics.md, "Block-sparse
+attention").
 
 XLA path, per query block ``i`` (one *row*): the active key blocks of the row are gathered
 from the compact tables into a contiguous ``(count * B)`` key sequence and
@@ -355,7 +356,7 @@ def block_sparse_attention(
     implementation: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """Exact block-sparse attention (SPEC.md, "Block-sparse attention").
+    """Exact block-sparse attention (docs/semantics.md, "Block-sparse attention").
 
     Query ``p`` of head ``j`` attends key ``t`` iff ``pattern.block_mask[j or 0, p // B, t // B]``
     and, when ``is_causal``, ``t <= p``; one softmax over all attended keys.
@@ -376,6 +377,14 @@ def block_sparse_attention(
 
     Returns:
       ``(b, n, h, d)`` in ``q.dtype``. Queries with no attended key get 0 (and 0 gradient).
+
+    Raises:
+      TypeError: ``pattern`` is not a ``BlockSparsePattern``; non-float or mixed dtypes of
+        q, k, v; non-bool ``is_causal``.
+      ValueError: q, k, v not rank 4 or with mismatched ``b``, ``n``, ``d``; ``h % hk != 0``;
+        a pattern whose block counts are not ``ceil(n / B)`` or whose heads are neither 1 nor
+        ``h``; an unknown ``implementation``; ``"pallas"`` with ``n % B != 0`` or off GPU
+        without ``interpret=True``; a non-positive ``scale``.
     """
     q, k, v = V.check_qkv(q, k, v)
     pattern = check_pattern(pattern, q)
@@ -511,6 +520,12 @@ def content_adaptive_attention(
 
     Returns:
       ``(b, n, h, d)`` in ``q.dtype``.
+
+    Raises:
+      TypeError: non-int ``block_size``/``top_k``, bad dtypes (as in
+        :func:`block_sparse_attention`).
+      ValueError: ``block_size <= 0``; ``top_k`` outside ``[1, ceil(n / B)]``; malformed
+        q, k, v shapes (as in :func:`block_sparse_attention`).
     """
     q, k, v = V.check_qkv(q, k, v)
     is_causal = V.check_bool(is_causal, "is_causal")

@@ -1,7 +1,8 @@
 """Sequence-parallel block-sparse attention: K/V blocks travel around a ring of devices.
 
 The sequence axis is split over the ``P`` devices of a mesh axis, device ``r`` holding the
-``n / P`` consecutive positions ``[r n/P, (r+1) n/P)`` of q, k and v (SPEC.md, "Ring"). At
+``n / P`` consecutive positions ``[r n/P, (r+1) n/P)`` of q, k and v (docs/semantics.md, "Ring
+attention"). At
 ring step ``s`` device ``r`` holds the K/V chunk of device ``(r - s) mod P`` (``lax.ppermute``
 to the right neighbour between steps) and folds the active key blocks of that chunk into its
 queries' softmax state: the same gather + :func:`dilax.core.attention_core` as the

@@ -32,6 +32,11 @@ class BlockSizes:
     visits query blocks of ``block_q_dkv`` for a column of ``block_k_dkv`` keys. On CPU the
     iterated block should be short and the row/column long, so that every step is a few
     million multiply-adds that XLA spreads over all cores.
+
+    Fields: ``block_q`` (forward query rows per step), ``block_k`` (forward keys per step),
+    ``block_q_dkv`` / ``block_k_dkv`` (backward query / key block; ``None``: ``block_k`` /
+    ``block_q``). All positive ints; blocks larger than the sequence are clipped to it.
+    Use :func:`default_block_sizes` for the per-shape defaults.
     """
 
     block_q: int = 1024

@@ -1,4 +1,4 @@
-"""Dilated (LongNet) attention: SPEC.md's two modes on top of the blockwise core.
+"""Dilated (LongNet) attention: the two modes of docs/semantics.md on top of the blockwise core.
 
 A branch ``(w, r)`` is computed segment-major with reshapes only: the padded sequence is viewed
 as ``(b, S, w/r, r, h, d)`` (segment, dilated index, offset slot, head), each head takes the
@@ -419,7 +419,7 @@ def dilated_attention(
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """Dilated attention (LongNet), exactly as specified in SPEC.md.
+    """Dilated attention (LongNet), exactly as specified in docs/semantics.md.
 
     Args:
       q: ``(b, n, h, d)`` queries.
@@ -444,7 +444,7 @@ def dilated_attention(
       ``(b, n, h, d)`` in ``q.dtype``. Queries selected by no branch get 0.
 
     Raises:
-      ValueError / TypeError at trace time for malformed inputs (see SPEC.md, "Errors").
+      ValueError / TypeError at trace time for malformed inputs (see docs/semantics.md, "Errors").
     """
     q, k, v = V.check_qkv(q, k, v)
     ws, rs = V.check_branches(segment_lengths, dilation_rates)

@@ -41,7 +41,8 @@ class RingDilatedAttention(DilatedAttention):
 
     A :class:`dilax.nn.DilatedAttention` with ``sequence_parallel=SequenceParallel(mesh,
     seq_axis, batch_axis)``. ``__call__(q, k, v)`` takes global ``(b, n, h, d)`` arrays and
-    returns the same as :func:`dilax.dilated_attention` on one device (SPEC.md, "Ring").
+    returns the same as :func:`dilax.dilated_attention` on one device (docs/semantics.md,
+    "Ring attention").
     """
 
     def __init__(self, segment_lengths, dilation_rates, *, mesh: jax.sharding.Mesh,

@@ -48,7 +48,15 @@ _limit_override: list[int | None] = []  # innermost memory_limit() context last
 
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
-    """Bytes XLA assigns to one compiled program (per device)."""
+    """Bytes XLA assigns to one compiled program (per device), from ``memory_analysis()``.
+
+    Attributes:
+      temp_bytes: scratch buffers live during the program (intermediates).
+      argument_bytes: the inputs' buffers.
+      output_bytes: the outputs' buffers.
+      alias_bytes: output bytes that reuse (donated) input buffers.
+      generated_code_bytes: size of the compiled code (0 where the backend does not say).
+    """
 
     temp_bytes: int
     argument_bytes: int
@@ -70,7 +78,7 @@ class MemoryReport:
 
 
 def format_bytes(n: float) -> str:
-    """``1536 -> '1.50 KiB'``."""
+    """Human-readable binary size: ``1536 -> '1.50 KiB'``, ``512 -> '512 B'``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -89,7 +97,15 @@ def memory_report(
 
     ``args`` may be arrays or ``jax.ShapeDtypeStruct`` (nothing is allocated for those).
     Keyword arguments named in ``static_argnames`` are treated as static. A function that is
-    already jitted is compiled as is.
+    already jitted is compiled as is (and a later call of it reuses this compilation). For a
+    function sharded over several devices the numbers are those of one device's program.
+
+    Returns:
+      :class:`MemoryReport` in bytes; ``peak_bytes`` is the usual figure.
+
+    Raises:
+      RuntimeError: the backend provides no ``memory_analysis()``.
+      Whatever ``fn`` raises while tracing (e.g. dilax's ``ValueError`` for bad shapes).
 
     Example::
 

@@ -1,7 +1,7 @@
 """Block-sparse attention patterns: immutable, hashable block masks with compact tables.
 
 A :class:`BlockSparsePattern` is a boolean block mask ``M`` of shape ``(H_pat, nq, nk)`` with
-block size ``B`` (SPEC.md, "Block-sparse attention"): query ``p`` attends key ``t`` iff
+block size ``B`` (docs/semantics.md, "Block-sparse attention"): query ``p`` attends key ``t`` iff
 ``M[head, p // B, t // B]`` (and ``t <= p`` when causal). ``H_pat`` is 1 (one mask shared by
 all heads) or ``h`` (one mask per query head). The pattern is static configuration: it is
 hashable, compares by value, and can be closed over or passed as a static argument to
@@ -29,6 +29,13 @@ With ``n % block_size != 0`` the last block is partial (``ceil(n / block_size)``
 - :func:`dilated_segments`: the block cover of a dilated (LongNet) configuration.
 - ``a | b`` and ``a & b`` combine patterns of the same block size and block counts (a shared
   mask broadcasts against a per-head one).
+
+Every constructor returns a :class:`BlockSparsePattern` with ``ceil(n / block_size)`` query and
+key blocks and 1 head (or ``num_heads``), and checks its arguments eagerly: ``TypeError`` for a
+non-int size, ``ValueError`` (naming the argument) for non-positive sizes, out-of-range values
+(``density`` outside ``[0, 1]``, ``global_tokens > n``), malformed ``levels`` or an invalid
+dilated configuration. Combining patterns of different block sizes or block counts raises
+``ValueError``.
 """
 
 from __future__ import annotations
@@ -544,7 +551,7 @@ def dilated_segments(
     num_heads: int | None = None,
     mode: str = "mixture",
 ) -> BlockSparsePattern:
-    """Block cover of a dilated (LongNet) configuration (SPEC.md, dilated semantics).
+    """Block cover of a dilated (LongNet) configuration (docs/semantics.md, "One branch").
 
     Block ``(i, j)`` is active iff some query in block ``i`` may attend some key in block ``j``
     in some branch (non-causal; the causal cut is applied by the attention call). Note that

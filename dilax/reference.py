@@ -1,4 +1,4 @@
-"""Mask-based reference of SPEC.md: the test oracle (small n only).
+"""Mask-based reference of docs/semantics.md: the test oracle (small n only).
 
 It builds the explicit ``(h, n, n)`` count matrix ``C`` of a dilated configuration and runs
 dense attention with bias ``log C``. Nothing here is fast; everything here is simple enough to
@@ -15,7 +15,8 @@ import numpy as np
 
 
 def branch_mask(n: int, w: int, r: int, offset: int, is_causal: bool) -> np.ndarray:
-    """Boolean ``(n, n)`` mask of one branch ``(w, r)`` with offset ``offset`` (SPEC.md)."""
+    """Boolean ``(n, n)`` mask of one branch ``(w, r)`` with offset ``offset``
+    (docs/semantics.md)."""
     pos = np.arange(n)
     sel = pos % r == offset
     same_segment = (pos[:, None] // w) == (pos[None, :] // w)
@@ -120,7 +121,7 @@ def dilated_attention_reference(
     scale: float,
     mode: str = "mixture",
 ) -> jax.Array:
-    """Dilated attention from the explicit mask (SPEC.md). Arguments must be validated."""
+    """Dilated attention from the explicit mask (docs/semantics.md). Arguments must be validated."""
     n, h = q.shape[1], q.shape[2]
     counts = dilated_counts(n, h, segment_lengths, dilation_rates, mode, is_causal)
     out = masked_attention(q, k, v, counts, scale)

@@ -24,7 +24,8 @@ The sequence axis of ``q, k, v`` is split over the ``P`` devices of a mesh axis.
 
 Branches are merged exactly like the single-device function (log-sum-exp weights in
 ``mode="mixture"``, ``1/G`` in ``mode="grouped"``), so the result equals
-:func:`dilax.dilated_attention` on the gathered inputs, forward and backward (SPEC.md, "Ring").
+:func:`dilax.dilated_attention` on the gathered inputs, forward and backward
+(docs/semantics.md, "Ring attention").
 
 Layouts. ``layout="contiguous"``: device ``i`` holds positions ``[i n/P, (i+1) n/P)``.
 ``layout="zigzag"`` (causal load balance): the sequence is cut into ``2P`` chunks of ``n/(2P)``
@@ -991,6 +992,11 @@ def ring_dilated_attention(
 
     Returns:
       The local shard of the output, ``(b, n/P, h, d)`` in ``q.dtype``.
+
+    Raises:
+      ValueError: ``axis_name`` not bound by an enclosing ``shard_map``, a bad ``layout``,
+        ``layout="zigzag"`` with an odd local length, and every input error of
+        :func:`dilax.dilated_attention`. TypeError: as there (dtypes, non-static config).
     """
     q, k, v = V.check_qkv(q, k, v)
     ws, rs = V.check_branches(segment_lengths, dilation_rates)
@@ -1055,6 +1061,13 @@ def sharded_dilated_attention(
     Returns:
       ``(b, n, h, d)`` in ``q.dtype``, sharded like ``q``; equal to
       ``dilated_attention(q, k, v, ...)``.
+
+    Raises:
+      TypeError: ``mesh`` is not a ``Mesh``; dtypes or non-static config as in
+        :func:`dilax.dilated_attention`.
+      ValueError: ``seq_axis``/``batch_axis`` not mesh axes or equal, ``n % P != 0``,
+        ``layout="zigzag"`` with ``n % 2P != 0``, batch not divisible by the ``batch_axis``
+        size, and every input error of :func:`dilax.dilated_attention`.
     """
     q, k, v = V.check_qkv(q, k, v)
     layout = _check_layout(layout)

@@ -75,6 +75,14 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
+    """How to train (the CLI flags of the "training" group, same names with dashes).
+
+    ``steps`` is the length of the whole run (it sets the learning-rate schedule);
+    ``stop_after`` ends this invocation early, as if interrupted, after checkpointing;
+    ``resume`` continues from the latest checkpoint in ``checkpoint_dir``. ``eval_every=0``
+    disables evaluation, ``sample_tokens=0`` the final sample.
+    """
+
     steps: int = 500
     batch_size: int = 16
     seq_len: int = 128
@@ -149,6 +157,7 @@ def unigram_entropy(tokens: np.ndarray) -> float:
 
 
 def split_corpus(tokens: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
+    """``(train, eval)``: the first ``1 - val_fraction`` of the tokens, and the rest."""
     cut = int(len(tokens) * (1.0 - val_fraction))
     return tokens[:cut], tokens[cut:]
 
@@ -204,6 +213,7 @@ def make_tx(steps: int, lr: float, warmup: int, weight_decay: float,
 
 
 def make_optimizer(model: LongNetLM, cfg: TrainConfig) -> nnx.Optimizer:
+    """``nnx.Optimizer`` over the model's ``nnx.Param`` with :func:`make_tx` of ``cfg``."""
     tx = make_tx(cfg.steps, cfg.lr, cfg.warmup, cfg.weight_decay, cfg.clip_norm)
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
@@ -218,6 +228,7 @@ def lm_loss(model: LongNetLM, x: jax.Array, y: jax.Array, rngs: nnx.Rngs | None,
 @nnx.jit(donate_argnums=(0, 1))
 def train_step(model: LongNetLM, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array,
                dropout_key: jax.Array) -> jax.Array:
+    """One update on int32 ``x, y (b, n)``; returns the loss. Donates model and optimizer."""
     loss, grads = nnx.value_and_grad(lm_loss)(model, x, y, nnx.Rngs(dropout=dropout_key), False)
     optimizer.update(model, grads)
     return loss
@@ -225,6 +236,7 @@ def train_step(model: LongNetLM, optimizer: nnx.Optimizer, x: jax.Array, y: jax.
 
 @nnx.jit
 def eval_step(model: LongNetLM, x: jax.Array, y: jax.Array) -> jax.Array:
+    """Mean loss on ``x, y (b, n)`` without dropout."""
     return lm_loss(model, x, y, None, True)
 
 
@@ -542,7 +554,26 @@ def _validate(cfg: TrainConfig, model_cfg: ModelConfig, n_train: int, n_val: int
 
 def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, *, text: str | None = None,
           progress: bool = True, log: Callable[[str], None] = print) -> TrainResult:
-    """Trains (or resumes) a character LM; see the module docstring."""
+    """Trains (or resumes) a character LM; see the module docstring.
+
+    Args:
+      cfg: the training configuration.
+      model_cfg: the model; default ``ModelConfig(vocab=<characters of the corpus>)``.
+      text: the corpus; default the shipped one (:func:`dilax.data.load_corpus`).
+      progress: show a tqdm progress bar (plain log lines otherwise).
+      log: where messages go (default ``print``).
+
+    Returns:
+      :class:`TrainResult` with the per-step losses of this invocation, eval losses, the
+      trained model and optimizer, and the sample (when the run reached ``cfg.steps``).
+
+    Raises:
+      ValueError: non-positive sizes, ``seq_len`` too long for the corpus, ``resume`` without
+        ``checkpoint_dir``, ``stop_after`` outside ``[1, steps]``, ``model_cfg.vocab`` that is
+        not the corpus's.
+      CheckpointError: ``resume`` with a missing, corrupt or other-config checkpoint, or a
+        fresh run into a ``checkpoint_dir`` that already holds checkpoints.
+    """
     text = load_corpus() if text is None else text
     tok = CharTokenizer.from_text(text)
     model_cfg = ModelConfig(vocab=tok.vocab) if model_cfg is None else model_cfg
@@ -663,6 +694,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m dilax.train`` argument parser (defaults from the config classes)."""
     t, m = TrainConfig(), ModelConfig(vocab="")
     p = _Parser(prog="python -m dilax.train", description=__doc__.split("\n")[0])
     g = p.add_argument_group("training")
@@ -707,6 +739,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def configs_from_args(args: argparse.Namespace, vocab: str) -> tuple[TrainConfig, ModelConfig]:
+    """Parsed CLI arguments -> ``(TrainConfig, ModelConfig)``."""
     tcfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     mcfg = ModelConfig(vocab=vocab, **{f.name: getattr(args, f.name)
                                        for f in dataclasses.fields(ModelConfig)
@@ -732,6 +765,7 @@ def configs_from_argv(argv: Sequence[str] | None = None, text: str | None = None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; returns the exit status (2 on bad flags or a checkpoint error)."""
     parser = build_parser()
     text = load_corpus()
     try:

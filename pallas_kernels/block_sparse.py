@@ -1,6 +1,7 @@
 """Block-sparse flash attention driven by compact block tables, beside its XLA reference.
 
-A pattern with block size ``B`` is given by its compact tables (SPEC.md, "Block-sparse"):
+A pattern with block size ``B`` is given by its compact tables (docs/semantics.md,
+"Block-sparse attention"):
 
 * ``kv_block_indices: int32 (H_pat, nq_blocks, max_active)``: the active key blocks of each
   query block, ascending; entries at and beyond the count are padding (ignored);

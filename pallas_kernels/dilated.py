@@ -42,7 +42,7 @@ def dilated_attention_pallas(
     Args:
       q: ``(b, n, h, d)``; k, v: ``(b, n, hk, d)`` with ``h % hk == 0``.
       segment_lengths, dilation_rates, is_causal, scale, mode: as in
-        :func:`dilax.dilated_attention` (SPEC.md).
+        :func:`dilax.dilated_attention` (docs/semantics.md).
       block_sizes: kernel tiles/warps/stages (:class:`KernelConfig`), a
         :class:`dilax.BlockSizes`, or ``None`` for per-shape defaults.
       interpret: run the kernels with the Pallas interpreter (CPU).

@@ -28,7 +28,7 @@ from dilax.ring import SequenceParallel
 Dtype = Any
 
 # LongNet paper, Sec. 4.1: segment lengths {2048, ..., 32768}. The paper's dilation rates are
-# (1, 2, 4, 6, 12), but 16384 % 6 and 32768 % 12 are not 0, which SPEC.md ("w % r == 0")
+# (1, 2, 4, 6, 12), but 16384 % 6 and 32768 % 12 are not 0, which the semantics ("w % r == 0")
 # rejects; we use the powers of two (1, 2, 4, 8, 16), which also keep w / r = 2048 dilated
 # positions per segment in every branch.
 PAPER_SEGMENT_LENGTHS: tuple[int, ...] = (2048, 4096, 8192, 16384, 32768)

@@ -32,9 +32,18 @@ class BlockSparseAttention(nnx.Module):
     """Parameter-free block-sparse attention over ``(b, n, h, d)`` q and ``(b, n, hk, d)`` k, v.
 
     Args:
-      pattern: a :class:`dilax.patterns.BlockSparsePattern` (static).
+      pattern: a :class:`dilax.patterns.BlockSparsePattern` (static) with ``ceil(n / B)``
+        blocks and 1 or ``h`` heads.
       is_causal: default causal flag (overridable per call).
-      implementation: ``None``, ``"xla"`` or ``"reference"``.
+      implementation: ``None``, ``"xla"``, ``"pallas"`` or ``"reference"`` (see
+        :func:`dilax.block_sparse_attention`).
+
+    ``__call__(q, k, v)`` returns ``(b, n, h, d)`` in ``q.dtype``.
+
+    Raises:
+      TypeError: ``pattern`` is not a ``BlockSparsePattern``; non-bool ``is_causal``.
+      ValueError: unknown ``implementation``; at call time, the errors of
+        :func:`dilax.block_sparse_attention` (shapes, pattern that does not fit ``n``).
     """
 
     def __init__(self, pattern: BlockSparsePattern, *, is_causal: bool = False,
@@ -73,6 +82,14 @@ class BlockSparseMultiheadAttention(nnx.Module):
       gamma_init: Xavier gain of the v and out projections.
       dtype, param_dtype: computation and parameter dtypes.
       rngs: ``nnx.Rngs`` (``params``; ``dropout`` when ``dropout > 0``).
+
+    ``__call__(query (b, n, embed_dim), key=None, value=None)`` returns ``(b, n, embed_dim)``.
+
+    Raises:
+      ValueError: non-positive sizes, ``embed_dim % num_heads != 0``,
+        ``num_heads % num_kv_heads != 0``, a pattern with neither 1 nor ``num_heads`` heads,
+        ``dropout`` outside ``[0, 1)``.
+      TypeError: ``pattern`` is not a ``BlockSparsePattern``; non-int sizes.
     """
 
     def __init__(

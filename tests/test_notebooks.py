@@ -1,0 +1,73 @@
+"""The notebooks in ``notebooks/`` run end to end, fast, and match their generator.
+
+Each notebook is executed with nbclient in a fresh ``python3`` kernel (jupyter_client starts
+it with this interpreter, ``sys.executable``); any cell error fails the test. Every notebook
+has a time budget, and the budgets add up to the 3 minutes allowed for all of them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from jupyter_client import KernelManager
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+
+# seconds per notebook (wall time, kernel start included); the sum is the 3-minute limit
+BUDGET_S = {"quickstart.ipynb": 60, "long_context.ipynb": 60, "train_longnet.ipynb": 60}
+CELL_TIMEOUT_S = 120
+
+
+def _load_builder():
+    spec = importlib.util.spec_from_file_location("notebooks_build", NOTEBOOKS / "_build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_budgets_cover_every_notebook_within_three_minutes():
+    assert set(BUDGET_S) == {p.name for p in NOTEBOOKS.glob("*.ipynb")}
+    assert sum(BUDGET_S.values()) <= 180
+
+
+def test_committed_notebooks_match_generator_and_have_no_outputs():
+    built = _load_builder().build()
+    assert set(built) == set(BUDGET_S)
+    for name, text in built.items():
+        committed = (NOTEBOOKS / name).read_text()
+        assert committed == text, f"{name} differs from notebooks/_build.py: rerun it"
+        nb = nbformat.reads(committed, as_version=4)
+        nbformat.validate(nb)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert cell.outputs == [] and cell.execution_count is None, name
+
+
+def test_python3_kernel_is_this_interpreter():
+    # The kernelspec says "python"; jupyter_client starts it as sys.executable, so the
+    # notebooks see this environment (and the dilax that PYTHONPATH / the install points to).
+    cmd = KernelManager(kernel_name="python3").format_kernel_cmd()
+    assert Path(cmd[0]).resolve() == Path(sys.executable).resolve(), cmd
+
+
+@pytest.mark.parametrize("name", sorted(BUDGET_S))
+def test_notebook_runs(name):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOKS)}})
+    t0 = time.perf_counter()
+    client.execute()  # raises CellExecutionError (with the traceback) if a cell fails
+    elapsed = time.perf_counter() - t0
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+              if o.output_type == "error"]
+    assert not errors, errors
+    ran = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.execution_count is not None for c in ran), "some cells did not run"
+    assert elapsed < BUDGET_S[name], f"{name} took {elapsed:.1f} s > {BUDGET_S[name]} s"
