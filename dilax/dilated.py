@@ -338,8 +338,9 @@ def _merge_bwd(plans, n, res, cts):
     g, g_lse = cts
     alphas, dots = [], []
     for o, l, p in zip(outs, lses, plans):
-        a = jnp.where(l == -jnp.inf, 0.0,
-                      jnp.exp(l - _gather(m_safe, p, n)) / _gather(total_safe, p, n))
+        tot = _gather(total_safe, p, n)  # 0 on the padding rows past n: weight 0 there
+        a = jnp.where((l == -jnp.inf) | (tot == 0), 0.0,
+                      jnp.exp(l - _gather(m_safe, p, n)) / jnp.where(tot == 0, 1.0, tot))
         gp = _gather(g, p, n)
         alphas.append(a)
         dots.append(jnp.sum(gp * o.astype(jnp.float32), axis=-1))
