@@ -162,6 +162,35 @@ def check_scale(scale: Any, head_dim: int) -> float:
     return scale
 
 
+def check_real(value: Any, name: str) -> float:
+    """A static real number (not a bool) as a Python float."""
+    if _is_traced(value):
+        raise TypeError(f"{name} must be a static Python float, got a traced value")
+    is_scalar_array = (isinstance(value, (np.ndarray, np.generic, jax.Array))
+                       and np.ndim(value) == 0 and np.issubdtype(np.asarray(value).dtype,
+                                                                 np.number))
+    if isinstance(value, bool) or not (isinstance(value, numbers.Real) or is_scalar_array):
+        raise TypeError(f"{name} must be a float, got {value!r}")
+    return float(value)
+
+
+def check_block_sizes(block_sizes: Any) -> Any:
+    from dilax.core import BlockSizes  # lazy: core is heavier than the checks
+
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"block_sizes must be a dilax.BlockSizes, got {type(block_sizes).__name__}")
+    return block_sizes
+
+
+def check_dilated_call(q: jax.Array, segment_lengths: Any, dilation_rates: Any, mode: Any,
+                       is_causal: Any, scale: Any, block_sizes: Any):
+    """The static configuration of a dilated call on validated ``q``: returns
+    ``(ws, rs, mode, is_causal, scale, block_sizes)`` normalized."""
+    ws, rs = check_branches(segment_lengths, dilation_rates)
+    return (ws, rs, check_mode(mode, q.shape[2], len(ws)), check_bool(is_causal, "is_causal"),
+            check_scale(scale, q.shape[3]), check_block_sizes(block_sizes))
+
+
 def check_bool(value: Any, name: str) -> bool:
     if _is_traced(value):
         raise TypeError(f"{name} must be a static Python bool, got a traced value")

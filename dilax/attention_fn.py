@@ -19,7 +19,6 @@ import jax.numpy as jnp
 
 from dilax import _validation as V
 from dilax.backend import IMPLEMENTATIONS
-from dilax.core import BlockSizes
 from dilax.dilated import dilated_attention
 
 _OPTIONS = ("mode", "is_causal", "scale", "implementation", "block_sizes")
@@ -41,8 +40,7 @@ def check_options(
         raise ValueError(
             f"implementation must be one of {(None,) + IMPLEMENTATIONS}, got {implementation!r}"
         )
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise TypeError(f"block_sizes must be a dilax.BlockSizes, got {type(block_sizes).__name__}")
+    block_sizes = V.check_block_sizes(block_sizes)
     return dict(segment_lengths=ws, dilation_rates=rs, mode=mode, is_causal=is_causal,
                 scale=scale, implementation=implementation, block_sizes=block_sizes)
 

@@ -176,10 +176,11 @@ class _Branches:
     block_sizes: BlockSizes | None
 
 
-def _branch_io(q, k, v, plan, cfg: _Branches):
+def _branch_io(q, k, v, plan, scale, is_causal, block_sizes):
+    """Slot-layout inputs, :class:`SlotView` and core keyword arguments of one branch."""
     view = slot_view(plan, q.shape[2], k.shape[2])
-    kw = dict(scale=cfg.scale, is_causal=cfg.is_causal, kv_len=_plan_kv_len(plan, q.shape[0]),
-              block_sizes=cfg.block_sizes)
+    kw = dict(scale=scale, is_causal=is_causal, kv_len=_plan_kv_len(plan, q.shape[0]),
+              block_sizes=block_sizes)
     return (_slot_layout(q, plan), _slot_layout(k, plan), _slot_layout(v, plan)), view, kw
 
 
@@ -198,7 +199,7 @@ def _xla_branches_fwd(q, k, v, cfg: _Branches):
     outs, lses = [], []
     for plan in cfg.plans:
         def run(q, k, v, plan=plan):
-            ops, view, kw = _branch_io(q, k, v, plan, cfg)
+            ops, view, kw = _branch_io(q, k, v, plan, cfg.scale, cfg.is_causal, cfg.block_sizes)
             # float32 branch outputs: merged (or divided by G) before one final rounding.
             return view_forward(*ops, view, out_dtype=jnp.float32, **kw)
 
@@ -217,7 +218,7 @@ def _xla_branches_bwd(cfg: _Branches, res, cts):
     grads = None
     for plan, delta, lse, dout in zip(cfg.plans, deltas, lses, cts[0]):
         def run(q, k, v, delta, lse, dout, plan=plan):
-            ops, view, kw = _branch_io(q, k, v, plan, cfg)
+            ops, view, kw = _branch_io(q, k, v, plan, cfg.scale, cfg.is_causal, cfg.block_sizes)
             g = view_backward(*ops, view, delta, lse, dout, grad_dtype=jnp.float32, **kw)
             return tuple(_unslot(x, plan, n) for x in g)
 
@@ -241,14 +242,11 @@ def _run_branch(q, k, v, plan: BranchPlan, scale, is_causal, block_sizes,
     ``(b*S, w/r, U, G, d)`` inputs instead. ``fence``: run the branch only once this boolean is
     known (:func:`dilax.core.fence_after`; ordering only)."""
     b, n, h, d = q.shape
-    kv_len = _plan_kv_len(plan, b)
     if attention_fn is attention_core:
-        view = slot_view(plan, h, k.shape[2])
+        io, view, kw = _branch_io(q, k, v, plan, scale, is_causal, block_sizes)
         # float32 branch outputs: merged (or divided by G) before one final rounding.
-        return attention_view(
-            _slot_layout(q, plan), _slot_layout(k, plan), _slot_layout(v, plan), view,
-            scale=scale, is_causal=is_causal, kv_len=kv_len, block_sizes=block_sizes,
-            out_dtype=jnp.float32, fence=fence)
+        return attention_view(*io, view, out_dtype=jnp.float32, fence=fence, **kw)
+    kv_len = _plan_kv_len(plan, b)
     U, G = len(plan.kv_heads), plan.q_per_kv
     qd = _split_slots(q, plan, plan.q_heads, plan.q_slots, n).reshape(-1, plan.seg_len, U, G, d)
     kd = _split_slots(k, plan, plan.kv_heads, plan.kv_slots, n)
@@ -448,16 +446,12 @@ def dilated_attention(
       ValueError / TypeError at trace time for malformed inputs (see docs/semantics.md, "Errors").
     """
     q, k, v = V.check_qkv(q, k, v)
-    ws, rs = V.check_branches(segment_lengths, dilation_rates)
-    mode = V.check_mode(mode, q.shape[2], len(ws))
-    is_causal = V.check_bool(is_causal, "is_causal")
-    scale = V.check_scale(scale, q.shape[3])
+    ws, rs, mode, is_causal, scale, block_sizes = V.check_dilated_call(
+        q, segment_lengths, dilation_rates, mode, is_causal, scale, block_sizes)
     interpret = V.check_bool(interpret, "interpret")
     implementation = resolve_implementation(implementation, interpret=interpret)
     V.check_memory(q, k, num_branches=len(ws), dense=implementation == "reference",
                    op="dilated_attention")
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise TypeError(f"block_sizes must be a dilax.BlockSizes, got {type(block_sizes).__name__}")
     return _dilated_jit(q, k, v, ws, rs, is_causal, scale, mode, implementation, block_sizes,
                         interpret)
 

@@ -643,8 +643,13 @@ def _fold_pair(cfg: _RingConfig, q, k, v, Fq, cq, Fk, ck, ok, state):
 
 
 def _tables(cfg: _RingConfig):
+    """Per-chunk dilated starts and counts (static tables), this device's index, and its
+    query chunks' starts ``Fq`` and counts ``cq``."""
     geo = cfg.geo
-    return geo.table(geo.F[:-1]), geo.table(geo.cnt)
+    F_t, cnt_t = geo.table(geo.F[:-1]), geo.table(geo.cnt)
+    idx = lax.axis_index(cfg.axis_name)
+    return (F_t, cnt_t, idx, [_lookup(F_t[c], idx) for c in range(geo.C)],
+            [_lookup(cnt_t[c], idx) for c in range(geo.C)])
 
 
 def _stream_loop(st: _Stream, idx, step, carry, transfer):
@@ -664,10 +669,7 @@ def _stream_loop(st: _Stream, idx, step, carry, transfer):
 
 def _ring_forward(qd, kd, vd, cfg: _RingConfig):
     C = cfg.geo.C
-    idx = lax.axis_index(cfg.axis_name)
-    F_t, cnt_t = _tables(cfg)
-    Fq = [_lookup(F_t[c], idx) for c in range(C)]
-    cq = [_lookup(cnt_t[c], idx) for c in range(C)]
+    F_t, cnt_t, idx, Fq, cq = _tables(cfg)
 
     def visit(state, kb, vb, src):
         ok = src >= 0
@@ -711,10 +713,7 @@ def _ring_backward(cfg: _RingConfig, res, cts):
     qd, kd, vd, out, lse = res
     dout, dlse = cts
     C = cfg.geo.C
-    idx = lax.axis_index(cfg.axis_name)
-    F_t, cnt_t = _tables(cfg)
-    Fq = [_lookup(F_t[c], idx) for c in range(C)]
-    cq = [_lookup(cnt_t[c], idx) for c in range(C)]
+    F_t, cnt_t, idx, Fq, cq = _tables(cfg)
 
     def visit(dq, kb, vb, src):
         ok = src >= 0
@@ -914,6 +913,16 @@ def _axis_size(axis_name) -> int:
         ) from e
 
 
+def _check_mesh_axes(mesh, seq_axis, batch_axis) -> None:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    for name, ax in (("seq_axis", seq_axis), ("batch_axis", batch_axis)):
+        if ax is not None and ax not in mesh.shape:
+            raise ValueError(f"{name}={ax!r} is not an axis of the mesh {dict(mesh.shape)}")
+    if seq_axis == batch_axis:
+        raise ValueError(f"seq_axis and batch_axis must differ, got {seq_axis!r} for both")
+
+
 def _check_layout(layout):
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -942,14 +951,7 @@ class SequenceParallel:
     layout: str = "contiguous"
 
     def __post_init__(self):
-        if not isinstance(self.mesh, Mesh):
-            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}")
-        for name, ax in (("seq_axis", self.seq_axis), ("batch_axis", self.batch_axis)):
-            if ax is not None and ax not in self.mesh.shape:
-                raise ValueError(f"{name}={ax!r} is not an axis of the mesh "
-                                 f"{dict(self.mesh.shape)}")
-        if self.seq_axis == self.batch_axis:
-            raise ValueError(f"seq_axis and batch_axis must differ, got {self.seq_axis!r}")
+        _check_mesh_axes(self.mesh, self.seq_axis, self.batch_axis)
         _check_layout(self.layout)
 
     def __call__(self, q, k, v, segment_lengths, dilation_rates, **kwargs) -> jax.Array:
@@ -999,13 +1001,9 @@ def ring_dilated_attention(
         :func:`dilax.dilated_attention`. TypeError: as there (dtypes, non-static config).
     """
     q, k, v = V.check_qkv(q, k, v)
-    ws, rs = V.check_branches(segment_lengths, dilation_rates)
-    mode = V.check_mode(mode, q.shape[2], len(ws))
-    is_causal = V.check_bool(is_causal, "is_causal")
-    scale = V.check_scale(scale, q.shape[3])
+    ws, rs, mode, is_causal, scale, block_sizes = V.check_dilated_call(
+        q, segment_lengths, dilation_rates, mode, is_causal, scale, block_sizes)
     layout = _check_layout(layout)
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise TypeError(f"block_sizes must be a dilax.BlockSizes, got {type(block_sizes).__name__}")
     V.check_memory(q, k, num_branches=len(ws), op="ring_dilated_attention (per device)")
     P = _axis_size(axis_name)
     b, m, h, d = q.shape
@@ -1071,13 +1069,7 @@ def sharded_dilated_attention(
     """
     q, k, v = V.check_qkv(q, k, v)
     layout = _check_layout(layout)
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    for name, ax in (("seq_axis", seq_axis), ("batch_axis", batch_axis)):
-        if ax is not None and ax not in mesh.shape:
-            raise ValueError(f"{name}={ax!r} is not an axis of the mesh {dict(mesh.shape)}")
-    if seq_axis == batch_axis:
-        raise ValueError(f"seq_axis and batch_axis must differ, got {seq_axis!r} for both")
+    _check_mesh_axes(mesh, seq_axis, batch_axis)
     b, n = q.shape[:2]
     P = mesh.shape[seq_axis]
     if n % P:
@@ -1095,12 +1087,8 @@ def sharded_dilated_attention(
             f"batch size {b} must be divisible by the size {mesh.shape[batch_axis]} of mesh "
             f"axis {batch_axis!r}"
         )
-    ws, rs = V.check_branches(segment_lengths, dilation_rates)
-    mode = V.check_mode(mode, q.shape[2], len(ws))
-    is_causal = V.check_bool(is_causal, "is_causal")
-    scale = V.check_scale(scale, q.shape[3])
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise TypeError(f"block_sizes must be a dilax.BlockSizes, got {type(block_sizes).__name__}")
+    ws, rs, mode, is_causal, scale, block_sizes = V.check_dilated_call(
+        q, segment_lengths, dilation_rates, mode, is_causal, scale, block_sizes)
     return _sharded_jit(q, k, v, ws, rs, mesh, seq_axis, batch_axis, is_causal, mode, scale,
                         layout, block_sizes)
 

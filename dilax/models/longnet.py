@@ -105,7 +105,7 @@ class XPOS(nnx.Module):
 
 
 def _check_dropout(dropout: float) -> float:
-    dropout = float(dropout)
+    dropout = V.check_real(dropout, "dropout")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
     return dropout

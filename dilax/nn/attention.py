@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import jax
@@ -170,13 +169,10 @@ class MultiheadDilatedAttention(nnx.Module):
                 f"num_heads must be divisible by num_kv_heads (num_heads % num_kv_heads == 0), "
                 f"got num_heads={num_heads}, num_kv_heads={num_kv_heads}"
             )
-        for name, x in (("dropout", dropout), ("gamma_init", gamma_init)):
-            if isinstance(x, bool) or not isinstance(x, numbers.Real):
-                raise TypeError(f"{name} must be a float, got {x!r}")
-        dropout = float(dropout)
+        dropout = V.check_real(dropout, "dropout")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        gain = float(gamma_init)
+        gain = V.check_real(gamma_init, "gamma_init")
         if not gain > 0:
             raise ValueError(f"gamma_init must be positive, got {gamma_init}")
         self.embed_dim = embed_dim
