@@ -60,27 +60,41 @@ class BlockSizes:
         return bq, bk
 
 
-_SCORE_BUDGET = 1 << 21  # floats in one (heads, rows, block) score tile: 8 MiB
+_SCORE_BUDGET = 1 << 21  # causal: floats in one (heads, rows, block) score tile, 8 MiB
+_FWD_TILE = 3 << 20  # non-causal forward score tile (heads, block_q, block_k): 12 MiB
+_BWD_TILE = 1 << 20  # non-causal backward tile: s, p, dp and ds are live at once
 
 
 def _pow2_at_most(x: int) -> int:
     return 1 << (max(1, x).bit_length() - 1)
 
 
-def default_block_sizes(len_q: int, len_k: int, num_heads: int, is_causal: bool) -> BlockSizes:
-    """Per-shape defaults tuned on a 2-core x86 CPU with ``python -m benchmarks speed``.
+def _clamp(x: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, x))
 
-    The short (iterated) side is 256; the long side fills a score tile of ~2M floats, capped at
-    512 when causal so that blocks entirely in the future are skipped at a fine grain.
+
+def default_block_sizes(len_q: int, len_k: int, num_heads: int, is_causal: bool) -> BlockSizes:
+    """Per-shape defaults tuned on a 2-core x86 CPU (AVX-512) with ``python -m benchmarks
+    speed`` and per-tile sweeps at segment length 2048.
+
+    Non-causal: the forward takes up to 2048 query rows against 256..1024 keys, a ~12 MiB
+    score tile over all heads (larger tiles amortize the loop and let XLA split each step over
+    the cores; past ~3M floats it falls out of cache). The backward iterates 128-query blocks
+    against a column of up to 2048 keys, ~4 MiB per tile because four tiles are live.
+    Causal: 256 against up to 512 so that blocks entirely in the future are skipped at a fine
+    grain.
     """
-    short = 256
-    long_cap = 512 if is_causal else 4096
-    long = max(short, min(long_cap, _pow2_at_most(_SCORE_BUDGET // (num_heads * short))))
-    bq = len_q if len_q <= long else long
-    bk = len_k if len_k <= short else short
-    bq_dkv = len_q if len_q <= short else short
-    bk_dkv = len_k if len_k <= long else long
-    return BlockSizes(bq, bk, bq_dkv, bk_dkv)
+    h = max(1, num_heads)
+    if is_causal:
+        short = 256
+        long = max(short, min(512, _pow2_at_most(_SCORE_BUDGET // (h * short))))
+        bq, bk, bq_dkv, bk_dkv = long, short, short, long
+    else:
+        bk = _clamp(_pow2_at_most(_FWD_TILE // (h * 2048)), 256, 1024)
+        bq = _clamp(_pow2_at_most(_FWD_TILE // (h * bk)), 256, 2048)
+        bq_dkv = 128
+        bk_dkv = _clamp(_pow2_at_most(_BWD_TILE // (h * bq_dkv)), 256, 2048)
+    return BlockSizes(min(bq, len_q), min(bk, len_k), min(bq_dkv, len_q), min(bk_dkv, len_k))
 
 
 def _cdiv(a, b):
@@ -190,9 +204,8 @@ class SlotView:
                                             self.num_slots * self.num_kv_heads),
                             self.num_kv_heads)
 
-    def expand_full_q(self, x):
-        """``(U, G, L, d)`` -> ``(L, [R,] H, d)`` over *all* heads (0 for heads not read)."""
-        x = jnp.moveaxis(x, 2, 0).reshape(x.shape[2], len(self.q_index), x.shape[-1])
+    def expand_rows_q(self, x):
+        """``(L, U * G, d)`` -> ``(L, [R,] H, d)`` over *all* heads (0 for heads not read)."""
         return self._unflat(_scatter_static(x, self.q_index, self.num_slots * self.num_heads),
                             self.num_heads)
 
@@ -351,7 +364,7 @@ def _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view, block_
 
 
 def _backward(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale, is_causal,
-              view, block_q, block_k, grad_dtype=None, delta=None):
+              view, block_q, block_k, grad_dtype=None, delta=None, acc=None):
     B, Lq = q.shape[:2]
     Lk, d = k.shape[1], k.shape[-1]
     U, G = len(view.kv_index), view.q_per_kv
@@ -369,7 +382,21 @@ def _backward(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale, 
     axes = _varying_axes(q, k, v, kv_len, q_offset, k_offset, dout, dlse)
     out_view = view.output_view()  # reads dout, lse, delta (output layout) per block
 
-    def column(dq, idx):
+    # float32 accumulators in the input layouts, padded to whole blocks; ``acc`` (gradients
+    # of earlier branches) is added into in place, so a branch needs no gradient buffers of
+    # its own. Heads/slots the view does not read receive zeros.
+    if acc is None:
+        acc = _varying_like(axes, *(jnp.zeros(x.shape, _F32) for x in (q, k, v)))
+    dq0 = _pad_axis(acc[0].astype(_F32), 1, nq * block_q)
+    dk0 = _pad_axis(acc[1].astype(_F32), 1, nk * block_k)
+    dv0 = _pad_axis(acc[2].astype(_F32), 1, nk * block_k)
+
+    def add_rows(x, b, start, block):
+        cur = lax.dynamic_slice(x, (b, start) + (0,) * (x.ndim - 2), (1,) + block.shape)
+        return lax.dynamic_update_slice(x, cur + block[None], (b, start) + (0,) * (x.ndim - 2))
+
+    def column(carry, idx):
+        dq, dk_acc, dv_acc = carry
         bi, kj = idx // nk, idx % nk
         k0 = kj * block_k
         kl = None if kv_len is None else kv_len[bi]
@@ -407,10 +434,10 @@ def _backward(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale, 
                 ds = p * (dp - del_b[..., None])
                 dk = dk + jnp.einsum("hgqk,hgqd->hkd", ds, qb.astype(_F32),
                                      preferred_element_type=_F32)
-                dq_b = jnp.einsum("hgqk,hkd->hgqd", ds, kb.astype(_F32),
+                dq_b = jnp.einsum("hgqk,hkd->qhgd", ds, kb.astype(_F32),
                                   preferred_element_type=_F32)
-                cur = lax.dynamic_slice(dq, (bi, 0, 0, q0, 0), (1, U, G, block_q, d))
-                dq = lax.dynamic_update_slice(dq, cur + dq_b[None], (bi, 0, 0, q0, 0))
+                dq_b = view.expand_rows_q(dq_b.reshape(block_q, U * G, d) * scale)
+                dq = add_rows(dq, bi, q0, dq_b)
                 return dk, dv, dq
 
             return body
@@ -423,16 +450,13 @@ def _backward(q, k, v, kv_len, q_offset, k_offset, out, lse, dout, dlse, scale, 
         else:
             carry = lax.fori_loop(lo, hi, make_body(False), carry)
         dk, dv, dq = carry
-        return dq, (view.expand_kv(dk.astype(grad_dtype or k.dtype)),
-                    view.expand_kv(dv.astype(grad_dtype or v.dtype)))
+        dk_acc = add_rows(dk_acc, bi, k0, view.expand_kv(dk))
+        dv_acc = add_rows(dv_acc, bi, k0, view.expand_kv(dv))
+        return (dq, dk_acc, dv_acc), None
 
-    (dq0,) = _varying_like(axes, jnp.zeros((B, U, G, nq * block_q, d), _F32))
-    dq, (dk, dv) = lax.scan(column, dq0, jnp.arange(B * nk, dtype=jnp.int32))
-    dq = (dq[:, :, :, :Lq] * scale).astype(grad_dtype or q.dtype)  # (B, U, G, Lq, d)
-    dq = jax.vmap(view.expand_full_q)(dq)
-    dk = dk.reshape(B, nk * block_k, *dk.shape[2:])[:, :Lk]
-    dv = dv.reshape(B, nk * block_k, *dv.shape[2:])[:, :Lk]
-    return dq, dk, dv
+    (dq, dk, dv), _ = lax.scan(column, (dq0, dk0, dv0), jnp.arange(B * nk, dtype=jnp.int32))
+    return (dq[:, :Lq].astype(grad_dtype or q.dtype), dk[:, :Lk].astype(grad_dtype or k.dtype),
+            dv[:, :Lk].astype(grad_dtype or v.dtype))
 
 
 def fence_after(x: jax.Array) -> jax.Array:
@@ -540,14 +564,16 @@ def output_delta(out, dout, dlse):
 
 def view_backward(q, k, v, view: SlotView, delta, lse, dout, *, scale: float,
                   is_causal: bool = False, kv_len=None, block_sizes: BlockSizes | None = None,
-                  grad_dtype=None):
+                  grad_dtype=None, acc=None):
     """Gradients ``(dq, dk, dv)`` of :func:`view_forward` in the input (slot) layouts, in
     ``grad_dtype`` (default: the input dtypes), recomputing blocks from ``lse``.
-    ``delta = output_delta(out, dout, dlse)``: the output itself is not needed."""
+    ``delta = output_delta(out, dout, dlse)``: the output itself is not needed.
+    ``acc``: optional ``(dq, dk, dv)`` in the input layouts (e.g. earlier branches'
+    gradients) that the gradients are added into, in float32, without buffers of their own."""
     kv_len, q_off, k_off, blocks = _view_args(q, k, view, is_causal, kv_len, 0, 0, block_sizes,
                                               None)
     return _backward(q, k, v, kv_len, q_off, k_off, None, lse, dout, None, float(scale),
-                     bool(is_causal), view, *blocks[2:4], grad_dtype, delta)
+                     bool(is_causal), view, *blocks[2:4], grad_dtype, delta, acc)
 
 
 def attention_core(

@@ -215,16 +215,20 @@ def _xla_branches_bwd(cfg: _Branches, res, cts):
     n = q.shape[1]
     # The outputs are only needed through rowsum(dO * O): reduce them first, so they can go.
     deltas = [output_delta(o, do, dl) for o, do, dl in zip(outs, *cts)]
-    grads = None
+    grads = ()
     for plan, delta, lse, dout in zip(cfg.plans, deltas, lses, cts[0]):
-        def run(q, k, v, delta, lse, dout, plan=plan):
+        def run(q, k, v, delta, lse, dout, *acc, plan=plan):
             ops, view, kw = _branch_io(q, k, v, plan, cfg.scale, cfg.is_causal, cfg.block_sizes)
-            g = view_backward(*ops, view, delta, lse, dout, grad_dtype=jnp.float32, **kw)
+            acc = tuple(_slot_layout(a, plan) for a in acc) or None
+            g = view_backward(*ops, view, delta, lse, dout, grad_dtype=jnp.float32, acc=acc,
+                              **kw)
             return tuple(_unslot(x, plan, n) for x in g)
 
-        fence = None if grads is None else fence_after(grads[0])
-        g = when(fence, run, (q, k, v, delta, lse, dout))
-        grads = g if grads is None else tuple(a + b for a, b in zip(grads, g))
+        # Each branch adds into the float32 gradients of the ones before it, in place. The
+        # first waits for the deltas: unfenced, its zero-initialized accumulators (constants)
+        # would be scheduled -- and held -- during the forward.
+        fence = fence_after(grads[0] if grads else deltas[-1])
+        grads = when(fence, run, (q, k, v, delta, lse, dout) + grads)
     return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 

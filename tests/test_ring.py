@@ -248,10 +248,11 @@ def test_memory_per_device(grad):
     """Per-device memory at P=8 vs the single-device program (memory_analysis).
 
     Issue bound: <= 1.15 x (single / 8). Forward: measured 1.140, met. Training step: the ring
-    takes 24.8 MiB per device, 1.05 x the single-device training step as it was (188 MiB);
-    that program has since dropped to 111 MiB (one custom_vjp over all branches with float32
-    accumulation, a hand-written merge backward), which the ring's per-branch backward does
-    not get yet: 1.78 x now, NOT met. The bound pins the current figure against regressions.
+    takes 24.3 MiB per device, 1.03 x the single-device training step as it was (188 MiB);
+    that program has since dropped to 102 MiB (one custom_vjp over all branches whose
+    backward adds into one float32 accumulator in place, a hand-written merge backward),
+    which the ring's per-branch backward does not get yet: 1.90 x now, NOT met. The bound
+    pins the current figure against regressions.
 
     What holds the forward: spanning branches run first and one after the other (fenced, so
     the scheduler cannot hoist every branch's dilated copies to the start), partial results
@@ -269,7 +270,7 @@ def test_memory_per_device(grad):
                      c["n"], c["h"], c["hk"], c["d"], mesh=mesh, grad=grad)
     ratio = _bytes(ring) / (_bytes(single) / 8)
     print(f"per-device / (single / 8) = {ratio:.3f}")
-    assert ratio <= (1.85 if grad else 1.15), ratio
+    assert ratio <= (1.95 if grad else 1.15), ratio
 
 
 def test_memory_scales_with_ring_size():
