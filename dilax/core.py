@@ -35,19 +35,21 @@ class BlockSizes:
 
     Fields: ``block_q`` (forward query rows per step), ``block_k`` (forward keys per step),
     ``block_q_dkv`` / ``block_k_dkv`` (backward query / key block; ``None``: ``block_k`` /
-    ``block_q``). All positive ints; blocks larger than the sequence are clipped to it.
-    Use :func:`default_block_sizes` for the per-shape defaults.
+    ``block_q``), ``heads_per_step`` (query heads of one forward step; ``None``: all heads; a
+    kv head's query heads always stay together). All positive ints; blocks larger than the
+    sequence are clipped to it. Use :func:`default_block_sizes` for the per-shape defaults.
     """
 
     block_q: int = 1024
     block_k: int = 256
     block_q_dkv: int | None = None  # default: block_k
     block_k_dkv: int | None = None  # default: block_q
+    heads_per_step: int | None = None  # default: all heads
 
     def __post_init__(self):
-        for name in ("block_q", "block_k", "block_q_dkv", "block_k_dkv"):
+        for name in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "heads_per_step"):
             value = getattr(self, name)
-            if value is None and name.endswith("dkv"):
+            if value is None and name != "block_q" and name != "block_k":
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"BlockSizes.{name} must be a positive int, got {value!r}")
@@ -61,7 +63,8 @@ class BlockSizes:
 
 
 _SCORE_BUDGET = 1 << 21  # causal: floats in one (heads, rows, block) score tile, 8 MiB
-_FWD_TILE = 3 << 20  # non-causal forward score tile (heads, block_q, block_k): 12 MiB
+_FWD_TILE = 1 << 22  # non-causal forward score tile (heads, block_q, block_k): 16 MiB
+_FWD_HEADS = 4  # non-causal forward: query heads per step
 _BWD_TILE = 1 << 20  # non-causal backward tile: s, p, dp and ds are live at once
 
 
@@ -77,28 +80,43 @@ def default_block_sizes(len_q: int, len_k: int, num_heads: int, is_causal: bool)
     """Per-shape defaults tuned on a 2-core x86 CPU (AVX-512) with ``python -m benchmarks
     speed`` and per-tile sweeps at segment length 2048.
 
-    Non-causal: the forward takes up to 2048 query rows against 256..1024 keys, a ~12 MiB
-    score tile over all heads (larger tiles amortize the loop and let XLA split each step over
-    the cores; past ~3M floats it falls out of cache). The backward iterates 128-query blocks
-    against a column of up to 2048 keys, ~4 MiB per tile because four tiles are live.
+    Non-causal: the forward takes up to 4 query heads at a time, 2048 query rows against 512
+    keys (1024 for one head): large per-head products amortize the loop and let XLA split
+    each step over the cores, and splitting the heads keeps the tile (~16 MiB) from growing
+    with the head count. The backward iterates 128-query blocks against a column of up to
+    2048 keys, ~4 MiB per tile over all heads because four tiles are live at once.
     Causal: 256 against up to 512 so that blocks entirely in the future are skipped at a fine
-    grain.
+    grain, all heads per step.
     """
     h = max(1, num_heads)
     if is_causal:
         short = 256
         long = max(short, min(512, _pow2_at_most(_SCORE_BUDGET // (h * short))))
-        bq, bk, bq_dkv, bk_dkv = long, short, short, long
+        bq, bk, bq_dkv, bk_dkv, per_step = long, short, short, long, None
     else:
-        bk = _clamp(_pow2_at_most(_FWD_TILE // (h * 2048)), 256, 1024)
-        bq = _clamp(_pow2_at_most(_FWD_TILE // (h * bk)), 256, 2048)
+        per_step = min(h, _FWD_HEADS)
+        bk = 1024 if per_step == 1 else 512
+        bq = _clamp(_pow2_at_most(_FWD_TILE // (per_step * bk)), 256, 2048)
         bq_dkv = 128
         bk_dkv = _clamp(_pow2_at_most(_BWD_TILE // (h * bq_dkv)), 256, 2048)
-    return BlockSizes(min(bq, len_q), min(bk, len_k), min(bq_dkv, len_q), min(bk_dkv, len_k))
+        per_step = per_step if per_step < h else None
+    return BlockSizes(min(bq, len_q), min(bk, len_k), min(bq_dkv, len_q), min(bk_dkv, len_k),
+                      per_step)
 
 
 def _cdiv(a, b):
     return (a + b - 1) // b
+
+
+def _head_groups(num_kv: int, q_per_kv: int, heads_per_step: int | None):
+    """Static ``(u0, u1)`` ranges of virtual kv heads processed together, as even as possible,
+    each with at most ``heads_per_step`` query heads (at least one kv head)."""
+    if heads_per_step is None:
+        return ((0, num_kv),)
+    per = max(1, heads_per_step // q_per_kv)
+    count = _cdiv(num_kv, per)
+    size = _cdiv(num_kv, count)
+    return tuple((u, min(num_kv, u + size)) for u in range(0, num_kv, size))
 
 
 def _pad_axis(x, axis, size):
@@ -150,6 +168,18 @@ class SlotView:
     @property
     def q_per_kv(self) -> int:
         return len(self.q_index) // len(self.kv_index)
+
+    def sub_view(self, u0: int, u1: int) -> SlotView:
+        """The view of virtual kv heads ``u0 .. u1 - 1`` (and their query heads)."""
+        G = self.q_per_kv
+        return SlotView(self.num_slots, self.num_heads, self.num_kv_heads,
+                        self.q_index[u0 * G:u1 * G], self.kv_index[u0:u1])
+
+    def group_order(self, groups) -> tuple[int, ...]:
+        """Where each of ``out_heads`` is in the concatenated ``expand_q`` outputs of the
+        ``sub_view`` of each ``(u0, u1)`` in ``groups``."""
+        cat = [h for u0, u1 in groups for h in self.sub_view(u0, u1).out_heads]
+        return tuple(cat.index(h) for h in self.out_heads)
 
     @property
     def out_heads(self) -> tuple[int, ...]:
@@ -291,7 +321,7 @@ def _slice_rows(x, b, start, size):
 
 
 def _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view, block_q, block_k,
-             out_dtype=None):
+             out_dtype=None, heads_per_step=None):
     B, Lq = q.shape[:2]
     Lk, d = k.shape[1], k.shape[-1]
     U, G = len(view.kv_index), view.q_per_kv
@@ -303,11 +333,23 @@ def _forward(q, k, v, kv_len, q_offset, k_offset, scale, is_causal, view, block_
         kv_len = jnp.full((B, U), Lk, jnp.int32)
     axes = _varying_axes(q, k, v, kv_len, q_offset, k_offset)
 
+    groups = _head_groups(U, G, heads_per_step)
+
     def row(idx):
+        if len(groups) == 1:
+            return row_heads(idx, view, 0, U)
+        # One loop per head group: per-head products stay large while the tile stays small.
+        parts = [row_heads(idx, view.sub_view(u0, u1), u0, u1) for u0, u1 in groups]
+        order = view.group_order(groups)
+        return tuple(static_take(jnp.concatenate(x, axis=1), order, axis=1)
+                     for x in zip(*parts))
+
+    def row_heads(idx, view, u0, u1):
+        U = u1 - u0
         bi, qi = idx // nq, idx % nq
         qb = view.select_q(_slice_rows(qp, bi, qi * block_q, block_q))  # (U, G, bq, d)
         qb = _scaled(qb, scale)
-        kl = None if kv_len is None else kv_len[bi]
+        kl = None if kv_len is None else kv_len[bi, u0:u1]
         q_first = q_offset + qi * block_q
         q_pos = q_first + lax.iota(jnp.int32, block_q)
         hi = nk if kl is None else jnp.minimum(nk, _cdiv(jnp.max(kl), block_k))
@@ -483,11 +525,12 @@ def when(fence, fn, operands: tuple):
     return lax.cond(fence, lambda ops: fn(*ops), skip, operands)
 
 
-# blocks = (block_q, block_k, block_q_dkv, block_k_dkv, out_dtype or None): all static.
+# blocks = (block_q, block_k, block_q_dkv, block_k_dkv, out_dtype or None, heads_per_step):
+# all static.
 # fence: None or a boolean from fence_after (ordering only; see when()).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
 def _core(q, k, v, kv_len, q_offset, k_offset, fence, scale, is_causal, view, blocks):
-    fwd = lambda *a: _forward(*a, scale, is_causal, view, *blocks[:2], blocks[4])
+    fwd = lambda *a: _forward(*a, scale, is_causal, view, *blocks[:2], *blocks[4:])
     return when(fence, fwd, (q, k, v, kv_len, q_offset, k_offset))
 
 
@@ -540,7 +583,8 @@ def _view_args(q, k, view, is_causal, kv_len, q_offset, k_offset, block_sizes, o
         block_sizes = default_block_sizes(Lq, Lk, len(view.q_index), bool(is_causal))
     bq_dkv, bk_dkv = block_sizes.backward
     blocks = (min(block_sizes.block_q, Lq), min(block_sizes.block_k, Lk), min(bq_dkv, Lq),
-              min(bk_dkv, Lk), None if out_dtype is None else jnp.dtype(out_dtype))
+              min(bk_dkv, Lk), None if out_dtype is None else jnp.dtype(out_dtype),
+              block_sizes.heads_per_step)
     if kv_len is not None:
         kv_len = jnp.minimum(jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (B, U)), Lk)
     return kv_len, jnp.asarray(q_offset, jnp.int32), jnp.asarray(k_offset, jnp.int32), blocks
@@ -554,7 +598,7 @@ def view_forward(q, k, v, view: SlotView, *, scale: float, is_causal: bool = Fal
     kv_len, q_off, k_off, blocks = _view_args(q, k, view, is_causal, kv_len, 0, 0, block_sizes,
                                               out_dtype)
     return _forward(q, k, v, kv_len, q_off, k_off, float(scale), bool(is_causal), view,
-                    *blocks[:2], blocks[4])
+                    *blocks[:2], *blocks[4:])
 
 
 def output_delta(out, dout, dlse):

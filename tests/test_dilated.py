@@ -66,7 +66,9 @@ def configs(draw):
     n = draw(st.integers(1, 3 * max(ws) + 3))
     b = draw(st.integers(1, 2))
     causal = draw(st.booleans())
-    bs = draw(st.sampled_from([None, BlockSizes(4, 8), BlockSizes(8, 4), BlockSizes(3, 5, 5, 3)]))
+    bs = draw(st.sampled_from([None, BlockSizes(4, 8), BlockSizes(8, 4), BlockSizes(3, 5, 5, 3),
+                               BlockSizes(4, 8, heads_per_step=1),
+                               BlockSizes(3, 5, 5, 3, heads_per_step=3)]))
     return dict(b=b, n=n, h=h, hk=hk, d=d, ws=ws, rs=rs, mode=mode, causal=causal, bs=bs)
 
 
@@ -104,11 +106,20 @@ EDGE_CASES = [
 
 
 @pytest.mark.parametrize("case", EDGE_CASES)
-@pytest.mark.parametrize("block_sizes", [None, BlockSizes(4, 8)])
+@pytest.mark.parametrize("block_sizes", [None, BlockSizes(4, 8),
+                                         BlockSizes(4, 8, 8, 4, heads_per_step=2)],
+                         ids=["default", "4x8", "4x8-2heads"])
 def test_edge_cases_match_reference(case, block_sizes):
     b, n, h, hk, d, ws, rs, mode, causal = case
     q, k, v = make_qkv(b, n, h, hk, d, seed=n)
     check_against_reference(q, k, v, ws, rs, mode, causal, block_sizes)
+
+
+@pytest.mark.parametrize("field", ["block_q", "block_k", "block_k_dkv", "heads_per_step"])
+@pytest.mark.parametrize("value", [0, -2, 2.0, True])
+def test_block_sizes_rejects_non_positive_ints(field, value):
+    with pytest.raises(ValueError, match=f"BlockSizes.{field} must be a positive int"):
+        BlockSizes(**{field: value})
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
