@@ -22,7 +22,8 @@ from flax import nnx
 
 from dilax import _validation as V
 from dilax.core import BlockSizes
-from dilax.nn.attention import MultiheadDilatedAttention, xavier_normal
+from dilax.nn._heads import linear_factory
+from dilax.nn.attention import MultiheadDilatedAttention
 from dilax.ring import SequenceParallel
 
 Dtype = Any
@@ -116,17 +117,14 @@ class _FeedForward(nnx.Module):
 
     def __init__(self, d_model, dim_feedforward, *, activation, dropout, layer_norm_eps,
                  gamma_init, use_bias, dtype, param_dtype, keep_rngs, rngs):
-        def linear(n_in, n_out):
-            return nnx.Linear(n_in, n_out, use_bias=use_bias, kernel_init=xavier_normal(gamma_init),
-                              bias_init=nnx.initializers.zeros_init(), dtype=dtype,
-                              param_dtype=param_dtype, rngs=rngs)
-
+        linear = linear_factory(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                                rngs=rngs)
         self.activation = activation
-        self.linear1 = linear(d_model, dim_feedforward)
+        self.linear1 = linear(d_model, dim_feedforward, gamma_init)
         self.dropout = nnx.Dropout(dropout, rngs=rngs if keep_rngs and dropout > 0 else None)
         self.norm = nnx.LayerNorm(dim_feedforward, epsilon=layer_norm_eps, dtype=dtype,
                                   param_dtype=param_dtype, rngs=rngs)
-        self.linear2 = linear(dim_feedforward, d_model)
+        self.linear2 = linear(dim_feedforward, d_model, gamma_init)
 
     def __call__(self, x, *, deterministic, rngs):
         x = self.dropout(self.activation(self.linear1(x)), deterministic=deterministic, rngs=rngs)
@@ -471,10 +469,8 @@ class LongNetLM(nnx.Module):
         )
         self.norm = nnx.LayerNorm(d_model, epsilon=layer_norm_eps, dtype=dtype,
                                   param_dtype=param_dtype, rngs=rngs)
-        self.out = nnx.Linear(d_model, num_tokens, use_bias=use_bias,
-                              kernel_init=xavier_normal(1.0),
-                              bias_init=nnx.initializers.zeros_init(), dtype=dtype,
-                              param_dtype=param_dtype, rngs=rngs)
+        self.out = linear_factory(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                                  rngs=rngs)(d_model, num_tokens, 1.0)
 
     def __call__(
         self,

@@ -18,21 +18,18 @@ from dilax import _validation as V
 from dilax.attention_fn import check_options
 from dilax.core import BlockSizes
 from dilax.dilated import dilated_attention
+from dilax.nn._heads import (
+    check_dropout_and_gain,
+    check_heads,
+    linear_factory,
+    project_qkv,
+    xavier_normal,
+)
 from dilax.ring import SequenceParallel
 
+__all__ = ["DilatedAttention", "MultiheadDilatedAttention", "xavier_normal"]
+
 Dtype = Any
-
-
-def xavier_normal(gain: float = 1.0) -> nnx.Initializer:
-    """Xavier/Glorot *normal* (not truncated) init: ``std = gain * sqrt(2 / (fan_in + fan_out))``.
-
-    Same distribution as ``torch.nn.init.xavier_normal_(w, gain)``, for ``(fan_in, fan_out)``
-    kernels (``nnx.Linear`` layout).
-    """
-    gain = float(gain)
-    if not gain > 0:
-        raise ValueError(f"gain must be positive, got {gain}")
-    return jax.nn.initializers.variance_scaling(gain**2, "fan_avg", "normal")
 
 
 class DilatedAttention(nnx.Module):
@@ -150,31 +147,8 @@ class MultiheadDilatedAttention(nnx.Module):
         keep_rngs: bool = True,
         rngs: nnx.Rngs,
     ):
-        embed_dim = V.static_int(embed_dim, "embed_dim")
-        num_heads = V.static_int(num_heads, "num_heads")
-        num_kv_heads = num_heads if num_kv_heads is None else V.static_int(num_kv_heads,
-                                                                           "num_kv_heads")
-        if embed_dim <= 0 or num_heads <= 0 or num_kv_heads <= 0:
-            raise ValueError(
-                "embed_dim, num_heads and num_kv_heads must be positive, got "
-                f"embed_dim={embed_dim}, num_heads={num_heads}, num_kv_heads={num_kv_heads}"
-            )
-        if embed_dim % num_heads != 0:
-            raise ValueError(
-                f"embed_dim must be divisible by num_heads (embed_dim % num_heads == 0), got "
-                f"embed_dim={embed_dim}, num_heads={num_heads}"
-            )
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"num_heads must be divisible by num_kv_heads (num_heads % num_kv_heads == 0), "
-                f"got num_heads={num_heads}, num_kv_heads={num_kv_heads}"
-            )
-        dropout = V.check_real(dropout, "dropout")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        gain = V.check_real(gamma_init, "gamma_init")
-        if not gain > 0:
-            raise ValueError(f"gamma_init must be positive, got {gamma_init}")
+        embed_dim, num_heads, num_kv_heads = check_heads(embed_dim, num_heads, num_kv_heads)
+        dropout, gain = check_dropout_and_gain(dropout, gamma_init)
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -182,11 +156,8 @@ class MultiheadDilatedAttention(nnx.Module):
         self.gamma_init = gain
         kv_dim = num_kv_heads * self.head_dim
 
-        def linear(n_in, n_out, g):
-            return nnx.Linear(n_in, n_out, use_bias=use_bias, kernel_init=xavier_normal(g),
-                              bias_init=nnx.initializers.zeros_init(), dtype=dtype,
-                              param_dtype=param_dtype, rngs=rngs)
-
+        linear = linear_factory(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                                rngs=rngs)
         self.q_proj = linear(embed_dim, embed_dim, 1.0)
         self.k_proj = linear(embed_dim, kv_dim, 1.0)
         self.v_proj = linear(embed_dim, kv_dim, gain)
@@ -213,22 +184,8 @@ class MultiheadDilatedAttention(nnx.Module):
     ) -> jax.Array:
         """``query (b, n, E)``, ``key``/``value (b, n, E)`` (default: ``query``, and ``value``
         defaults to ``key``) -> ``(b, n, E)``."""
-        if key is None:
-            if value is not None:
-                raise ValueError("key must be given when value is given")
-            key = query
-        if value is None:
-            value = key
-        for name, x in (("query", query), ("key", key), ("value", value)):
-            if x.ndim != 3 or x.shape[-1] != self.embed_dim:
-                raise ValueError(
-                    f"{name} must have shape (batch, seq_len, embed_dim={self.embed_dim}), got "
-                    f"{tuple(x.shape)}"
-                )
+        q, k, v = project_qkv(self, query, key, value)
         b, n, _ = query.shape
-        q = self.q_proj(query).reshape(b, n, self.num_heads, self.head_dim)
-        k = self.k_proj(key).reshape(*key.shape[:2], self.num_kv_heads, self.head_dim)
-        v = self.v_proj(value).reshape(*value.shape[:2], self.num_kv_heads, self.head_dim)
         x = self.attention(q, k, v, is_causal=is_causal).reshape(b, n, self.embed_dim)
         x = self.dropout(x, deterministic=deterministic, rngs=rngs)
         if self.norm is not None:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import numbers
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dilax import _validation as V
 from dilax.block_sparse import _check_implementation, block_sparse_attention
+from dilax.nn._heads import check_dropout_and_gain, check_heads, linear_factory, project_qkv
 from dilax.patterns import BlockSparsePattern
 
 
@@ -20,12 +19,6 @@ def _check_pattern_type(pattern) -> BlockSparsePattern:
             f"dilax.patterns.local_window(...)), got {type(pattern).__name__}"
         )
     return pattern
-
-
-def xavier_normal(gain: float = 1.0) -> nnx.Initializer:
-    """Xavier/Glorot normal init with ``gain`` (PyTorch's ``xavier_normal_``):
-    ``std = gain * sqrt(2 / (fan_in + fan_out))``."""
-    return jax.nn.initializers.variance_scaling(gain**2, "fan_avg", "normal")
 
 
 class BlockSparseAttention(nnx.Module):
@@ -108,46 +101,24 @@ class BlockSparseMultiheadAttention(nnx.Module):
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
-        embed_dim = V.static_int(embed_dim, "embed_dim")
-        num_heads = V.static_int(num_heads, "num_heads")
-        num_kv_heads = num_heads if num_kv_heads is None else V.static_int(num_kv_heads,
-                                                                           "num_kv_heads")
-        if embed_dim <= 0 or num_heads <= 0 or num_kv_heads <= 0:
-            raise ValueError(
-                f"embed_dim, num_heads and num_kv_heads must be positive, got {embed_dim}, "
-                f"{num_heads}, {num_kv_heads}"
-            )
-        if embed_dim % num_heads != 0:
-            raise ValueError(
-                f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
-            )
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})"
-            )
+        embed_dim, num_heads, num_kv_heads = check_heads(embed_dim, num_heads, num_kv_heads)
         pattern = _check_pattern_type(pattern)
         if pattern.num_heads not in (1, num_heads):
             raise ValueError(
                 f"pattern has {pattern.num_heads} heads; it must have 1 (shared) or num_heads "
                 f"({num_heads})"
             )
-        if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not (
-            0.0 <= dropout < 1.0
-        ):
-            raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
+        dropout, gain = check_dropout_and_gain(dropout, gamma_init)
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = embed_dim // num_heads
         self.pattern = pattern
-        self.gamma_init = float(gamma_init)
+        self.gamma_init = gain
         kv_dim = num_kv_heads * self.head_dim
 
-        def linear(n_in, n_out, gain):
-            return nnx.Linear(n_in, n_out, use_bias=use_bias, dtype=dtype,
-                              param_dtype=param_dtype, kernel_init=xavier_normal(gain),
-                              bias_init=nnx.initializers.zeros, rngs=rngs)
-
+        linear = linear_factory(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                                rngs=rngs)
         self.q_proj = linear(embed_dim, embed_dim, 1.0)
         self.k_proj = linear(embed_dim, kv_dim, 1.0)
         self.v_proj = linear(embed_dim, kv_dim, self.gamma_init)
@@ -170,18 +141,8 @@ class BlockSparseMultiheadAttention(nnx.Module):
     ) -> jax.Array:
         """``query``, ``key``, ``value``: ``(b, n, embed_dim)`` (key defaults to query, value to
         key). Returns ``(b, n, embed_dim)``."""
-        key = query if key is None else key
-        value = key if value is None else value
-        for name, x in (("query", query), ("key", key), ("value", value)):
-            if x.ndim != 3 or x.shape[-1] != self.embed_dim:
-                raise ValueError(
-                    f"{name} must have shape (batch, seq_len, embed_dim={self.embed_dim}), "
-                    f"got {tuple(x.shape)}"
-                )
+        q, k, v = project_qkv(self, query, key, value)
         b, n, _ = query.shape
-        q = self.q_proj(query).reshape(b, n, self.num_heads, self.head_dim)
-        k = self.k_proj(key).reshape(b, key.shape[1], self.num_kv_heads, self.head_dim)
-        v = self.v_proj(value).reshape(b, value.shape[1], self.num_kv_heads, self.head_dim)
         x = block_sparse_attention(q, k, v, self.pattern, is_causal=is_causal)
         x = x.reshape(b, n, self.embed_dim)
         if self.dropout is not None:

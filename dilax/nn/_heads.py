@@ -1,0 +1,94 @@
+"""What every multi-head module shares: head-count checks, Xavier-normal projections, and the
+``(b, n, E) -> (b, n, heads, head_dim)`` projection of query, key and value."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from flax import nnx
+
+from dilax import _validation as V
+
+
+def xavier_normal(gain: float = 1.0) -> nnx.Initializer:
+    """Xavier/Glorot *normal* (not truncated) init: ``std = gain * sqrt(2 / (fan_in + fan_out))``.
+
+    Same distribution as ``torch.nn.init.xavier_normal_(w, gain)``, for ``(fan_in, fan_out)``
+    kernels (``nnx.Linear`` layout).
+    """
+    gain = float(gain)
+    if not gain > 0:
+        raise ValueError(f"gain must be positive, got {gain}")
+    return jax.nn.initializers.variance_scaling(gain**2, "fan_avg", "normal")
+
+
+def check_heads(embed_dim, num_heads, num_kv_heads) -> tuple[int, int, int]:
+    """Validated ``(embed_dim, num_heads, num_kv_heads)``; ``num_kv_heads=None`` means
+    ``num_heads``. Positive ints with ``embed_dim % num_heads == 0`` and
+    ``num_heads % num_kv_heads == 0``."""
+    embed_dim = V.static_int(embed_dim, "embed_dim")
+    num_heads = V.static_int(num_heads, "num_heads")
+    num_kv_heads = (num_heads if num_kv_heads is None
+                    else V.static_int(num_kv_heads, "num_kv_heads"))
+    if embed_dim <= 0 or num_heads <= 0 or num_kv_heads <= 0:
+        raise ValueError(
+            "embed_dim, num_heads and num_kv_heads must be positive, got "
+            f"embed_dim={embed_dim}, num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+        )
+    if embed_dim % num_heads != 0:
+        raise ValueError(
+            f"embed_dim must be divisible by num_heads (embed_dim % num_heads == 0), got "
+            f"embed_dim={embed_dim}, num_heads={num_heads}"
+        )
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_heads must be divisible by num_kv_heads (num_heads % num_kv_heads == 0), "
+            f"got num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+        )
+    return embed_dim, num_heads, num_kv_heads
+
+
+def check_dropout_and_gain(dropout, gamma_init) -> tuple[float, float]:
+    """Validated ``(dropout, gamma_init)``: a real in ``[0, 1)`` and a positive real."""
+    dropout = V.check_real(dropout, "dropout")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    gain = V.check_real(gamma_init, "gamma_init")
+    if not gain > 0:
+        raise ValueError(f"gamma_init must be positive, got {gamma_init}")
+    return dropout, gain
+
+
+def linear_factory(*, use_bias: bool, dtype, param_dtype, rngs: nnx.Rngs
+                   ) -> Callable[[int, int, float], nnx.Linear]:
+    """``linear(n_in, n_out, gain)``: an ``nnx.Linear`` with Xavier-normal(``gain``) kernel and
+    zero bias, as in dilated-attention-pytorch / torchscale."""
+    def linear(n_in: int, n_out: int, gain: float) -> nnx.Linear:
+        return nnx.Linear(n_in, n_out, use_bias=use_bias, kernel_init=xavier_normal(gain),
+                          bias_init=nnx.initializers.zeros_init(), dtype=dtype,
+                          param_dtype=param_dtype, rngs=rngs)
+
+    return linear
+
+
+def project_qkv(module, query: jax.Array, key: jax.Array | None, value: jax.Array | None):
+    """``module.{q,k,v}_proj`` of ``query (b, n, E)``, ``key`` (default: ``query``) and
+    ``value`` (default: ``key``), split into heads: ``q (b, n, h, Dh)``, ``k, v (b, m, hk, Dh)``.
+    """
+    if key is None:
+        if value is not None:
+            raise ValueError("key must be given when value is given")
+        key = query
+    if value is None:
+        value = key
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x.ndim != 3 or x.shape[-1] != module.embed_dim:
+            raise ValueError(
+                f"{name} must have shape (batch, seq_len, embed_dim={module.embed_dim}), got "
+                f"{tuple(x.shape)}"
+            )
+    heads = lambda x, h: x.reshape(*x.shape[:2], h, module.head_dim)
+    return (heads(module.q_proj(query), module.num_heads),
+            heads(module.k_proj(key), module.num_kv_heads),
+            heads(module.v_proj(value), module.num_kv_heads))
