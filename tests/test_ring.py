@@ -83,12 +83,13 @@ def _reference(shape, ws, rs, mode, is_causal, seed=0):
     return _value_and_grads(fn, q, k, v, g)
 
 
-def _check(P, shape, ws, rs, mode, is_causal, layout="contiguous", seed=0):
+def _check(P, shape, ws, rs, mode, is_causal, layout="contiguous", seed=0, block_sizes=None):
     b, n, h, hk, d = shape
     q, k, v, g = _inputs(b, n, h, hk, d, seed)
     mesh = _mesh((P,), ("sp",))
     fn = lambda q, k, v: sharded_dilated_attention(q, k, v, ws, rs, mesh=mesh, is_causal=is_causal,
-                                                   mode=mode, layout=layout)
+                                                   mode=mode, layout=layout,
+                                                   block_sizes=block_sizes)
     out, grads = _value_and_grads(fn, q, k, v, g)
     ref_out, ref_grads = _reference(shape, ws, rs, mode, is_causal, seed)
     np.testing.assert_allclose(out, ref_out, **TOL)
@@ -125,6 +126,14 @@ def test_matches_single_device(P, mode, is_causal):
 )
 def test_irregular_geometries(P, n, ws, rs, is_causal, mode):
     _check(P, (1, n, 4, 2, 8), ws, rs, mode, is_causal)
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_user_block_sizes_with_head_groups(is_causal):
+    """User block sizes reach the local and the ring branches, including forward steps over
+    head groups (2 of 6 query heads at a time, GQA 3:1 keeps each kv head's 3 together)."""
+    _check(4, (1, 96, 6, 2, 8), (8, 96), (1, 4), "mixture", is_causal,
+           block_sizes=BlockSizes(8, 16, 8, 16, heads_per_step=2))
 
 
 def test_zigzag_layout():
