@@ -851,7 +851,7 @@ def _branch(q, k, v, plan: BranchPlan, P, C, axis_name, scale, is_causal, block_
     hk = k.shape[2]
     n = P * m
     geo = _geometry(n, P, C, plan.w, plan.r)
-    if geo.V == 1 or geo.mc % plan.w == 0:  # local: every segment inside one chunk
+    if _is_local(plan, P, C, m):
         loc = _plan_branch(geo.mc, h, hk, plan.w, plan.r, plan.q_heads, plan.q_slots)
         fold = lambda x: x.reshape(b * C, geo.mc, *x.shape[2:])
         out, lse = _run_branch(fold(q), fold(k), fold(v), loc, scale, is_causal,
@@ -898,6 +898,8 @@ def _branch(q, k, v, plan: BranchPlan, P, C, axis_name, scale, is_causal, block_
 
 
 def _is_local(plan: BranchPlan, P: int, C: int, m: int) -> bool:
+    """Whether every segment of ``plan`` lies inside one chunk of ``m / C`` local positions
+    (then the branch needs no communication)."""
     geo = _geometry(P * m, P, C, plan.w, plan.r)
     return geo.V == 1 or geo.mc % plan.w == 0
 

@@ -22,7 +22,7 @@ from flax import nnx
 
 from dilax import _validation as V
 from dilax.core import BlockSizes
-from dilax.nn._heads import linear_factory
+from dilax.nn._heads import check_dropout, linear_factory
 from dilax.nn.attention import MultiheadDilatedAttention
 from dilax.ring import SequenceParallel
 
@@ -105,13 +105,6 @@ class XPOS(nnx.Module):
         return xpos(x, offset=offset, downscale=downscale, scale_base=self.scale_base)
 
 
-def _check_dropout(dropout: float) -> float:
-    dropout = V.check_real(dropout, "dropout")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-    return dropout
-
-
 class _FeedForward(nnx.Module):
     """MAGNETO FFN: ``linear2(LN(dropout(act(linear1(x)))))``."""
 
@@ -176,7 +169,7 @@ class DilatedTransformerEncoderLayer(nnx.Module):
         keep_rngs: bool = True,
         rngs: nnx.Rngs,
     ):
-        dropout = _check_dropout(dropout)
+        dropout = check_dropout(dropout)
         dim_feedforward = V.static_int(dim_feedforward, "dim_feedforward")
         if dim_feedforward <= 0:
             raise ValueError(f"dim_feedforward must be positive, got {dim_feedforward}")
@@ -247,7 +240,7 @@ class DilatedTransformerDecoderLayer(nnx.Module):
         keep_rngs: bool = True,
         rngs: nnx.Rngs,
     ):
-        dropout = _check_dropout(dropout)
+        dropout = check_dropout(dropout)
         dim_feedforward = V.static_int(dim_feedforward, "dim_feedforward")
         if dim_feedforward <= 0:
             raise ValueError(f"dim_feedforward must be positive, got {dim_feedforward}")

@@ -49,11 +49,17 @@ def check_heads(embed_dim, num_heads, num_kv_heads) -> tuple[int, int, int]:
     return embed_dim, num_heads, num_kv_heads
 
 
-def check_dropout_and_gain(dropout, gamma_init) -> tuple[float, float]:
-    """Validated ``(dropout, gamma_init)``: a real in ``[0, 1)`` and a positive real."""
+def check_dropout(dropout) -> float:
+    """Validated dropout rate: a static real in ``[0, 1)``."""
     dropout = V.check_real(dropout, "dropout")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    return dropout
+
+
+def check_dropout_and_gain(dropout, gamma_init) -> tuple[float, float]:
+    """Validated ``(dropout, gamma_init)``: a real in ``[0, 1)`` and a positive real."""
+    dropout = check_dropout(dropout)
     gain = V.check_real(gamma_init, "gamma_init")
     if not gain > 0:
         raise ValueError(f"gamma_init must be positive, got {gamma_init}")
