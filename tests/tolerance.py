@@ -1,0 +1,29 @@
+"""One way to compare floating-point results in the tests, valid on any x86 CPU.
+
+Summation order differs between CPUs (AMD EPYC and Intel Xeon pick different XLA:CPU
+kernels), so a result computed twice in float32 agrees only to a few ulps *of the magnitudes
+that were summed*, not of the element compared. An element near 0 in an output of magnitude
+~18 carries rounding error of order ``eps * 18``. Hence the absolute part of every tolerance
+scales with the largest magnitude of the expected array (and with the depth of the
+computation, e.g. the number of stacked layers):
+
+    |actual - expected| <= tol * (|expected| + depth * max(1, max|expected|))
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+FP32 = 1e-5  # float32: ~100 ulps of headroom for reordered sums of a few hundred terms
+HALF = 2e-2  # bfloat16 / float16: ~5 ulps of bf16 at the output's scale
+
+
+def assert_scaled_close(actual, expected, tol: float = FP32, *, depth: int = 1,
+                        err_msg: str = "") -> None:
+    """``np.testing.assert_allclose`` with ``rtol=tol`` and ``atol = tol * depth * scale``,
+    where ``scale = max(1, max|expected|)``; see the module docstring for why."""
+    expected = np.asarray(expected, np.float64)
+    actual = np.asarray(actual, np.float64)
+    scale = max(1.0, float(np.max(np.abs(expected), initial=0.0)))
+    np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol * depth * scale,
+                               err_msg=err_msg)
