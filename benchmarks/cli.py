@@ -24,7 +24,7 @@ import numpy as np
 import dilax
 from benchmarks import common
 from benchmarks.report import write_outputs
-from dilax.dilated import attended_pairs
+from dilax.layout import attended_pairs
 from dilax.memory import format_bytes, memory_report
 
 FWD_FLOPS_PER_PAIR = 4  # x head_dim: QK^T and PV, 2 FLOPs per multiply-add

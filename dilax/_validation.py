@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 MODES = ("mixture", "grouped")
+IMPLEMENTATIONS = ("reference", "xla", "pallas", "cudnn")
+BLOCK_SPARSE_IMPLEMENTATIONS = ("reference", "xla", "pallas")
 FLOAT_DTYPES = tuple(jnp.dtype(t) for t in ("float32", "bfloat16", "float16", "float64"))
 
 
@@ -77,9 +79,24 @@ def check_branches(
     return ws, rs
 
 
-def check_mode(mode: Any, num_heads: int, num_branches: int) -> str:
+def check_implementation(implementation: Any,
+                         allowed: tuple[str, ...] = IMPLEMENTATIONS) -> str | None:
+    """A known implementation name, or ``None`` (resolved per backend at call time)."""
+    if implementation is not None and implementation not in allowed:
+        raise ValueError(f"implementation must be one of {(None,) + tuple(allowed)}, "
+                         f"got {implementation!r}")
+    return implementation
+
+
+def check_mode_name(mode: Any) -> str:
+    """``"mixture"`` or ``"grouped"`` (no shape rules; see :func:`check_mode`)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def check_mode(mode: Any, num_heads: int, num_branches: int) -> str:
+    check_mode_name(mode)
     if mode == "grouped" and num_heads < num_branches:
         raise ValueError(
             f"mode='grouped' splits the heads into one group per branch and needs "

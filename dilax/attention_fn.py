@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 
 from dilax import _validation as V
-from dilax.backend import IMPLEMENTATIONS
 from dilax.dilated import dilated_attention
 
 _OPTIONS = ("mode", "is_causal", "scale", "implementation", "block_sizes")
@@ -31,15 +30,11 @@ def check_options(
     """Validates a static dilated configuration (everything but the shapes) and returns it
     normalized: ``segment_lengths``/``dilation_rates`` as int tuples, the rest checked."""
     ws, rs = V.check_branches(segment_lengths, dilation_rates)
-    if mode not in V.MODES:
-        raise ValueError(f"mode must be one of {V.MODES}, got {mode!r}")
+    mode = V.check_mode_name(mode)
     is_causal = V.check_bool(is_causal, "is_causal")
     if scale is not None:
         scale = V.check_scale(scale, 1)
-    if implementation is not None and implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation must be one of {(None,) + IMPLEMENTATIONS}, got {implementation!r}"
-        )
+    implementation = V.check_implementation(implementation)
     block_sizes = V.check_block_sizes(block_sizes)
     return dict(segment_lengths=ws, dilation_rates=rs, mode=mode, is_causal=is_causal,
                 scale=scale, implementation=implementation, block_sizes=block_sizes)

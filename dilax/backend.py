@@ -7,13 +7,14 @@ importing dilax never needs a GPU jaxlib.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from typing import TextIO
 
 import jax
 
-IMPLEMENTATIONS = ("reference", "xla", "pallas", "cudnn")
+from dilax import _validation as V
+
+IMPLEMENTATIONS = V.IMPLEMENTATIONS
 
 
 def current_backend() -> str:
@@ -36,11 +37,9 @@ def resolve_implementation(implementation: str | None, *, interpret: bool = Fals
       ValueError: unknown name, or ``"cudnn"`` off GPU, or ``"pallas"`` off GPU without
         ``interpret=True``.
     """
+    implementation = V.check_implementation(implementation, allowed)
     if implementation is None:
         implementation = "pallas" if interpret else default_implementation(backend)
-    if implementation not in allowed:
-        raise ValueError(f"implementation must be one of {(None,) + tuple(allowed)}, "
-                         f"got {implementation!r}")
     backend = current_backend() if backend is None else backend
     on_gpu = backend in ("gpu", "cuda", "rocm")
     if implementation == "cudnn" and not on_gpu:
@@ -53,27 +52,41 @@ def resolve_implementation(implementation: str | None, *, interpret: bool = Fals
     return implementation
 
 
+def resolve_core(implementation: str | None, *, interpret: bool = False,
+                 allowed: tuple[str, ...] = IMPLEMENTATIONS):
+    """:func:`resolve_implementation`, then the :class:`dilax.core.Core` that runs it, once.
+
+    Returns ``None`` for ``"reference"`` (the mask-based reference is a whole op, not a core).
+    """
+    from dilax.core import core_for  # lazy: the checks above need no core
+
+    name = resolve_implementation(implementation, interpret=interpret, allowed=allowed)
+    return None if name == "reference" else core_for(name, interpret=interpret)
+
+
 def kernels_available() -> dict[str, str]:
     """What each implementation needs and whether this process has it."""
     on_gpu = current_backend() == "gpu"
-    triton = importlib.util.find_spec("jax_triton") is not None
     return {
         "reference": "available (dense mask, small n only)",
         "xla": "available (blockwise core, any backend)",
-        "pallas": ("available (Triton lowering)" if on_gpu
+        "pallas": ("available (jax's built-in Pallas Triton lowering)" if on_gpu
                    else "interpret mode only (interpret=True); compiling needs a GPU backend"),
         "cudnn": ("available through jax.nn.dot_product_attention" if on_gpu
                   else "unavailable (needs a CUDA GPU)"),
-        "jax_triton": "installed" if triton else "not installed (optional)",
     }
 
 
 def describe(file: TextIO | None = None) -> str:
     """Prints (and returns) backend, devices and available kernels."""
-    import dilax
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        dilax_version = version("dilax")
+    except PackageNotFoundError:  # a source checkout that was never installed
+        dilax_version = "(not installed)"
     lines = [
-        f"dilax {dilax.__version__}, jax {jax.__version__}",
+        f"dilax {dilax_version}, jax {jax.__version__}",
         f"backend: {current_backend()}  default implementation: {default_implementation()}",
         f"devices ({jax.device_count()}): " + ", ".join(str(d) for d in jax.devices()[:8])
         + (" ..." if jax.device_count() > 8 else ""),

@@ -37,7 +37,7 @@ from dilax.core import BlockSizes, attention_core, merge_attention_states
 from dilax.patterns import BlockSparsePattern, mask_tables
 from dilax.reference import masked_attention
 
-IMPLEMENTATIONS = ("reference", "xla", "pallas")
+IMPLEMENTATIONS = V.BLOCK_SPARSE_IMPLEMENTATIONS
 
 # Upper bound on gathered K+V bytes per lax.map step (a few query blocks at a time).
 _ROW_BUDGET_BYTES = 64 * 2**20
@@ -72,17 +72,6 @@ def check_pattern(pattern, q: jax.Array) -> BlockSparsePattern:
             f"head of q (h={h})"
         )
     return pattern
-
-
-def _check_implementation(implementation) -> str | None:
-    """Validates a name; ``None`` stays ``None`` (resolved per backend at call time)."""
-    if implementation is None:
-        return None
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation must be one of {(None,) + IMPLEMENTATIONS}, got {implementation!r}"
-        )
-    return implementation
 
 
 # -- static plans -------------------------------------------------------------------------

@@ -13,8 +13,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from dilax._validation import MODES, check_bool
-from dilax.backend import IMPLEMENTATIONS, current_backend, default_implementation
+from dilax import _validation as V
+from dilax.backend import current_backend, default_implementation
 from dilax.core import BlockSizes
 from dilax.nn.attention import DilatedAttention
 from dilax.ring import SequenceParallel
@@ -124,14 +124,11 @@ def create_attention(
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if implementation is not None and implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {(None,) + IMPLEMENTATIONS}, "
-                         f"got {implementation!r}")
+    implementation = V.check_implementation(implementation)
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be None (detect) or one of {BACKENDS}, got {backend!r}")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    is_causal = check_bool(is_causal, "is_causal")
+    mode = V.check_mode_name(mode)
+    is_causal = V.check_bool(is_causal, "is_causal")
     if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     backend = current_backend() if backend is None else backend

@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from dilax import _validation as V
+from pallas_kernels.tables import tables_from_block_mask
 
 __all__ = [
     "BlockSparsePattern",
@@ -307,16 +308,9 @@ def _causal_block_mask(pattern: BlockSparsePattern) -> np.ndarray:
 
 
 def mask_tables(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Tables of a boolean ``(..., nq, nk)`` mask in :meth:`BlockSparsePattern.tables` format."""
-    mask = np.asarray(mask, bool)
-    counts = mask.sum(axis=-1).astype(np.int32)
-    max_active = max(1, int(counts.max()) if counts.size else 1)
-    # Stable argsort of ~mask puts the active blocks first, in ascending order.
-    order = np.argsort(~mask, axis=-1, kind="stable")[..., :max_active].astype(np.int32)
-    last = np.take_along_axis(order, np.maximum(counts - 1, 0)[..., None], axis=-1)
-    last = np.where(counts[..., None] > 0, last, 0)
-    slot = np.arange(max_active)
-    indices = np.where(slot < counts[..., None], order, last).astype(np.int32)
+    """Tables of a boolean ``(..., nq, nk)`` mask in :meth:`BlockSparsePattern.tables` format
+    (:func:`pallas_kernels.tables.tables_from_block_mask`), read-only."""
+    indices, counts = tables_from_block_mask(mask)
     return _readonly(indices), _readonly(counts)
 
 

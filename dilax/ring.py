@@ -4,7 +4,7 @@ The sequence axis of ``q, k, v`` is split over the ``P`` devices of a mesh axis.
 ``(w, r)`` of the configuration is computed in one of three ways, chosen statically:
 
 * **local** -- every segment lies inside one device's shard (``(n/P) % w == 0``): the
-  single-device path (:func:`dilax.dilated._run_branch`) runs on the shard, no communication.
+  single-device path (:func:`dilax.branches.run_branches`) runs on the shard, no communication.
 * **halo** -- segments are shorter than a shard but not aligned with shard boundaries: after
   dilation each device receives the ``w/r - 1`` dilated rows on either side from its neighbours,
   cuts a segment-aligned window and runs the local path on it.
@@ -57,24 +57,21 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from dilax import _validation as V
+from dilax.branches import Branches, combine_branches, run_branches
 from dilax.core import (
+    XLA,
     BlockSizes,
+    Mask,
     attention_core,
     fence_after,
+    identity_view,
     merge_attention_states,
+    output_delta,
     static_take,
     when,
 )
-from dilax.core import attention_core_bwd as _backward
-from dilax.dilated import (
-    BranchPlan,
-    _merge_slots,
-    _run_branch,
-    _split_slots,
-    combine_branches,
-    dilated_branches,
-)
-from dilax.dilated import plan_branch as _plan_branch
+from dilax.layout import BranchPlan, dilated_branches, merge_slots, split_slots
+from dilax.layout import plan_branch as _plan_branch
 
 LAYOUTS = ("contiguous", "zigzag")
 _F32 = jnp.float32
@@ -379,7 +376,7 @@ def _dilate(x: jax.Array, plan: BranchPlan, heads, slots, geo: _Geometry, axis_n
             [lax.dynamic_slice_in_dim(ext[:, c], lc - phase[c], R * r, axis=1) for c in range(C)],
             axis=1,
         ).reshape(b * C, R * r, H, d)
-    return _split_slots(xs, loc, heads, slots, R * r).reshape(b, C, R, len(heads), d)
+    return split_slots(xs, loc, heads, slots, R * r).reshape(b, C, R, len(heads), d)
 
 
 def _undilate(y: jax.Array, plan: BranchPlan, geo: _Geometry, axis_name, fill, combine):
@@ -389,7 +386,7 @@ def _undilate(y: jax.Array, plan: BranchPlan, geo: _Geometry, axis_name, fill, c
     tail = y.shape[3:]
     mc, r = geo.mc, geo.r
     loc = dataclasses.replace(plan, w=R * r, num_segments=1)
-    z = _merge_slots(y.reshape(b * C, R, *tail), loc, plan.q_heads, b * C, R * r, fill)
+    z = merge_slots(y.reshape(b * C, R, *tail), loc, plan.q_heads, b * C, R * r, fill)
     z = z.reshape(b, C, R * r, *tail)
     if geo.regular:
         return z.reshape(b, C * mc, *tail)
@@ -591,10 +588,12 @@ def _pair_backward(cfg: _RingConfig, q, k, v, out, lse, dout, dlse, Fq, cq, Fk, 
 
         def run(ops, kv_len_b=kv_len_b, k_off=k_off):
             qq, kk, vv, oo, ll, do, dl = ops
-            g = _backward(qq, kk, vv, kv_len_b, jnp.asarray(Fq, jnp.int32),
-                          jnp.asarray(k_off, jnp.int32), oo, ll, do, dl, cfg.scale,
-                          cfg.is_causal, *cfg.block_sizes.backward)
-            return tuple(x.astype(_F32) for x in g)
+            flat = lambda x: x.reshape(b, R, U * G, *x.shape[4:])
+            g = XLA.backward(flat(qq), kk, vv, view=identity_view(U, G),
+                             mask=Mask(kv_len_b, Fq, k_off, cfg.is_causal), scale=cfg.scale,
+                             lse=flat(ll), dout=flat(do), delta=flat(output_delta(oo, do, dl)),
+                             block_sizes=cfg.block_sizes, grad_dtype=_F32)
+            return g[0].reshape(q.shape), g[1], g[2]
 
         def skip(ops):
             return tuple(_varying_like(jnp.zeros(x.shape, _F32), *ops) for x in ops[:3])
@@ -844,9 +843,9 @@ def collective_permute_bytes(hlo_text: str) -> int:
 
 def _branch(q, k, v, plan: BranchPlan, P, C, axis_name, scale, is_causal, block_sizes,
             fence=None):
-    """Branch ``plan`` on the local shard ``(b, m, ...)``, like :func:`dilax.dilated._run_branch`:
+    """Branch ``plan`` on the local shard ``(b, m, ...)``, like :func:`dilax.branches.run_branches`:
     ``(out f32, lse, local_plan)`` in the dilated layout of ``local_plan`` (heads ascending),
-    which :func:`dilax.dilated.combine_branches` expands over the ``m`` local positions."""
+    which :func:`dilax.branches.combine_branches` expands over the ``m`` local positions."""
     b, m, h, d = q.shape
     hk = k.shape[2]
     n = P * m
@@ -854,8 +853,8 @@ def _branch(q, k, v, plan: BranchPlan, P, C, axis_name, scale, is_causal, block_
     if _is_local(plan, P, C, m):
         loc = _plan_branch(geo.mc, h, hk, plan.w, plan.r, plan.q_heads, plan.q_slots)
         fold = lambda x: x.reshape(b * C, geo.mc, *x.shape[2:])
-        out, lse = _run_branch(fold(q), fold(k), fold(v), loc, scale, is_causal,
-                               block_sizes or _RING_BLOCKS, fence=fence)
+        (out,), (lse,) = run_branches(fold(q), fold(k), fold(v), Branches(
+            (loc,), scale, is_causal, block_sizes or _RING_BLOCKS), fence=fence)
         # The C chunks of S segments each are C*S segments of the local shard.
         return out, lse, dataclasses.replace(loc, num_segments=C * loc.num_segments)
     U, G = len(plan.kv_heads), plan.q_per_kv

@@ -36,7 +36,6 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from dilax.reference import masked_attention
 from pallas_kernels.config import MIN_BLOCK, KernelConfig, triton_compiler_params
 from pallas_kernels.flash_attention import (
     backward_rows,
@@ -45,8 +44,16 @@ from pallas_kernels.flash_attention import (
     dq_loop,
     for_each_group,
     online_softmax,
+    output_delta,
     pad_to,
     padded_head_dim,
+)
+from pallas_kernels.reference import masked_reference
+from pallas_kernels.tables import (
+    block_mask_from_tables,
+    causal_counts,
+    tables_from_block_mask,
+    transpose_block_tables,
 )
 
 __all__ = [
@@ -58,80 +65,6 @@ __all__ = [
 ]
 
 _F32 = jnp.float32
-
-
-# --------------------------------------------------------------------------------------------
-# Tables
-# --------------------------------------------------------------------------------------------
-
-
-def tables_from_block_mask(block_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Compact tables of a boolean ``(H, nq_blocks, nk_blocks)`` block mask (numpy).
-
-    Returns ``indices (H, nq_blocks, max(1, max_count))`` (ascending, padded with the last
-    active index, or 0) and ``counts (H, nq_blocks)``, both int32.
-    """
-    block_mask = np.asarray(block_mask, bool)
-    counts = block_mask.sum(-1).astype(np.int32)
-    width = max(1, int(counts.max(initial=0)))
-    order = np.argsort(~block_mask, axis=-1, kind="stable")[..., :width].astype(np.int32)
-    pos = np.arange(width)
-    last = np.take_along_axis(order, np.maximum(counts - 1, 0)[..., None], axis=-1)
-    indices = np.where(pos < counts[..., None], order, np.where(counts[..., None] > 0, last, 0))
-    return indices.astype(np.int32), counts
-
-
-def block_mask_from_tables(indices, counts, num_k_blocks: int):
-    """Inverse of :func:`tables_from_block_mask`: ``(H, nq_blocks, num_k_blocks)`` bool.
-
-    Works on numpy and on traced arrays (one scatter-add)."""
-    xp = np if isinstance(indices, np.ndarray) and isinstance(counts, np.ndarray) else jnp
-    H, nq, A = indices.shape
-    valid = xp.arange(A)[None, None, :] < counts[..., None]
-    cols = xp.where(valid, indices, num_k_blocks)  # invalid entries land out of range
-    h_idx = xp.broadcast_to(xp.arange(H)[:, None, None], (H, nq, A))
-    q_idx = xp.broadcast_to(xp.arange(nq)[None, :, None], (H, nq, A))
-    if xp is np:
-        mask = np.zeros((H, nq, num_k_blocks + 1), bool)
-        mask[h_idx, q_idx, cols] = True
-        return mask[..., :num_k_blocks]
-    mask = jnp.zeros((H, nq, num_k_blocks), jnp.int32)
-    mask = mask.at[h_idx, q_idx, cols].add(1, mode="drop")
-    return mask > 0
-
-
-def _causal_cut(block_mask, xp):
-    nq, nk = block_mask.shape[1:]
-    return block_mask & (xp.arange(nk)[None, None, :] <= xp.arange(nq)[None, :, None])
-
-
-def transpose_block_tables(indices, counts, num_k_blocks: int, is_causal: bool = False):
-    """Tables of the transposed pattern: for each key block, the query blocks that attend it.
-
-    Returns ``(q_indices (H, num_k_blocks, width), q_counts (H, num_k_blocks))`` int32; numpy
-    (tight ``width``) for numpy inputs, jax arrays (``width = nq_blocks``) for traced ones.
-    """
-    mask = block_mask_from_tables(indices, counts, num_k_blocks)
-    if isinstance(mask, np.ndarray):
-        if is_causal:
-            mask = _causal_cut(mask, np)
-        return tables_from_block_mask(mask.transpose(0, 2, 1))
-    if is_causal:
-        mask = _causal_cut(mask, jnp)
-    mask_t = mask.transpose(0, 2, 1)
-    q_counts = jnp.sum(mask_t, axis=-1, dtype=jnp.int32)
-    q_indices = jnp.argsort(~mask_t, axis=-1, stable=True).astype(jnp.int32)
-    return q_indices, q_counts
-
-
-def _causal_counts(indices, counts):
-    """Counts restricted to blocks ``j <= i`` (the tables are ascending, so a prefix)."""
-    nq, A = indices.shape[1:]
-    xp = np if isinstance(indices, np.ndarray) and isinstance(counts, np.ndarray) else jnp
-    valid = (xp.arange(A)[None, None, :] < counts[..., None]) & (
-        indices <= xp.arange(nq)[None, :, None]
-    )
-    return valid.sum(-1).astype(np.int32)
 
 
 def _check_tables(indices, counts, name_i, name_c, num_heads, rows, cols, what_rows):
@@ -287,7 +220,7 @@ def _sparse_backward(q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, out, lse, dout, dlse
     n_pad = nqb * block_size
     per_head = kv_idx.shape[0] > 1
     kv_of, grp_of, pat_of = _head_maps(G, per_head)
-    lse_rows, delta_rows = backward_rows(out, lse, dout, dlse, n_pad)
+    lse_rows, delta_rows = backward_rows(lse, output_delta(out, dout, dlse), n_pad)
     qp = pad_to(q, {1: n_pad, 4: dp})
     dop = pad_to(dout.astype(q.dtype), {1: n_pad, 4: dp})
     kp = pad_to(k, {1: n_pad, 3: dp})
@@ -446,7 +379,7 @@ def block_sparse_flash_attention(
         if q_idx.shape[0] != kv_idx.shape[0]:
             raise ValueError("q_block_indices must have the same H_pat as kv_block_indices")
     if is_causal:
-        kv_cnt = _causal_counts(kv_idx, kv_cnt)
+        kv_cnt = causal_counts(kv_idx, kv_cnt)
     kv_idx = jnp.clip(jnp.asarray(kv_idx, jnp.int32), 0, nqb - 1)
     q_idx = jnp.clip(jnp.asarray(q_idx, jnp.int32), 0, nqb - 1)
     kv_cnt = jnp.asarray(kv_cnt, jnp.int32)
@@ -475,11 +408,5 @@ def block_sparse_reference(
     mask = mask[:, :n, :n]
     if is_causal:
         mask = mask & np.tril(np.ones((n, n), bool))[None]
-    q4 = q.reshape(B, n, Hk * G, d)
-    out = masked_attention(q4, k, v, mask.astype(np.float32), scale)
-    kr = jnp.repeat(k, G, axis=2)
-    s = jnp.einsum("bqhd,bkhd->bhqk", q4, kr, preferred_element_type=_F32,
-                   precision=lax.Precision.HIGHEST) * scale
-    s = jnp.where(jnp.asarray(mask)[None], s, -jnp.inf)
-    lse = jax.nn.logsumexp(s, axis=-1)  # -inf where no key
-    return out.reshape(q.shape), lse.transpose(0, 2, 1).reshape(B, n, Hk, G)
+    out, lse = masked_reference(q.reshape(B, n, Hk * G, d), k, v, mask, scale)
+    return out.reshape(q.shape), lse.reshape(B, n, Hk, G)

@@ -1,8 +1,10 @@
 """Flash attention (forward + backward) as Pallas kernels, beside its XLA reference.
 
-Drop-in replacement of :func:`dilax.core.attention_core`: same arguments, same
-``(out, lse)`` result, same masking rules, differentiable in ``q, k, v`` with a cotangent on
-``lse`` too. Written in the style of ``jax.experimental.pallas.ops.gpu.attention``:
+:func:`flash_attention` returns ``(out, lse)`` and is differentiable in ``q, k, v`` with a
+cotangent on ``lse`` too; its dense reference is :func:`flash_attention_reference`.
+:func:`flash_forward` and :func:`flash_backward` are the two passes on their own, for callers
+that write their own backward (dilax's core interface adapts them). Written in the style of
+``jax.experimental.pallas.ops.gpu.attention``:
 
 * forward: one program per ``(query block, batch, query head)``; it keeps its query tile
   resident and streams the key/value tiles of its kv head with an online softmax (float32
@@ -33,7 +35,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from dilax.core import BlockSizes, attention_core
 from pallas_kernels.config import (
     MIN_BLOCK,
     KernelConfig,
@@ -42,8 +43,16 @@ from pallas_kernels.config import (
     tile,
     triton_compiler_params,
 )
+from pallas_kernels.reference import attention_reference
 
-__all__ = ["flash_attention", "flash_attention_reference", "resolve_config"]
+__all__ = [
+    "flash_attention",
+    "flash_attention_reference",
+    "flash_backward",
+    "flash_forward",
+    "output_delta",
+    "resolve_config",
+]
 
 _F32 = jnp.float32
 _NEG_INF = float("-inf")
@@ -298,7 +307,12 @@ def _group_of(h, groups: int):
     return lax.rem(h, jnp.int32(groups))
 
 
-def _flash_forward(q, k, v, kv_len, offsets, scale, is_causal, config, interpret, debug):
+def flash_forward(q, k, v, *, kv_len, offsets, scale: float, is_causal: bool,
+                  config: KernelConfig, interpret: bool = False, debug: bool = False):
+    """Forward kernel: ``out (B, Lq, Hk, G, d)`` in ``q.dtype`` and ``lse (B, Lq, Hk, G)``.
+
+    ``kv_len``: int32 ``(B, Hk)`` in ``[0, Lk]``; ``offsets``: int32 ``(2,)``, the global
+    positions ``(q_offset, k_offset)`` of index 0."""
     B, Lq, Hk, G, d = q.shape
     Lk = k.shape[1]
     dp = padded_head_dim(d)
@@ -335,28 +349,39 @@ def _flash_forward(q, k, v, kv_len, offsets, scale, is_causal, config, interpret
     return out, lse
 
 
-def backward_rows(out, lse, dout, dlse, len_pad: int):
+def output_delta(out, dout, dlse):
+    """``delta = rowsum(dO * O) - dlse`` (float32): the lse cotangent enters ``ds`` like
+    ``-delta``, and it is all the backward kernels need of ``out``."""
+    return jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1) - dlse.astype(_F32)
+
+
+def backward_rows(lse, delta, len_pad: int):
     """``(lse, delta)`` rows for the backward kernels, laid out ``(B, Hk, G, len_pad)``.
 
-    ``delta = rowsum(dO * O) - dlse`` (the lse cotangent enters ``ds`` like ``-delta``);
     ``lse`` is ``+inf`` on rows without a key and on padding, so recomputed ``p`` is 0 there.
     """
     empty = lse == _NEG_INF
-    delta = jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1) - dlse.astype(_F32)
-    delta = jnp.where(empty, 0.0, delta)  # p = 0 on these rows; keep a NaN dlse out of 0 * x
+    # p = 0 on these rows; keep a NaN dlse out of 0 * x
+    delta = jnp.where(empty, 0.0, delta.astype(_F32))
     lse = jnp.where(empty, _POS_INF, lse)
     delta = pad_to(delta.transpose(0, 2, 3, 1), {3: len_pad})
     lse = pad_to(lse.transpose(0, 2, 3, 1), {3: len_pad}, value=_POS_INF)
     return lse, delta
 
 
-def _flash_backward(q, k, v, kv_len, offsets, out, lse, dout, dlse, scale, is_causal, config,
-                    interpret, debug):
+def flash_backward(q, k, v, *, kv_len, offsets, lse, dout, delta, scale: float,
+                   is_causal: bool, config: KernelConfig, interpret: bool = False,
+                   debug: bool = False):
+    """Backward kernels: ``(dq, dk, dv)`` in the input dtypes, recomputed from ``lse``.
+
+    ``lse, dout`` as :func:`flash_forward` returned them and their cotangent;
+    ``delta = output_delta(out, dout, dlse)`` ``(B, Lq, Hk, G)``. Other arguments as in
+    :func:`flash_forward`."""
     B, Lq, Hk, G, d = q.shape
     Lk = k.shape[1]
     dp = padded_head_dim(d)
     _, (bq_kv, bk_kv), (bq_q, bk_q), lq_pad, lk_pad = _tiles(config, Lq, Lk)
-    lse_rows, delta_rows = backward_rows(out, lse, dout, dlse, lq_pad)
+    lse_rows, delta_rows = backward_rows(lse, delta, lq_pad)
     qp = pad_to(q, {1: lq_pad, 4: dp})
     dop = pad_to(dout.astype(q.dtype), {1: lq_pad, 4: dp})
     kp = pad_to(k, {1: lk_pad, 3: dp})
@@ -416,46 +441,37 @@ def _flash_backward(q, k, v, kv_len, offsets, out, lse, dout, dlse, scale, is_ca
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
 def _flash(q, k, v, kv_len, offsets, scale, is_causal, config, interpret, debug):
-    return _flash_forward(q, k, v, kv_len, offsets, scale, is_causal, config, interpret, debug)
+    return flash_forward(q, k, v, kv_len=kv_len, offsets=offsets, scale=scale,
+                         is_causal=is_causal, config=config, interpret=interpret, debug=debug)
 
 
 def _flash_fwd(q, k, v, kv_len, offsets, scale, is_causal, config, interpret, debug):
-    out, lse = _flash_forward(q, k, v, kv_len, offsets, scale, is_causal, config, interpret,
-                              debug)
+    out, lse = _flash(q, k, v, kv_len, offsets, scale, is_causal, config, interpret, debug)
     return (out, lse), (q, k, v, kv_len, offsets, out, lse)
 
 
 def _flash_bwd(scale, is_causal, config, interpret, debug, res, cotangents):
     q, k, v, kv_len, offsets, out, lse = res
     dout, dlse = cotangents
-    dq, dk, dv = _flash_backward(q, k, v, kv_len, offsets, out, lse, dout, dlse, scale,
-                                 is_causal, config, interpret, debug)
+    dq, dk, dv = flash_backward(q, k, v, kv_len=kv_len, offsets=offsets, lse=lse, dout=dout,
+                                delta=output_delta(out, dout, dlse), scale=scale,
+                                is_causal=is_causal, config=config, interpret=interpret,
+                                debug=debug)
     return dq, dk, dv, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def resolve_config(
-    block_sizes: KernelConfig | BlockSizes | None, len_q: int, len_k: int, head_dim: int, dtype
-) -> KernelConfig:
-    """``None`` -> :func:`default_config`; a :class:`dilax.BlockSizes` keeps its two tiles
-    (which must then be powers of two) with default warps/stages."""
-    if block_sizes is None:
+def resolve_config(config: KernelConfig | None, len_q: int, len_k: int, head_dim: int,
+                   dtype) -> KernelConfig:
+    """``None`` -> :func:`default_config`; a :class:`KernelConfig` as is."""
+    if config is None:
         return default_config(len_q, len_k, head_dim, dtype)
-    if isinstance(block_sizes, KernelConfig):
-        return block_sizes
-    if isinstance(block_sizes, BlockSizes):
-        try:
-            return KernelConfig(block_q=block_sizes.block_q, block_k=block_sizes.block_k)
-        except ValueError as e:
-            raise ValueError(
-                f"block_sizes={block_sizes} cannot drive the Pallas kernels: block_q and block_k "
-                "must be powers of two (Triton tiles)"
-            ) from e
+    if isinstance(config, KernelConfig):
+        return config
     raise TypeError(
-        "block_sizes must be a pallas_kernels.KernelConfig, a dilax.BlockSizes or None, got "
-        f"{type(block_sizes).__name__}"
+        f"block_sizes must be a pallas_kernels.KernelConfig or None, got {type(config).__name__}"
     )
 
 
@@ -492,11 +508,12 @@ def flash_attention(
     kv_len: jax.Array | None = None,
     q_offset: jax.Array | int = 0,
     k_offset: jax.Array | int = 0,
-    block_sizes: KernelConfig | BlockSizes | None = None,
+    block_sizes: KernelConfig | None = None,
     interpret: bool = False,
     debug: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Pallas flash attention returning ``(out, lse)``; drop-in for :func:`attention_core`.
+    """Pallas flash attention returning ``(out, lse)`` (reference:
+    :func:`flash_attention_reference`).
 
     Args:
       q: ``(B, Lq, Hk, G, d)`` queries grouped by kv head (query head ``(c, g)`` reads kv
@@ -507,8 +524,8 @@ def flash_attention(
         key blocks entirely in the future are not visited.
       kv_len: int ``(B, Hk)`` (broadcastable); keys at index ``>= kv_len`` are masked.
       q_offset, k_offset: global positions of index 0 (int scalars, may be traced).
-      block_sizes: :class:`KernelConfig` (tiles, warps, stages), a :class:`dilax.BlockSizes`
-        (tiles only) or ``None`` for :func:`pallas_kernels.config.default_config`.
+      block_sizes: :class:`KernelConfig` (tiles, warps, stages) or ``None`` for
+        :func:`pallas_kernels.config.default_config`.
       interpret: run the kernels with the Pallas interpreter (any backend, e.g. CPU tests).
       debug: print the kernels' jaxprs (``pallas_call(debug=True)``).
 
@@ -529,17 +546,4 @@ def flash_attention(
                   bool(interpret), bool(debug))
 
 
-def flash_attention_reference(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    *,
-    scale: float,
-    is_causal: bool = False,
-    kv_len: jax.Array | None = None,
-    q_offset: jax.Array | int = 0,
-    k_offset: jax.Array | int = 0,
-) -> tuple[jax.Array, jax.Array]:
-    """The XLA reference of :func:`flash_attention`: :func:`dilax.core.attention_core`."""
-    return attention_core(q, k, v, scale=scale, is_causal=is_causal, kv_len=kv_len,
-                          q_offset=q_offset, k_offset=k_offset)
+flash_attention_reference = attention_reference

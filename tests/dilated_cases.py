@@ -86,9 +86,8 @@ def implementation(name: str) -> DilatedFn:
     if name in ("reference", "xla"):
         return functools.partial(dilax.dilated_attention, implementation=name)
     if name == "pallas-interpret":
-        from pallas_kernels.dilated import dilated_attention_pallas
-
-        return functools.partial(dilated_attention_pallas, interpret=True)
+        return functools.partial(dilax.dilated_attention, implementation="pallas",
+                                 interpret=True)
     raise ValueError(f"unknown implementation {name!r}")
 
 

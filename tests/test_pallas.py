@@ -112,8 +112,8 @@ FLASH_CASES = [
      KernelConfig(16, 32, block_q_dkv=32, block_k_dkv=16, block_q_dq=16, block_k_dq=16)),
     # MQA (Hk = 1), head_dim 128, default (per-shape) config
     (1, 48, 48, 1, 4, 128, False, None, 0, 0, "float32", None),
-    # head_dim not a power of two (zero-padded to 64), a dilax.BlockSizes config
-    (1, 33, 33, 1, 3, 40, True, None, 0, 0, "float32", dilax.BlockSizes(16, 16)),
+    # head_dim not a power of two (zero-padded to 64)
+    (1, 33, 33, 1, 3, 40, True, None, 0, 0, "float32", KernelConfig(16, 16)),
     # half precision
     (1, 48, 48, 2, 2, 64, True, ((48, 30),), 0, 0, "bfloat16", KernelConfig(16, 32)),
     (2, 32, 40, 1, 2, 32, False, ((7,), (40,)), 0, 0, "float16", KernelConfig(16, 16)),
@@ -210,8 +210,12 @@ def test_kernel_config_validation():
     q, k, v = _grouped_inputs(1, 8, 8, 1, 1, 16, jnp.float32)
     with pytest.raises(TypeError, match="block_sizes"):
         flash_attention(q, k, v, scale=1.0, block_sizes=(16, 16), interpret=True)
+    with pytest.raises(TypeError, match="KernelConfig"):
+        flash_attention(q, k, v, scale=1.0, block_sizes=dilax.BlockSizes(16, 16), interpret=True)
+    # dilax's BlockSizes reach the kernels through dilax's Pallas core, as Triton tiles.
     with pytest.raises(ValueError, match="powers of two"):
-        flash_attention(q, k, v, scale=1.0, block_sizes=dilax.BlockSizes(3, 5), interpret=True)
+        dilax.dilated_attention(q[:, :, 0], k, v, (8,), (1,), implementation="pallas",
+                                interpret=True, block_sizes=dilax.BlockSizes(3, 5))
     with pytest.raises(ValueError, match=r"\(B, Lk, Hk, d\)"):
         flash_attention(q, k[:, :, :, :8], v[:, :, :, :8], scale=1.0, interpret=True)
     with pytest.raises(TypeError, match="dtype"):
@@ -341,16 +345,15 @@ def test_dilated_matches_reference(case, dilated_impl):
 
 
 def test_dilated_pallas_rejects_bad_input():
-    from pallas_kernels import dilated_attention_pallas
-
+    pallas = functools.partial(dilax.dilated_attention, implementation="pallas", interpret=True)
     q = jnp.zeros((1, 16, 4, 16))
     k = jnp.zeros((1, 16, 3, 16))
     with pytest.raises(ValueError, match="h % hk"):
-        dilated_attention_pallas(q, k, k, (8,), (1,), interpret=True)
+        pallas(q, k, k, (8,), (1,))
     with pytest.raises(ValueError, match="divisible"):
-        dilated_attention_pallas(q, q, q, (8,), (3,), interpret=True)
+        pallas(q, q, q, (8,), (3,))
     with pytest.raises(TypeError, match="block_sizes"):
-        dilated_attention_pallas(q, q, q, (8,), (1,), block_sizes=(8, 8), interpret=True)
+        pallas(q, q, q, (8,), (1,), block_sizes=(8, 8))
 
 
 # --------------------------------------------------------------------------------------------

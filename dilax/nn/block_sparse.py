@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dilax import _validation as V
-from dilax.block_sparse import _check_implementation, block_sparse_attention
+from dilax.block_sparse import IMPLEMENTATIONS, block_sparse_attention
 from dilax.nn._heads import check_dropout_and_gain, check_heads, linear_factory, project_qkv
 from dilax.patterns import BlockSparsePattern
 
@@ -43,7 +43,7 @@ class BlockSparseAttention(nnx.Module):
                  implementation: str | None = None):
         self.pattern = _check_pattern_type(pattern)
         self.is_causal = V.check_bool(is_causal, "is_causal")
-        self.implementation = _check_implementation(implementation)
+        self.implementation = V.check_implementation(implementation, IMPLEMENTATIONS)
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *,
                  is_causal: bool | None = None, scale: float | None = None) -> jax.Array:

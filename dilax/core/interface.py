@@ -1,0 +1,297 @@
+"""The one door into the attention core: a typed implementation object per backend.
+
+Every attention of dilax (dilated branches, block-sparse rows, ring hops) reduces to calls of
+one :class:`Core`'s ``forward`` and ``backward`` on inputs read through a
+:class:`~dilax.core.view.SlotView` with a :class:`~dilax.core.mask.Mask`:
+
+* ``forward(q, k, v, *, view, mask, scale, block_sizes, out_dtype) -> (out, lse)``;
+* ``backward(q, k, v, *, view, mask, scale, block_sizes, lse, dout, delta, grad_dtype, acc)
+  -> (dq, dk, dv)``, recomputing from the saved log-sum-exp.
+
+:func:`attention` ties the two into one differentiable call (one ``custom_vjp``); callers that
+run several calls under one hand-written backward (the dilated branches, the ring) call
+``forward``/``backward`` directly. The implementation is resolved once, by name, with
+:func:`core_for`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import ClassVar, Protocol
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dilax.core import xla
+from dilax.core.blocks import BlockSizes, default_block_sizes
+from dilax.core.mask import Mask
+from dilax.core.ordering import when
+from dilax.core.view import SlotView, identity_view
+
+_F32 = jnp.float32
+
+
+class Core(Protocol):
+    """What every core implementation provides (see the module docstring)."""
+
+    name: ClassVar[str]
+
+    def forward(self, q, k, v, *, view: SlotView, mask: Mask, scale: float,
+                block_sizes: BlockSizes | None = None, out_dtype=None): ...
+
+    def backward(self, q, k, v, *, view: SlotView, mask: Mask, scale: float, lse, dout, delta,
+                 block_sizes: BlockSizes | None = None, grad_dtype=None, acc=None): ...
+
+
+def output_delta(out, dout, dlse):
+    """``rowsum(dO * O) - dlse`` (float32): all a backward pass needs of ``out``."""
+    return jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1) - dlse.astype(_F32)
+
+
+def sum_invariant_axes(primals, grads):
+    """Under ``shard_map``, an input that is invariant over a mesh axis (e.g. replicated K/V)
+    gets the sum of the per-device cotangents: the transpose of its implicit broadcast."""
+    out = []
+    for primal, grad in zip(primals, grads):
+        extra = tuple(a for a in xla._varying_axes(grad) if a not in xla._varying_axes(primal))
+        out.append(lax.psum(grad, extra) if extra else grad)
+    return tuple(out)
+
+
+def _add_into(acc, grads):
+    """``grads`` as float32, added into ``acc`` when given (a backward's ``acc`` contract)."""
+    grads = tuple(g.astype(_F32) for g in grads)
+    if acc is None:
+        return grads
+    return tuple(a.astype(_F32) + g for a, g in zip(acc, grads))
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaCore:
+    """The blockwise XLA core (:mod:`dilax.core.xla`): any backend, reads views in place."""
+
+    name: ClassVar[str] = "xla"
+
+    @staticmethod
+    def _resolve(q, k, view, mask, block_sizes):
+        B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
+        if block_sizes is None:
+            block_sizes = default_block_sizes(Lq, Lk, len(view.q_index), bool(mask.is_causal))
+        return mask.resolve(B, len(view.kv_index), Lk), block_sizes.clipped(Lq, Lk)
+
+    def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):
+        mask, blocks = self._resolve(q, k, view, mask, block_sizes)
+        return xla.forward(q, k, v, view=view, mask=mask, scale=float(scale),
+                           block_sizes=blocks, out_dtype=out_dtype)
+
+    def backward(self, q, k, v, *, view, mask, scale, lse, dout, delta, block_sizes=None,
+                 grad_dtype=None, acc=None):
+        mask, blocks = self._resolve(q, k, view, mask, block_sizes)
+        return xla.backward(q, k, v, view=view, mask=mask, scale=float(scale),
+                            block_sizes=blocks, lse=lse, dout=dout, delta=delta,
+                            grad_dtype=grad_dtype, acc=acc)
+
+
+def pallas_config(block_sizes: BlockSizes | None, len_q: int, len_k: int, head_dim: int,
+                  dtype):
+    """The Pallas kernels' launch config for ``block_sizes``: ``None`` gives the kernels'
+    per-shape defaults; a :class:`BlockSizes` keeps its forward tiles (powers of two, as
+    Triton requires) with default warps and stages."""
+    from pallas_kernels.config import KernelConfig, default_config  # lazy: optional kernels
+
+    if block_sizes is None:
+        return default_config(len_q, len_k, head_dim, dtype)
+    try:
+        return KernelConfig(block_q=block_sizes.block_q, block_k=block_sizes.block_k)
+    except ValueError as e:
+        raise ValueError(
+            f"block_sizes={block_sizes} cannot drive the Pallas kernels: block_q and block_k "
+            "must be powers of two (Triton tiles)") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasCore:
+    """The Pallas flash kernels (:mod:`pallas_kernels.flash_attention`) on gathered inputs.
+
+    ``interpret``: run the kernels in the Pallas interpreter (CPU tests)."""
+
+    interpret: bool = False
+    name: ClassVar[str] = "pallas"
+
+    def _args(self, q, k, view, mask, block_sizes):
+        B, Lq, Lk, d = q.shape[0], q.shape[1], k.shape[1], q.shape[-1]
+        U = len(view.kv_index)
+        mask = mask.resolve(B, U, Lk)
+        kv_len = mask.kv_len if mask.kv_len is not None else jnp.full((B, U), Lk, jnp.int32)
+        return dict(kv_len=kv_len, offsets=jnp.stack([mask.q_offset, mask.k_offset]),
+                    is_causal=mask.is_causal, interpret=self.interpret,
+                    config=pallas_config(block_sizes, Lq, Lk, d, q.dtype))
+
+    def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):
+        from pallas_kernels.flash_attention import flash_forward
+
+        out, lse = flash_forward(view.gather_q(q), view.gather_kv(k), view.gather_kv(v),
+                                 scale=float(scale), **self._args(q, k, view, mask, block_sizes))
+        return (view.ungather_out(out).astype(out_dtype or q.dtype), view.ungather_out(lse))
+
+    def backward(self, q, k, v, *, view, mask, scale, lse, dout, delta, block_sizes=None,
+                 grad_dtype=None, acc=None):
+        from pallas_kernels.flash_attention import flash_backward
+
+        out_view = view.output_view()
+        dq, dk, dv = flash_backward(
+            view.gather_q(q), view.gather_kv(k), view.gather_kv(v), lse=out_view.gather_q(lse),
+            dout=out_view.gather_q(dout), delta=out_view.gather_q(delta), scale=float(scale),
+            **self._args(q, k, view, mask, block_sizes))
+        grads = _add_into(acc, (view.ungather_q(dq), view.ungather_kv(dk), view.ungather_kv(dv)))
+        return tuple(g.astype(grad_dtype or x.dtype) for g, x in zip(grads, (q, k, v)))
+
+
+@dataclasses.dataclass(frozen=True)
+class CudnnCore:
+    """``jax.nn.dot_product_attention(implementation="cudnn")`` forward (CUDA only).
+
+    cuDNN returns the log-sum-exp only as a non-differentiable residual, so the backward pass
+    is the blockwise XLA one, recomputed from that log-sum-exp: exact also when the lse
+    carries a cotangent (the mixture merge of dilated branches). Offsets are not supported
+    (cuDNN's causal mask is aligned at 0). Per-head key lengths are served by folding the kv
+    heads into the batch."""
+
+    name: ClassVar[str] = "cudnn"
+
+    def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):
+        del block_sizes
+        if not (isinstance(mask.q_offset, int) and isinstance(mask.k_offset, int)
+                and mask.q_offset == mask.k_offset == 0):
+            raise ValueError("implementation='cudnn' supports no query/key offsets; "
+                             "use implementation='xla' or 'pallas'")
+        qg, kg, vg = view.gather_q(q), view.gather_kv(k), view.gather_kv(v)
+        B, L, U, G, d = qg.shape
+        mask = mask.resolve(B, U, k.shape[1])
+        dpa = functools.partial(jax.nn.dot_product_attention, scale=float(scale),
+                                is_causal=mask.is_causal, implementation="cudnn",
+                                return_residual=True)
+        if mask.kv_len is None:
+            out, lse = dpa(qg.reshape(B, L, U * G, d), kg, vg)
+        else:  # one key length per (batch row, kv head): fold the kv heads into the batch
+            fold = lambda x: jnp.moveaxis(x, 2, 1).reshape(B * U, L, -1, d)
+            out, lse = dpa(fold(qg), fold(kg), fold(vg),
+                           key_value_seq_lengths=mask.kv_len.reshape(B * U))
+            out = jnp.moveaxis(out.reshape(B, U, L, G, d), 1, 2)
+            lse = jnp.moveaxis(lse.reshape(B, U, L, G), 1, 2)
+        out = view.ungather_out(out.reshape(B, L, U, G, d))
+        lse = view.ungather_out(lse.reshape(B, L, U, G).astype(_F32))
+        return out.astype(out_dtype or q.dtype), lse
+
+    def backward(self, q, k, v, **kw):
+        return XlaCore().backward(q, k, v, **kw)
+
+
+XLA = XlaCore()
+_NO_MASK = Mask()
+
+
+def core_for(implementation: str, *, interpret: bool = False) -> Core:
+    """The :class:`Core` of a resolved implementation name (``"xla"``, ``"pallas"``,
+    ``"cudnn"``); see :func:`dilax.backend.resolve_implementation`."""
+    if implementation == "xla":
+        return XLA
+    if implementation == "pallas":
+        return PallasCore(interpret=bool(interpret))
+    if implementation == "cudnn":
+        return CudnnCore()
+    raise ValueError(f"no attention core for implementation={implementation!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    core: Core
+    view: SlotView
+    scale: float
+    block_sizes: BlockSizes | None
+    out_dtype: object
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, mask, fence, call: _Call):
+    return _attention_fwd(q, k, v, mask, fence, call)[0]
+
+
+def _attention_fwd(q, k, v, mask, fence, call: _Call):
+    fwd = lambda q, k, v, mask: call.core.forward(
+        q, k, v, view=call.view, mask=mask, scale=call.scale, block_sizes=call.block_sizes,
+        out_dtype=call.out_dtype)
+    out, lse = when(fence, fwd, (q, k, v, mask))
+    return (out, lse), (q, k, v, mask, fence, out, lse)
+
+
+def _attention_bwd(call: _Call, res, cotangents):
+    q, k, v, mask, fence, out, lse = res
+    dout, dlse = cotangents
+
+    def bwd(q, k, v, mask, lse, dout, delta):
+        return call.core.backward(q, k, v, view=call.view, mask=mask, scale=call.scale,
+                                  block_sizes=call.block_sizes, lse=lse, dout=dout,
+                                  delta=delta)
+
+    grads = when(fence, bwd, (q, k, v, mask, lse, dout, output_delta(out, dout, dlse)))
+    return (*sum_invariant_axes((q, k, v), grads), None, None)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, view: SlotView, scale: float,
+              mask: Mask = _NO_MASK, core: Core = XLA, block_sizes: BlockSizes | None = None,
+              out_dtype=None, fence=None) -> tuple[jax.Array, jax.Array]:
+    """One differentiable core call: ``core.forward`` with ``core.backward`` as its VJP.
+
+    ``q (B, Lq, [R,] H, d)`` and ``k, v (B, Lk, [R,] Hk, d)`` are read through ``view``;
+    returns ``out (B, Lq, H_out, d)`` (``out_dtype``, default ``q.dtype``) and
+    ``lse (B, Lq, H_out)`` float32 for the view's heads, ascending. A query with no visible
+    key gets ``out = 0``, ``lse = -inf`` (zero gradient, never NaN). ``fence``: run forward
+    and backward only once this boolean is known (:func:`dilax.core.fence_after`).
+    """
+    call = _Call(core, view, float(scale), block_sizes,
+                 None if out_dtype is None else jnp.dtype(out_dtype))
+    return _attention(q, k, v, mask, fence, call)
+
+
+def attention_core(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    scale: float,
+    is_causal: bool = False,
+    kv_len: jax.Array | None = None,
+    q_offset: jax.Array | int = 0,
+    k_offset: jax.Array | int = 0,
+    block_sizes: BlockSizes | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Blockwise exact attention in the grouped layout, returning ``(out, lse)``.
+
+    :func:`attention` with the XLA core and no view, for callers holding plain arrays.
+
+    Args:
+      q: ``(B, Lq, Hk, G, d)`` queries grouped by kv head (query head ``(c, g)`` reads kv
+        head ``c``).
+      k, v: ``(B, Lk, Hk, d)``.
+      scale: logit scale (static float).
+      is_causal: key ``t`` is visible to query ``p`` iff ``k_offset + t <= q_offset + p``.
+      kv_len: int, broadcastable to ``(B, Hk)``; keys at index ``>= kv_len`` are masked.
+        ``None`` (default) means all ``Lk`` keys are valid and skips the mask entirely.
+      q_offset, k_offset: global positions of index 0 (int scalars, may be traced).
+      block_sizes: static block sizes; default :func:`dilax.core.default_block_sizes`.
+
+    Returns:
+      ``out: (B, Lq, Hk, G, d)`` in ``q.dtype`` and ``lse: (B, Lq, Hk, G)`` float32. A query
+      with no visible key gets ``out = 0`` and ``lse = -inf`` (zero gradient, never NaN).
+    """
+    B, Lq, Hk, G, d = q.shape
+    out, lse = attention(q.reshape(B, Lq, Hk * G, d), k, v, view=identity_view(Hk, G),
+                         scale=scale, mask=Mask(kv_len, q_offset, k_offset, bool(is_causal)),
+                         block_sizes=block_sizes)
+    return out.reshape(B, Lq, Hk, G, d), lse.reshape(B, Lq, Hk, G)

@@ -1,0 +1,31 @@
+"""Ordering work in XLA's schedule without changing what it computes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def fence_after(x: jax.Array) -> jax.Array:
+    """A boolean scalar that is always true but that XLA only knows once ``x`` exists.
+
+    ``x0 <= inf or isnan(x0)`` cannot be constant-folded. Work run under :func:`when` with it
+    is ordered after ``x``: XLA:CPU's default (concurrency-optimized) scheduler would otherwise
+    start independent work -- and allocate its buffers -- as early as possible, and
+    ``lax.optimization_barrier`` does not survive to its scheduler."""
+    x0 = lax.stop_gradient(jnp.ravel(x)[0])
+    return (x0 <= jnp.inf) | jnp.isnan(x0)
+
+
+def when(fence, fn, operands: tuple):
+    """``fn(*operands)``, inside a ``lax.cond`` on ``fence`` (:func:`fence_after`) if given.
+
+    Nothing of ``fn`` can be hoisted out of the conditional, so its working buffers are
+    allocated only once ``fence`` is known. Use it on primal computations only (inside a
+    ``custom_vjp``): differentiating through the cond would copy its inputs as residuals."""
+    if fence is None:
+        return fn(*operands)
+    skip = lambda ops: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                    jax.eval_shape(lambda o: fn(*o), ops))
+    return lax.cond(fence, lambda ops: fn(*ops), skip, operands)

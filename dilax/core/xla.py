@@ -1,0 +1,295 @@
+"""The blockwise XLA attention core: online softmax forward, recomputing backward.
+
+Never materializes a (query, key) matrix larger than one ``(block_q, block_k)`` pair per head,
+forward or backward: the backward recomputes each block from the saved log-sum-exp (the
+FlashAttention-2 recipe, written for XLA). Inputs are read through a
+:class:`dilax.core.view.SlotView`, so dilated rows are read in place. GQA/MQA never repeats
+K/V in memory: virtual query head ``(u, g)`` reads virtual kv head ``u``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dilax.core.blocks import BlockSizes
+from dilax.core.mask import Mask
+from dilax.core.view import SlotView, static_take
+
+_F32 = jnp.float32
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _head_groups(num_kv: int, q_per_kv: int, heads_per_step: int | None):
+    """Static ``(u0, u1)`` ranges of virtual kv heads processed together, as even as possible,
+    each with at most ``heads_per_step`` query heads (at least one kv head)."""
+    if heads_per_step is None:
+        return ((0, num_kv),)
+    per = max(1, heads_per_step // q_per_kv)
+    count = _cdiv(num_kv, per)
+    size = _cdiv(num_kv, count)
+    return tuple((u, min(num_kv, u + size)) for u in range(0, num_kv, size))
+
+
+def _pad_axis(x, axis, size):
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+def _mask(k_start, block_k, kv_len, q_pos, k_offset, is_causal):
+    """Allowed ``(U or 1, 1, bq or 1, bk)`` mask of one block pair (``kv_len`` may be None)."""
+    k_idx = k_start + lax.iota(jnp.int32, block_k)
+    mask = None
+    if kv_len is not None:
+        mask = (k_idx[None, :] < kv_len[:, None])[:, None, None, :]
+    if is_causal:
+        c = ((k_offset + k_idx)[None, :] <= q_pos[:, None])[None, None]
+        mask = c if mask is None else mask & c
+    return mask
+
+
+def _zero_invalid_keys(x, k_start, kv_len):
+    """Zeroes rows of ``x: (U, bk, d)`` at or beyond ``kv_len`` (NaN padding never leaks)."""
+    if kv_len is None:
+        return x
+    valid = (k_start + lax.iota(jnp.int32, x.shape[1]))[None, :] < kv_len[:, None]
+    return jnp.where(valid[..., None], x, jnp.zeros((), x.dtype))
+
+
+def _varying_axes(*refs) -> tuple:
+    axes = set()
+    for ref in refs:
+        if ref is not None:
+            aval = jax.typeof(ref)
+            manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+            axes |= set(manual.varying if manual is not None else getattr(aval, "vma", ()))
+    return tuple(sorted(axes))
+
+
+def _varying_like(axes, *xs):
+    """Gives fresh loop-carry values the device-varying type ``axes`` under ``shard_map``.
+
+    Inside ``jax.shard_map`` (with ``check_vma``), a ``fori_loop`` carry must keep its type, so
+    zeros created for it have to be marked varying over the mesh axes its updates vary over.
+    """
+    if not axes:
+        return xs
+    return tuple(lax.pcast(x, axes, to="varying") for x in xs)
+
+
+def _scaled(qb, scale):
+    """``q * scale``: in place for float32; half types are widened first so the logits match
+    a float32 computation (rounding ``q * scale`` to bf16 would shift every score)."""
+    if qb.dtype == _F32:
+        return qb * jnp.asarray(scale, _F32)
+    return qb.astype(_F32) * jnp.asarray(scale, _F32)
+
+
+def _slice_rows(x, b, start, size):
+    """``x[b, start:start+size]`` for ``x: (B, L, ...)``."""
+    return lax.dynamic_slice(x, (b, start) + (0,) * (x.ndim - 2), (1, size) + x.shape[2:])[0]
+
+
+def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: BlockSizes,
+            out_dtype=None):
+    """``(out, lse)`` of the queries of ``view``: ``out (B, Lq, H_out, d)`` in ``out_dtype``
+    (default ``q.dtype``), ``lse (B, Lq, H_out)`` float32. ``mask`` must be resolved
+    (:meth:`Mask.resolve`) and ``block_sizes`` clipped (:meth:`BlockSizes.clipped`)."""
+    kv_len, q_offset, k_offset, is_causal = mask.kv_len, mask.q_offset, mask.k_offset, \
+        mask.is_causal
+    block_q, block_k = block_sizes.block_q, block_sizes.block_k
+    heads_per_step = block_sizes.heads_per_step
+    B, Lq = q.shape[:2]
+    Lk, d = k.shape[1], k.shape[-1]
+    U, G = len(view.kv_index), view.q_per_kv
+    nq, nk = _cdiv(Lq, block_q), _cdiv(Lk, block_k)
+    qp = _pad_axis(q, 1, nq * block_q)
+    kp = _pad_axis(k, 1, nk * block_k)
+    vp = _pad_axis(v, 1, nk * block_k)
+    if kv_len is None and nk * block_k != Lk:
+        kv_len = jnp.full((B, U), Lk, jnp.int32)
+    axes = _varying_axes(q, k, v, kv_len, q_offset, k_offset)
+
+    groups = _head_groups(U, G, heads_per_step)
+
+    def row(idx):
+        if len(groups) == 1:
+            return row_heads(idx, view, 0, U)
+        # One loop per head group: per-head products stay large while the tile stays small.
+        parts = [row_heads(idx, view.sub_view(u0, u1), u0, u1) for u0, u1 in groups]
+        order = view.group_order(groups)
+        return tuple(static_take(jnp.concatenate(x, axis=1), order, axis=1)
+                     for x in zip(*parts))
+
+    def row_heads(idx, view, u0, u1):
+        U = u1 - u0
+        bi, qi = idx // nq, idx % nq
+        qb = view.select_q(_slice_rows(qp, bi, qi * block_q, block_q))  # (U, G, bq, d)
+        qb = _scaled(qb, scale)
+        kl = None if kv_len is None else kv_len[bi, u0:u1]
+        q_first = q_offset + qi * block_q
+        q_pos = q_first + lax.iota(jnp.int32, block_q)
+        hi = nk if kl is None else jnp.minimum(nk, _cdiv(jnp.max(kl), block_k))
+        if is_causal:
+            last = q_first + block_q - 1 - k_offset
+            hi = jnp.clip(jnp.where(last >= 0, last // block_k + 1, 0), 0, hi)
+            # Key blocks entirely at or before the first query need no causal mask.
+            full = jnp.clip(jnp.where(q_first - k_offset + 1 >= 0,
+                                      (q_first - k_offset + 1) // block_k, 0), 0, hi)
+        else:
+            full = hi
+
+        def make_body(causal_block):
+            def body(j, carry):
+                m, l, acc = carry
+                k0 = j * block_k
+                kb = view.select_kv(_slice_rows(kp, bi, k0, block_k))  # (U, bk, d)
+                vb = view.select_kv(_slice_rows(vp, bi, k0, block_k))
+                s = jnp.einsum("hgqd,hkd->hgqk", qb, kb, preferred_element_type=_F32)
+                mask = _mask(k0, block_k, kl, q_pos, k_offset, causal_block)
+                if mask is not None:
+                    s = jnp.where(mask, s, -jnp.inf)
+                    vb = _zero_invalid_keys(vb, k0, kl)
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                p = jnp.exp(s - m_safe[..., None])
+                corr = jnp.exp(m - m_safe)
+                l = l * corr + jnp.sum(p, axis=-1)
+                pv = jnp.einsum("hgqk,hkd->hgqd", p, vb.astype(_F32),
+                                preferred_element_type=_F32)
+                return m_new, l, acc * corr[..., None] + pv
+
+            return body
+
+        carry = _varying_like(
+            axes,
+            jnp.full((U, G, block_q), -jnp.inf, _F32),
+            jnp.zeros((U, G, block_q), _F32),
+            jnp.zeros((U, G, block_q, d), _F32),
+        )
+        carry = lax.fori_loop(0, full, make_body(False), carry)
+        if is_causal:
+            carry = lax.fori_loop(full, hi, make_body(True), carry)
+        m, l, acc = carry
+        has_key = l > 0
+        out = acc / jnp.where(has_key, l, 1.0)[..., None]
+        lse = jnp.where(has_key, m + jnp.log(jnp.where(has_key, l, 1.0)), -jnp.inf)
+        return view.expand_q(out.astype(out_dtype or q.dtype)), view.expand_q(lse)
+
+    out, lse = lax.map(row, jnp.arange(B * nq, dtype=jnp.int32))
+    out = out.reshape(B, nq * block_q, *out.shape[2:])[:, :Lq]
+    lse = lse.reshape(B, nq * block_q, *lse.shape[2:])[:, :Lq]
+    return out, lse
+
+
+def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: BlockSizes,
+             lse, dout, delta, grad_dtype=None, acc=None):
+    """Gradients ``(dq, dk, dv)`` of :func:`forward` in the input layouts, in ``grad_dtype``
+    (default: the input dtypes). ``lse, dout, delta`` are in the output layout;
+    ``delta = output_delta(out, dout, dlse)``. ``acc``: optional ``(dq, dk, dv)`` in the input
+    layouts (e.g. earlier branches' gradients) that the gradients are added into, in float32,
+    without buffers of their own."""
+    kv_len, q_offset, k_offset, is_causal = mask.kv_len, mask.q_offset, mask.k_offset, \
+        mask.is_causal
+    block_q, block_k = block_sizes.backward
+    B, Lq = q.shape[:2]
+    Lk, d = k.shape[1], k.shape[-1]
+    U, G = len(view.kv_index), view.q_per_kv
+    nq, nk = _cdiv(Lq, block_q), _cdiv(Lk, block_k)
+    lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
+    pad_q = functools.partial(_pad_axis, axis=1, size=nq * block_q)
+    qp, dop, lsep, deltap = pad_q(q), pad_q(dout), pad_q(lse_safe), pad_q(delta)
+    kp = _pad_axis(k, 1, nk * block_k)
+    vp = _pad_axis(v, 1, nk * block_k)
+    if kv_len is None and nk * block_k != Lk:
+        kv_len = jnp.full((B, U), Lk, jnp.int32)
+    axes = _varying_axes(q, k, v, kv_len, q_offset, k_offset, dout, delta)
+    out_view = view.output_view()  # reads dout, lse, delta (output layout) per block
+
+    # float32 accumulators in the input layouts, padded to whole blocks; ``acc`` (gradients
+    # of earlier branches) is added into in place, so a branch needs no gradient buffers of
+    # its own. Heads/slots the view does not read receive zeros.
+    if acc is None:
+        acc = _varying_like(axes, *(jnp.zeros(x.shape, _F32) for x in (q, k, v)))
+    dq0 = _pad_axis(acc[0].astype(_F32), 1, nq * block_q)
+    dk0 = _pad_axis(acc[1].astype(_F32), 1, nk * block_k)
+    dv0 = _pad_axis(acc[2].astype(_F32), 1, nk * block_k)
+
+    def add_rows(x, b, start, block):
+        cur = lax.dynamic_slice(x, (b, start) + (0,) * (x.ndim - 2), (1,) + block.shape)
+        return lax.dynamic_update_slice(x, cur + block[None], (b, start) + (0,) * (x.ndim - 2))
+
+    def column(carry, idx):
+        dq, dk_acc, dv_acc = carry
+        bi, kj = idx // nk, idx % nk
+        k0 = kj * block_k
+        kl = None if kv_len is None else kv_len[bi]
+        kb = _zero_invalid_keys(view.select_kv(_slice_rows(kp, bi, k0, block_k)), k0, kl)
+        vb = _zero_invalid_keys(view.select_kv(_slice_rows(vp, bi, k0, block_k)), k0, kl)
+        hi = nq if kl is None else jnp.where(k0 < jnp.max(kl), nq, 0)
+        if is_causal:
+            lo = jnp.clip((k_offset + k0 - q_offset) // block_q, 0, nq)
+            # Query blocks whose first query sees the whole key block need no causal mask.
+            full_lo = jnp.clip(_cdiv(k_offset + k0 + block_k - 1 - q_offset, block_q), lo, nq)
+        else:
+            lo = full_lo = 0
+        hi = jnp.maximum(hi, lo)
+        full_lo = jnp.minimum(full_lo, hi)
+
+        def make_body(causal_block):
+            def body(qi, carry):
+                dk, dv, dq = carry
+                q0 = qi * block_q
+                qb = _scaled(view.select_q(_slice_rows(qp, bi, q0, block_q)), scale)
+                dob = out_view.select_q(_slice_rows(dop, bi, q0, block_q))
+                lse_b = out_view.select_q(_slice_rows(lsep, bi, q0, block_q))
+                del_b = out_view.select_q(_slice_rows(deltap, bi, q0, block_q))
+                s = jnp.einsum("hgqd,hkd->hgqk", qb, kb, preferred_element_type=_F32)
+                q_pos = q_offset + q0 + lax.iota(jnp.int32, block_q)
+                mask = _mask(k0, block_k, kl, q_pos, k_offset, causal_block)
+                if mask is not None:
+                    s = jnp.where(mask, s, -jnp.inf)
+                p = jnp.exp(s - lse_b[..., None])  # (U, G, bq, bk); masked -> 0
+                dv = dv + jnp.einsum("hgqk,hgqd->hkd", p, dob.astype(_F32),
+                                     preferred_element_type=_F32)
+                dp = jnp.einsum("hgqd,hkd->hgqk", dob, vb, preferred_element_type=_F32)
+                # ds stays float32: rounding it to bf16 before the sums over many query
+                # heads (GQA/MQA) and branches costs ~1e-2 relative in dK.
+                ds = p * (dp - del_b[..., None])
+                dk = dk + jnp.einsum("hgqk,hgqd->hkd", ds, qb.astype(_F32),
+                                     preferred_element_type=_F32)
+                dq_b = jnp.einsum("hgqk,hkd->qhgd", ds, kb.astype(_F32),
+                                  preferred_element_type=_F32)
+                dq_b = view.expand_rows_q(dq_b.reshape(block_q, U * G, d) * scale)
+                dq = add_rows(dq, bi, q0, dq_b)
+                return dk, dv, dq
+
+            return body
+
+        carry = _varying_like(axes, jnp.zeros((U, block_k, d), _F32),
+                              jnp.zeros((U, block_k, d), _F32)) + (dq,)
+        if is_causal:
+            carry = lax.fori_loop(lo, full_lo, make_body(True), carry)
+            carry = lax.fori_loop(full_lo, hi, make_body(False), carry)
+        else:
+            carry = lax.fori_loop(lo, hi, make_body(False), carry)
+        dk, dv, dq = carry
+        dk_acc = add_rows(dk_acc, bi, k0, view.expand_kv(dk))
+        dv_acc = add_rows(dv_acc, bi, k0, view.expand_kv(dv))
+        return (dq, dk_acc, dv_acc), None
+
+    (dq, dk, dv), _ = lax.scan(column, (dq0, dk0, dv0), jnp.arange(B * nk, dtype=jnp.int32))
+    return (dq[:, :Lq].astype(grad_dtype or q.dtype), dk[:, :Lk].astype(grad_dtype or k.dtype),
+            dv[:, :Lk].astype(grad_dtype or v.dtype))
+
+
