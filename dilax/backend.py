@@ -70,10 +70,10 @@ def kernels_available() -> dict[str, str]:
 
 def describe(file: TextIO | None = None) -> str:
     """Prints (and returns) backend, devices and available kernels."""
-    import dilax
+    from dilax import __version__
 
     lines = [
-        f"dilax {dilax.__version__}, jax {jax.__version__}",
+        f"dilax {__version__}, jax {jax.__version__}",
         f"backend: {current_backend()}  default implementation: {default_implementation()}",
         f"devices ({jax.device_count()}): " + ", ".join(str(d) for d in jax.devices()[:8])
         + (" ..." if jax.device_count() > 8 else ""),
