@@ -79,14 +79,10 @@ def kernels_available() -> dict[str, str]:
 
 def describe(file: TextIO | None = None) -> str:
     """Prints (and returns) backend, devices and available kernels."""
-    from importlib.metadata import PackageNotFoundError, version
+    from dilax import __version__
 
-    try:
-        dilax_version = version("dilax")
-    except PackageNotFoundError:  # a source checkout that was never installed
-        dilax_version = "(not installed)"
     lines = [
-        f"dilax {dilax_version}, jax {jax.__version__}",
+        f"dilax {__version__}, jax {jax.__version__}",
         f"backend: {current_backend()}  default implementation: {default_implementation()}",
         f"devices ({jax.device_count()}): " + ", ".join(str(d) for d in jax.devices()[:8])
         + (" ..." if jax.device_count() > 8 else ""),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -16,7 +17,9 @@ from dilax.models import (
     DilatedTransformerDecoderLayer,
     DilatedTransformerEncoderLayer,
     LongNet,
+    LongNetConfig,
     LongNetLM,
+    LongNetOptions,
     magneto_gammas,
     xpos,
 )
@@ -304,3 +307,59 @@ def test_model_arguments_are_validated():
     lm = _build(lambda: LongNetLM(10, 16, 4, 0, 1, 32, WS, RS, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="tokens must be an integer array"):
         lm(jnp.zeros((2, 16)))
+
+
+# ----------------------------------------------------------------------------- LongNetConfig
+
+
+def test_config_and_keyword_forms_build_the_same_model():
+    cfg = LongNetConfig(16, 4, 32, [4, 16], [1, 4], num_kv_heads=2, implementation=REF)
+    assert cfg.segment_lengths == WS and cfg.dilation_rates == RS  # normalized: hashable
+    assert hash(cfg) == hash(LongNetConfig(16, 4, 32, WS, RS, num_kv_heads=2,
+                                           implementation=REF))
+    by_kw = LongNetLM(40, 16, 4, 1, 1, 32, WS, RS, num_kv_heads=2, implementation=REF,
+                      rngs=nnx.Rngs(0))
+    by_cfg = LongNetLM(40, num_encoder_layers=1, num_decoder_layers=1, config=cfg,
+                       rngs=nnx.Rngs(0))
+    assert by_cfg.config == by_kw.config == cfg
+    assert nnx.graphdef(by_cfg) == nnx.graphdef(by_kw)
+    jax.tree.map(np.testing.assert_array_equal, _p(by_cfg), _p(by_kw))
+    # every layer runs with the model's config object
+    assert all(layer.config is by_cfg.config for layer in by_cfg.long_net.decoder)
+    # arguments replace the fields of config
+    wide = nnx.eval_shape(lambda: LongNet(32, num_encoder_layers=0, num_decoder_layers=1,
+                                          config=cfg, dropout=0.1, rngs=nnx.Rngs(0)))
+    assert wide.config == cfg.replace(d_model=32, dropout=0.1)
+    # a layer without config keeps its own FFN default (2048), the models the paper's (3072)
+    layer = nnx.eval_shape(lambda: DilatedTransformerEncoderLayer(16, 4, WS, RS,
+                                                                  rngs=nnx.Rngs(0)))
+    assert layer.ffn.linear1.kernel.shape == (16, 2048)
+    assert LongNetConfig().dim_feedforward == 3072
+
+
+def test_config_options_match_the_keyword_type():
+    fields = {f.name for f in dataclasses.fields(LongNetConfig)}
+    sizes = {"d_model", "num_heads", "dim_feedforward", "segment_lengths", "dilation_rates"}
+    assert set(LongNetOptions.__annotations__) == fields - sizes
+
+
+def test_config_is_validated_in_one_place():
+    for bad, match in (
+        (dict(dropout=1.0), "dropout"),
+        (dict(layer_norm_eps=-1.0), "layer_norm_eps"),
+        (dict(activation="relu"), "activation"),
+        (dict(mode="grouped", num_heads=1, d_model=16), "grouped"),
+        (dict(dim_feedforward=0), "dim_feedforward"),
+        (dict(num_kv_heads=3, num_heads=4, d_model=16), "num_kv_heads"),
+        (dict(use_bias=1), "use_bias"),
+        (dict(segment_lengths=(4, 16), dilation_rates=(3, 4)), "divisible"),
+    ):
+        with pytest.raises((ValueError, TypeError), match=match):
+            LongNetConfig(**{"segment_lengths": WS, "dilation_rates": RS, **bad})
+    with pytest.raises(ValueError, match="dropout"):
+        LongNetConfig(dropout=0.5).replace(dropout=2.0)
+    with pytest.raises(TypeError, match=r"LongNet\(\) got unexpected keyword arguments "
+                                        r"\['gamma_init'\]"):
+        LongNet(16, 4, 1, 1, 32, WS, RS, gamma_init=2.0, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="config must be a dilax.models.LongNetConfig"):
+        LongNetLM(10, config=dict(d_model=16), rngs=nnx.Rngs(0))

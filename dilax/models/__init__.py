@@ -1,8 +1,12 @@
 """LongNet models built from :mod:`dilax.nn`."""
 
-from dilax.models.longnet import (
+from dilax.models.config import (
     DEFAULT_DILATION_RATES,
     PAPER_SEGMENT_LENGTHS,
+    LongNetConfig,
+    LongNetOptions,
+)
+from dilax.models.longnet import (
     XPOS,
     DilatedTransformerDecoderLayer,
     DilatedTransformerEncoderLayer,
@@ -19,7 +23,9 @@ __all__ = [
     "DilatedTransformerDecoderLayer",
     "DilatedTransformerEncoderLayer",
     "LongNet",
+    "LongNetConfig",
     "LongNetLM",
+    "LongNetOptions",
     "magneto_gammas",
     "xpos",
 ]

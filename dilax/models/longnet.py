@@ -12,8 +12,7 @@ The attention is :class:`dilax.nn.MultiheadDilatedAttention` (and so
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -21,19 +20,23 @@ import numpy as np
 from flax import nnx
 
 from dilax import _validation as V
-from dilax.core import BlockSizes
-from dilax.nn._heads import check_dropout, linear_factory
+from dilax.models.config import (
+    DEFAULT_DILATION_RATES,
+    PAPER_SEGMENT_LENGTHS,
+    Branches,
+    LongNetConfig,
+    LongNetOptions,
+    resolve_config,
+)
+from dilax.nn._heads import layer_norm, linear_factory
 from dilax.nn.attention import MultiheadDilatedAttention
-from dilax.ring import SequenceParallel
 
-Dtype = Any
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
-# LongNet paper, Sec. 4.1: segment lengths {2048, ..., 32768}. The paper's dilation rates are
-# (1, 2, 4, 6, 12), but 16384 % 6 and 32768 % 12 are not 0, which the semantics ("w % r == 0")
-# rejects; we use the powers of two (1, 2, 4, 8, 16), which also keep w / r = 2048 dilated
-# positions per segment in every branch.
-PAPER_SEGMENT_LENGTHS: tuple[int, ...] = (2048, 4096, 8192, 16384, 32768)
-DEFAULT_DILATION_RATES: tuple[int, ...] = (1, 2, 4, 8, 16)
+__all__ = ["DEFAULT_DILATION_RATES", "PAPER_SEGMENT_LENGTHS", "XPOS",
+           "DilatedTransformerDecoderLayer", "DilatedTransformerEncoderLayer", "LongNet",
+           "LongNetConfig", "LongNetLM", "LongNetOptions", "magneto_gammas", "xpos"]
 
 
 def magneto_gammas(
@@ -105,26 +108,76 @@ class XPOS(nnx.Module):
         return xpos(x, offset=offset, downscale=downscale, scale_base=self.scale_base)
 
 
+# Layers built without a config: the width of torch.nn.TransformerEncoderLayer's FFN (and
+# dilated-attention-pytorch's layers); the models default to the paper's 3072.
+_LAYER_DEFAULTS = LongNetConfig(dim_feedforward=2048)
+
+
+def _norm(cfg: LongNetConfig, rngs: nnx.Rngs, width: int | None = None) -> nnx.LayerNorm:
+    return layer_norm(cfg.d_model if width is None else width, cfg.layer_norm_eps,
+                      dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
+
+
+def _dropout(cfg: LongNetConfig, rngs: nnx.Rngs) -> nnx.Dropout:
+    return nnx.Dropout(cfg.dropout, rngs=rngs if cfg.keep_rngs and cfg.dropout > 0 else None)
+
+
+def _attention(cfg: LongNetConfig, gamma_init: float, *, layer_norm: bool,
+               rngs: nnx.Rngs) -> MultiheadDilatedAttention:
+    """The multi-head dilated attention of a layer of ``cfg``."""
+    return MultiheadDilatedAttention(
+        cfg.d_model, cfg.num_heads, cfg.segment_lengths, cfg.dilation_rates,
+        num_kv_heads=cfg.num_kv_heads, dropout=cfg.dropout, use_bias=cfg.use_bias,
+        layer_norm=layer_norm, layer_norm_eps=cfg.layer_norm_eps, gamma_init=gamma_init,
+        mode=cfg.mode, implementation=cfg.implementation, block_sizes=cfg.block_sizes,
+        sequence_parallel=cfg.sequence_parallel, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+        keep_rngs=cfg.keep_rngs, rngs=rngs,
+    )
+
+
 class _FeedForward(nnx.Module):
     """MAGNETO FFN: ``linear2(LN(dropout(act(linear1(x)))))``."""
 
-    def __init__(self, d_model, dim_feedforward, *, activation, dropout, layer_norm_eps,
-                 gamma_init, use_bias, dtype, param_dtype, keep_rngs, rngs):
-        linear = linear_factory(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                                rngs=rngs)
-        self.activation = activation
-        self.linear1 = linear(d_model, dim_feedforward, gamma_init)
-        self.dropout = nnx.Dropout(dropout, rngs=rngs if keep_rngs and dropout > 0 else None)
-        self.norm = nnx.LayerNorm(dim_feedforward, epsilon=layer_norm_eps, dtype=dtype,
-                                  param_dtype=param_dtype, rngs=rngs)
-        self.linear2 = linear(dim_feedforward, d_model, gamma_init)
+    def __init__(self, cfg: LongNetConfig, gamma_init: float, *, rngs: nnx.Rngs):
+        linear = linear_factory(use_bias=cfg.use_bias, dtype=cfg.dtype,
+                                param_dtype=cfg.param_dtype, rngs=rngs)
+        self.activation = cfg.activation
+        self.linear1 = linear(cfg.d_model, cfg.dim_feedforward, gamma_init)
+        self.dropout = _dropout(cfg, rngs)
+        self.norm = _norm(cfg, rngs, cfg.dim_feedforward)
+        self.linear2 = linear(cfg.dim_feedforward, cfg.d_model, gamma_init)
 
     def __call__(self, x, *, deterministic, rngs):
         x = self.dropout(self.activation(self.linear1(x)), deterministic=deterministic, rngs=rngs)
         return self.linear2(self.norm(x))
 
 
-class DilatedTransformerEncoderLayer(nnx.Module):
+class _Layer(nnx.Module):
+    """What the encoder and decoder layers share: the pre-LN self-attention block (``norm1``,
+    ``self_attn``) first, the pre-LN feed-forward block (``ffn``) and the dropout last."""
+
+    def _init_self_attention(self, cfg: LongNetConfig, gamma_init: float,
+                             rngs: nnx.Rngs) -> None:
+        self.config = cfg
+        self.norm1 = _norm(cfg, rngs)
+        self.self_attn = _attention(cfg, gamma_init, layer_norm=True, rngs=rngs)
+
+    def _init_feed_forward(self, rngs: nnx.Rngs) -> None:
+        # gamma_init as validated by the self-attention
+        self.ffn = _FeedForward(self.config, self.self_attn.gamma_init, rngs=rngs)
+        self.dropout = _dropout(self.config, rngs)
+
+    def _residual(self, x: jax.Array, y: jax.Array, kw: dict) -> jax.Array:
+        return x + self.dropout(y, **kw)
+
+    def _self_attention_block(self, x: jax.Array, is_causal: bool, kw: dict) -> jax.Array:
+        return self._residual(x, self.self_attn(self.norm1(x), is_causal=is_causal, **kw), kw)
+
+    def _feed_forward_block(self, x: jax.Array, norm: nnx.LayerNorm, kw: dict) -> jax.Array:
+        return self._residual(x, self.ffn(norm(x), **kw), kw)
+
+
+class DilatedTransformerEncoderLayer(_Layer):
     """MAGNETO encoder layer with dilated self-attention.
 
     ``x = x + dropout(self_attn(LN(x)))``; ``x = x + dropout(ffn(LN(x)))``, where ``self_attn``
@@ -132,62 +185,40 @@ class DilatedTransformerEncoderLayer(nnx.Module):
     ``linear2(LN(dropout(activation(linear1(x)))))``.
 
     Args:
-      d_model, num_heads, segment_lengths, dilation_rates: width, heads, dilated branches.
-      dim_feedforward: FFN hidden width.
-      num_kv_heads: GQA key/value heads (default ``num_heads``).
-      dropout: residual-branch, FFN-hidden and attention-output dropout rate.
-      activation: FFN nonlinearity (default ReLU, as in LongNet/MAGNETO).
-      layer_norm_eps: LayerNorm epsilon.
+      d_model, num_heads, segment_lengths, dilation_rates, dim_feedforward: width, heads,
+        dilated branches, FFN hidden width; ``None``: those of ``config`` (without a config:
+        the :class:`LongNetConfig` defaults, but ``dim_feedforward`` 2048).
       gamma_init: MAGNETO gain on ``v_proj``, ``out_proj``, ``linear1`` and ``linear2``.
-      mode, use_bias, implementation, block_sizes, sequence_parallel, dtype, param_dtype,
-        keep_rngs, rngs: as in :class:`~dilax.nn.MultiheadDilatedAttention`
-        (``sequence_parallel``: run attention as ring attention over a mesh).
+      config: a :class:`LongNetConfig`; the settings given as arguments replace its fields.
+      rngs: for parameter initialization (and dropout, see ``keep_rngs``).
+      **options: the keyword fields of :class:`LongNetConfig` (:class:`LongNetOptions`):
+        ``num_kv_heads``, ``dropout``, ``activation``, ``layer_norm_eps``, ``mode``,
+        ``use_bias``, ``implementation``, ``block_sizes``, ``sequence_parallel``, ``dtype``,
+        ``param_dtype``, ``keep_rngs``.
 
     ``__call__(x (b, n, d_model), *, is_causal=False) -> (b, n, d_model)``.
     """
 
     def __init__(
         self,
-        d_model: int,
-        num_heads: int,
-        segment_lengths: tuple[int, ...] | list[int],
-        dilation_rates: tuple[int, ...] | list[int],
+        d_model: int | None = None,
+        num_heads: int | None = None,
+        segment_lengths: Branches | None = None,
+        dilation_rates: Branches | None = None,
         *,
-        dim_feedforward: int = 2048,
-        num_kv_heads: int | None = None,
-        dropout: float = 0.0,
-        activation: Callable[[jax.Array], jax.Array] = jax.nn.relu,
-        layer_norm_eps: float = 1e-5,
+        dim_feedforward: int | None = None,
         gamma_init: float = 1.0,
-        mode: str = "mixture",
-        use_bias: bool = True,
-        implementation: str | None = None,
-        block_sizes: BlockSizes | None = None,
-        sequence_parallel: SequenceParallel | None = None,
-        dtype: Dtype | None = None,
-        param_dtype: Dtype = jnp.float32,
-        keep_rngs: bool = True,
+        config: LongNetConfig | None = None,
         rngs: nnx.Rngs,
+        **options: Unpack[LongNetOptions],
     ):
-        dropout = check_dropout(dropout)
-        dim_feedforward = V.static_int(dim_feedforward, "dim_feedforward")
-        if dim_feedforward <= 0:
-            raise ValueError(f"dim_feedforward must be positive, got {dim_feedforward}")
-        common = dict(layer_norm_eps=layer_norm_eps, dtype=dtype, param_dtype=param_dtype,
-                      keep_rngs=keep_rngs, rngs=rngs)
-        self.norm1 = nnx.LayerNorm(d_model, epsilon=layer_norm_eps, dtype=dtype,
-                                   param_dtype=param_dtype, rngs=rngs)
-        self.self_attn = MultiheadDilatedAttention(
-            d_model, num_heads, segment_lengths, dilation_rates, num_kv_heads=num_kv_heads,
-            dropout=dropout, use_bias=use_bias, layer_norm=True, gamma_init=gamma_init, mode=mode,
-            implementation=implementation, block_sizes=block_sizes,
-            sequence_parallel=sequence_parallel, **common,
-        )
-        self.norm2 = nnx.LayerNorm(d_model, epsilon=layer_norm_eps, dtype=dtype,
-                                   param_dtype=param_dtype, rngs=rngs)
-        self.ffn = _FeedForward(d_model, dim_feedforward, activation=activation, dropout=dropout,
-                                gamma_init=gamma_init, use_bias=use_bias, **common)
-        self.dropout = nnx.Dropout(dropout, rngs=rngs if keep_rngs and dropout > 0 else None)
+        cfg = resolve_config(
+            "DilatedTransformerEncoderLayer", config, options, base=_LAYER_DEFAULTS,
+            d_model=d_model, num_heads=num_heads, dim_feedforward=dim_feedforward,
+            segment_lengths=segment_lengths, dilation_rates=dilation_rates)
+        self._init_self_attention(cfg, gamma_init, rngs)
+        self.norm2 = _norm(cfg, rngs)
+        self._init_feed_forward(rngs)
 
     def __call__(
         self,
@@ -198,11 +229,11 @@ class DilatedTransformerEncoderLayer(nnx.Module):
         rngs: nnx.Rngs | None = None,
     ) -> jax.Array:
         kw = dict(deterministic=deterministic, rngs=rngs)
-        x = x + self.dropout(self.self_attn(self.norm1(x), is_causal=is_causal, **kw), **kw)
-        return x + self.dropout(self.ffn(self.norm2(x), **kw), **kw)
+        x = self._self_attention_block(x, is_causal, kw)
+        return self._feed_forward_block(x, self.norm2, kw)
 
 
-class DilatedTransformerDecoderLayer(nnx.Module):
+class DilatedTransformerDecoderLayer(_Layer):
     """MAGNETO decoder layer with dilated self- and cross-attention.
 
     ``x = x + dropout(self_attn(LN(x)))``; ``x = x + dropout(cross_attn(LN(x), memory))``;
@@ -211,64 +242,40 @@ class DilatedTransformerDecoderLayer(nnx.Module):
     ``x`` (dilated attention pairs query and key positions). With ``cross_attention=False`` the
     layer has no cross-attention block (decoder-only models).
 
-    Arguments as in :class:`DilatedTransformerEncoderLayer`.
+    Other arguments as in :class:`DilatedTransformerEncoderLayer`.
 
     ``__call__(x, memory=None, *, is_causal=False, memory_is_causal=False) -> (b, n, d_model)``.
     """
 
     def __init__(
         self,
-        d_model: int,
-        num_heads: int,
-        segment_lengths: tuple[int, ...] | list[int],
-        dilation_rates: tuple[int, ...] | list[int],
+        d_model: int | None = None,
+        num_heads: int | None = None,
+        segment_lengths: Branches | None = None,
+        dilation_rates: Branches | None = None,
         *,
-        dim_feedforward: int = 2048,
-        num_kv_heads: int | None = None,
-        dropout: float = 0.0,
-        activation: Callable[[jax.Array], jax.Array] = jax.nn.relu,
-        layer_norm_eps: float = 1e-5,
+        dim_feedforward: int | None = None,
         gamma_init: float = 1.0,
         cross_attention: bool = True,
-        mode: str = "mixture",
-        use_bias: bool = True,
-        implementation: str | None = None,
-        block_sizes: BlockSizes | None = None,
-        sequence_parallel: SequenceParallel | None = None,
-        dtype: Dtype | None = None,
-        param_dtype: Dtype = jnp.float32,
-        keep_rngs: bool = True,
+        config: LongNetConfig | None = None,
         rngs: nnx.Rngs,
+        **options: Unpack[LongNetOptions],
     ):
-        dropout = check_dropout(dropout)
-        dim_feedforward = V.static_int(dim_feedforward, "dim_feedforward")
-        if dim_feedforward <= 0:
-            raise ValueError(f"dim_feedforward must be positive, got {dim_feedforward}")
+        cfg = resolve_config(
+            "DilatedTransformerDecoderLayer", config, options, base=_LAYER_DEFAULTS,
+            d_model=d_model, num_heads=num_heads, dim_feedforward=dim_feedforward,
+            segment_lengths=segment_lengths, dilation_rates=dilation_rates)
         self.cross_attention = V.check_bool(cross_attention, "cross_attention")
-        common = dict(layer_norm_eps=layer_norm_eps, dtype=dtype, param_dtype=param_dtype,
-                      keep_rngs=keep_rngs, rngs=rngs)
-        attn = dict(num_kv_heads=num_kv_heads, dropout=dropout, use_bias=use_bias,
-                    gamma_init=gamma_init, mode=mode, implementation=implementation,
-                    block_sizes=block_sizes, sequence_parallel=sequence_parallel, **common)
-
-        def norm():
-            return nnx.LayerNorm(d_model, epsilon=layer_norm_eps, dtype=dtype,
-                                 param_dtype=param_dtype, rngs=rngs)
-
-        self.norm1 = norm()
-        self.self_attn = MultiheadDilatedAttention(
-            d_model, num_heads, segment_lengths, dilation_rates, layer_norm=True, **attn)
+        self._init_self_attention(cfg, gamma_init, rngs)
         if self.cross_attention:
-            self.norm2 = norm()
-            self.cross_attn = MultiheadDilatedAttention(
-                d_model, num_heads, segment_lengths, dilation_rates, layer_norm=False, **attn)
+            self.norm2 = _norm(cfg, rngs)
+            self.cross_attn = _attention(cfg, self.self_attn.gamma_init, layer_norm=False,
+                                         rngs=rngs)
         else:
             self.norm2 = nnx.data(None)
             self.cross_attn = nnx.data(None)
-        self.norm3 = norm()
-        self.ffn = _FeedForward(d_model, dim_feedforward, activation=activation, dropout=dropout,
-                                gamma_init=gamma_init, use_bias=use_bias, **common)
-        self.dropout = nnx.Dropout(dropout, rngs=rngs if keep_rngs and dropout > 0 else None)
+        self.norm3 = _norm(cfg, rngs)
+        self._init_feed_forward(rngs)
 
     def __call__(
         self,
@@ -281,16 +288,16 @@ class DilatedTransformerDecoderLayer(nnx.Module):
         rngs: nnx.Rngs | None = None,
     ) -> jax.Array:
         kw = dict(deterministic=deterministic, rngs=rngs)
-        x = x + self.dropout(self.self_attn(self.norm1(x), is_causal=is_causal, **kw), **kw)
+        x = self._self_attention_block(x, is_causal, kw)
         if self.cross_attn is not None:
             if memory is None:
                 raise ValueError("memory must be given to a decoder layer with cross_attention")
             y = self.cross_attn(self.norm2(x), memory, is_causal=memory_is_causal, **kw)
-            x = x + self.dropout(y, **kw)
+            x = self._residual(x, y, kw)
         elif memory is not None:
             raise ValueError("memory was given to a decoder layer built with "
                              "cross_attention=False")
-        return x + self.dropout(self.ffn(self.norm3(x), **kw), **kw)
+        return self._feed_forward_block(x, self.norm3, kw)
 
 
 class LongNet(nnx.Module):
@@ -303,42 +310,39 @@ class LongNet(nnx.Module):
     encoder-only one. MAGNETO gains come from :func:`magneto_gammas`.
 
     Args:
-      d_model, num_heads, num_encoder_layers, num_decoder_layers, dim_feedforward: sizes
-        (paper: 768, 12, 12, 12, 3072).
-      segment_lengths, dilation_rates: dilated branches (paper segment lengths; see
-        ``DEFAULT_DILATION_RATES`` for the rates).
+      d_model, num_heads, dim_feedforward, segment_lengths, dilation_rates: sizes and dilated
+        branches; ``None``: those of ``config`` (default :class:`LongNetConfig`: paper sizes
+        768, 12, 3072, paper segment lengths, ``DEFAULT_DILATION_RATES``).
+      num_encoder_layers, num_decoder_layers: stack depths (paper: 12, 12).
       remat: activation checkpointing (``nnx.remat``) around every layer.
-      dtype: compute dtype (e.g. ``jnp.bfloat16``); ``param_dtype`` stays float32 by default.
-      Others: as in :class:`DilatedTransformerEncoderLayer`.
+      config: a :class:`LongNetConfig`; the settings given as arguments replace its fields.
+      rngs: for parameter initialization.
+      **options: the keyword fields of :class:`LongNetConfig` (``num_kv_heads``, ``dropout``,
+        ``dtype`` (e.g. ``jnp.bfloat16``; ``param_dtype`` stays float32 by default), ...), as in
+        :class:`DilatedTransformerEncoderLayer`.
 
     ``__call__(x (b, n, d_model), *, is_causal=True) -> (b, n, d_model)``.
     """
 
     def __init__(
         self,
-        d_model: int = 768,
-        num_heads: int = 12,
+        d_model: int | None = None,
+        num_heads: int | None = None,
         num_encoder_layers: int = 12,
         num_decoder_layers: int = 12,
-        dim_feedforward: int = 3072,
-        segment_lengths: tuple[int, ...] | list[int] = PAPER_SEGMENT_LENGTHS,
-        dilation_rates: tuple[int, ...] | list[int] = DEFAULT_DILATION_RATES,
+        dim_feedforward: int | None = None,
+        segment_lengths: Branches | None = None,
+        dilation_rates: Branches | None = None,
         *,
-        num_kv_heads: int | None = None,
-        dropout: float = 0.0,
-        activation: Callable[[jax.Array], jax.Array] = jax.nn.relu,
-        layer_norm_eps: float = 1e-5,
-        mode: str = "mixture",
-        use_bias: bool = True,
         remat: bool = False,
-        implementation: str | None = None,
-        block_sizes: BlockSizes | None = None,
-        sequence_parallel: SequenceParallel | None = None,
-        dtype: Dtype | None = None,
-        param_dtype: Dtype = jnp.float32,
-        keep_rngs: bool = True,
+        config: LongNetConfig | None = None,
         rngs: nnx.Rngs,
+        **options: Unpack[LongNetOptions],
     ):
+        cfg = resolve_config(
+            "LongNet", config, options, d_model=d_model, num_heads=num_heads,
+            dim_feedforward=dim_feedforward, segment_lengths=segment_lengths,
+            dilation_rates=dilation_rates)
         n_enc = V.static_int(num_encoder_layers, "num_encoder_layers")
         n_dec = V.static_int(num_decoder_layers, "num_decoder_layers")
         if n_enc < 0 or n_dec < 0 or n_enc + n_dec == 0:
@@ -346,24 +350,17 @@ class LongNet(nnx.Module):
                 "num_encoder_layers and num_decoder_layers must be >= 0 and not both 0, got "
                 f"num_encoder_layers={n_enc}, num_decoder_layers={n_dec}"
             )
+        self.config = cfg
         self.remat = V.check_bool(remat, "remat")
-        self.d_model = V.static_int(d_model, "d_model")
+        self.d_model = cfg.d_model
         self.encoder_gamma, self.decoder_gamma = magneto_gammas(n_enc, n_dec)
-        layer_kw = dict(
-            dim_feedforward=dim_feedforward, num_kv_heads=num_kv_heads, dropout=dropout,
-            activation=activation, layer_norm_eps=layer_norm_eps, mode=mode, use_bias=use_bias,
-            implementation=implementation, block_sizes=block_sizes,
-            sequence_parallel=sequence_parallel, dtype=dtype, param_dtype=param_dtype,
-            keep_rngs=keep_rngs, rngs=rngs,
-        )
-        args = (d_model, num_heads, segment_lengths, dilation_rates)
         self.encoder = nnx.List([
-            DilatedTransformerEncoderLayer(*args, gamma_init=self.encoder_gamma, **layer_kw)
+            DilatedTransformerEncoderLayer(gamma_init=self.encoder_gamma, config=cfg, rngs=rngs)
             for _ in range(n_enc)
         ])
         self.decoder = nnx.List([
-            DilatedTransformerDecoderLayer(*args, gamma_init=self.decoder_gamma,
-                                           cross_attention=n_enc > 0, **layer_kw)
+            DilatedTransformerDecoderLayer(gamma_init=self.decoder_gamma,
+                                           cross_attention=n_enc > 0, config=cfg, rngs=rngs)
             for _ in range(n_dec)
         ])
 
@@ -408,7 +405,11 @@ class LongNetLM(nnx.Module):
 
     Args:
       num_tokens: vocabulary size.
-      d_model: width (even, for XPOS). Everything else as in :class:`LongNet`.
+      d_model: width (even, for XPOS).
+      xpos_scale_base: the XPOS scale base (see :func:`xpos`).
+      Everything else as in :class:`LongNet`, e.g.
+      ``LongNetLM(256, config=LongNetConfig(64, 4, 128, (16, 32), (1, 2)),
+      num_encoder_layers=0, num_decoder_layers=2, rngs=nnx.Rngs(0))``.
 
     ``__call__(tokens (b, n) int, *, is_causal=True) -> logits (b, n, num_tokens)`` in the
     compute dtype.
@@ -417,53 +418,44 @@ class LongNetLM(nnx.Module):
     def __init__(
         self,
         num_tokens: int,
-        d_model: int = 768,
-        num_heads: int = 12,
+        d_model: int | None = None,
+        num_heads: int | None = None,
         num_encoder_layers: int = 12,
         num_decoder_layers: int = 12,
-        dim_feedforward: int = 3072,
-        segment_lengths: tuple[int, ...] | list[int] = PAPER_SEGMENT_LENGTHS,
-        dilation_rates: tuple[int, ...] | list[int] = DEFAULT_DILATION_RATES,
+        dim_feedforward: int | None = None,
+        segment_lengths: Branches | None = None,
+        dilation_rates: Branches | None = None,
         *,
-        num_kv_heads: int | None = None,
-        dropout: float = 0.0,
-        activation: Callable[[jax.Array], jax.Array] = jax.nn.relu,
-        layer_norm_eps: float = 1e-5,
-        mode: str = "mixture",
-        use_bias: bool = True,
         remat: bool = False,
         xpos_scale_base: float = 512.0,
-        implementation: str | None = None,
-        block_sizes: BlockSizes | None = None,
-        sequence_parallel: SequenceParallel | None = None,
-        dtype: Dtype | None = None,
-        param_dtype: Dtype = jnp.float32,
-        keep_rngs: bool = True,
+        config: LongNetConfig | None = None,
         rngs: nnx.Rngs,
+        **options: Unpack[LongNetOptions],
     ):
         num_tokens = V.static_int(num_tokens, "num_tokens")
         if num_tokens <= 0:
             raise ValueError(f"num_tokens must be positive, got {num_tokens}")
-        if V.static_int(d_model, "d_model") % 2:
-            raise ValueError(f"d_model must be even (XPOS rotates feature pairs), got {d_model}")
+        cfg = resolve_config(
+            "LongNetLM", config, options, d_model=d_model, num_heads=num_heads,
+            dim_feedforward=dim_feedforward, segment_lengths=segment_lengths,
+            dilation_rates=dilation_rates)
+        if cfg.d_model % 2:
+            raise ValueError(f"d_model must be even (XPOS rotates feature pairs), got "
+                             f"{cfg.d_model}")
+        self.config = cfg
         self.num_tokens = num_tokens
         self.token_embedding = nnx.Embed(
-            num_tokens, d_model, embedding_init=jax.nn.initializers.normal(1.0), dtype=dtype,
-            param_dtype=param_dtype, rngs=rngs,
+            num_tokens, cfg.d_model, embedding_init=jax.nn.initializers.normal(1.0),
+            dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs,
         )
         self.pos_embedding = XPOS(xpos_scale_base)
-        self.long_net = LongNet(
-            d_model, num_heads, num_encoder_layers, num_decoder_layers, dim_feedforward,
-            segment_lengths, dilation_rates, num_kv_heads=num_kv_heads, dropout=dropout,
-            activation=activation, layer_norm_eps=layer_norm_eps, mode=mode, use_bias=use_bias,
-            remat=remat, implementation=implementation, block_sizes=block_sizes,
-            sequence_parallel=sequence_parallel, dtype=dtype, param_dtype=param_dtype,
-            keep_rngs=keep_rngs, rngs=rngs,
-        )
-        self.norm = nnx.LayerNorm(d_model, epsilon=layer_norm_eps, dtype=dtype,
-                                  param_dtype=param_dtype, rngs=rngs)
-        self.out = linear_factory(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                                  rngs=rngs)(d_model, num_tokens, 1.0)
+        self.long_net = LongNet(num_encoder_layers=num_encoder_layers,
+                                num_decoder_layers=num_decoder_layers, remat=remat,
+                                config=cfg, rngs=rngs)
+        self.norm = _norm(cfg, rngs)
+        self.out = linear_factory(use_bias=cfg.use_bias, dtype=cfg.dtype,
+                                  param_dtype=cfg.param_dtype, rngs=rngs)(
+            cfg.d_model, num_tokens, 1.0)
 
     def __call__(
         self,

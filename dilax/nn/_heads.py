@@ -78,6 +78,51 @@ def linear_factory(*, use_bias: bool, dtype, param_dtype, rngs: nnx.Rngs
     return linear
 
 
+def layer_norm(width: int, eps: float, *, dtype, param_dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    """``nnx.LayerNorm(width)`` with the given epsilon and dtypes (the models' only norm)."""
+    return nnx.LayerNorm(width, epsilon=eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+
+def init_projections(module, embed_dim: int, num_heads: int, num_kv_heads: int, gain: float, *,
+                     use_bias: bool, dtype, param_dtype, rngs: nnx.Rngs
+                     ) -> Callable[[bool, float], None]:
+    """Sets ``module.embed_dim``, ``num_heads``, ``num_kv_heads``, ``head_dim`` and
+    ``gamma_init`` and creates ``q_proj``/``k_proj`` (gain 1) and ``v_proj`` (gain ``gain``),
+    for already validated sizes (:func:`check_heads`, :func:`check_dropout_and_gain`).
+
+    Returns ``finish(layer_norm, layer_norm_eps)``, which creates ``module.norm`` (the MAGNETO
+    sub-LayerNorm, or None) and ``module.out_proj`` (gain ``gain``). It is a second call so
+    that a module can create what lies between (attention, dropout) in its own order: the
+    order in which layers draw initialization keys decides the initial parameters.
+    """
+    module.embed_dim = embed_dim
+    module.num_heads = num_heads
+    module.num_kv_heads = num_kv_heads
+    module.head_dim = embed_dim // num_heads
+    module.gamma_init = gain
+    kv_dim = num_kv_heads * module.head_dim
+    linear = linear_factory(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    module.q_proj = linear(embed_dim, embed_dim, 1.0)
+    module.k_proj = linear(embed_dim, kv_dim, 1.0)
+    module.v_proj = linear(embed_dim, kv_dim, gain)
+
+    def finish(with_norm: bool, layer_norm_eps: float) -> None:
+        module.norm = (layer_norm(embed_dim, layer_norm_eps, dtype=dtype,
+                                  param_dtype=param_dtype, rngs=rngs)
+                       if with_norm else nnx.data(None))
+        module.out_proj = linear(embed_dim, embed_dim, gain)
+
+    return finish
+
+
+def output_projection(module, x: jax.Array) -> jax.Array:
+    """``module.out_proj(module.norm(x))`` of the (dropped-out) attention output
+    ``x (b, n, E)``; the norm is skipped when the module has none."""
+    if module.norm is not None:
+        x = module.norm(x)
+    return module.out_proj(x)
+
+
 def project_qkv(module, query: jax.Array, key: jax.Array | None, value: jax.Array | None):
     """``module.{q,k,v}_proj`` of ``query (b, n, E)``, ``key`` (default: ``query``) and
     ``value`` (default: ``key``), split into heads: ``q (b, n, h, Dh)``, ``k, v (b, m, hk, Dh)``.

@@ -21,7 +21,8 @@ from dilax.dilated import dilated_attention
 from dilax.nn._heads import (
     check_dropout_and_gain,
     check_heads,
-    linear_factory,
+    init_projections,
+    output_projection,
     project_qkv,
     xavier_normal,
 )
@@ -30,6 +31,21 @@ from dilax.ring import SequenceParallel
 __all__ = ["DilatedAttention", "MultiheadDilatedAttention", "xavier_normal"]
 
 Dtype = Any
+
+
+def check_sequence_parallel(sequence_parallel: SequenceParallel | None,
+                            implementation: str | None) -> SequenceParallel | None:
+    """``sequence_parallel`` if it is None or a :class:`dilax.SequenceParallel` that can run
+    ``implementation`` (the ring runs the XLA core: None or ``"xla"``)."""
+    if sequence_parallel is None:
+        return None
+    if not isinstance(sequence_parallel, SequenceParallel):
+        raise TypeError("sequence_parallel must be a dilax.SequenceParallel or None, got "
+                        f"{type(sequence_parallel).__name__}")
+    if implementation not in (None, "xla"):
+        raise ValueError("sequence_parallel runs the XLA core on every device: implementation "
+                         f"must be None or 'xla', got {implementation!r}")
+    return sequence_parallel
 
 
 class DilatedAttention(nnx.Module):
@@ -64,15 +80,8 @@ class DilatedAttention(nnx.Module):
     ):
         cfg = check_options(segment_lengths, dilation_rates, mode=mode, is_causal=is_causal,
                             scale=scale, implementation=implementation, block_sizes=block_sizes)
-        if sequence_parallel is not None:
-            if not isinstance(sequence_parallel, SequenceParallel):
-                raise TypeError("sequence_parallel must be a dilax.SequenceParallel or None, got "
-                                f"{type(sequence_parallel).__name__}")
-            if cfg["implementation"] not in (None, "xla"):
-                raise ValueError("sequence_parallel runs the XLA core on every device: "
-                                 "implementation must be None or 'xla', got "
-                                 f"{cfg['implementation']!r}")
-        self.sequence_parallel: SequenceParallel | None = sequence_parallel
+        self.sequence_parallel = check_sequence_parallel(sequence_parallel,
+                                                         cfg["implementation"])
         self.segment_lengths: tuple[int, ...] = cfg["segment_lengths"]
         self.dilation_rates: tuple[int, ...] = cfg["dilation_rates"]
         self.mode: str = cfg["mode"]
@@ -149,28 +158,14 @@ class MultiheadDilatedAttention(nnx.Module):
     ):
         embed_dim, num_heads, num_kv_heads = check_heads(embed_dim, num_heads, num_kv_heads)
         dropout, gain = check_dropout_and_gain(dropout, gamma_init)
-        self.embed_dim = embed_dim
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = embed_dim // num_heads
-        self.gamma_init = gain
-        kv_dim = num_kv_heads * self.head_dim
-
-        linear = linear_factory(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                                rngs=rngs)
-        self.q_proj = linear(embed_dim, embed_dim, 1.0)
-        self.k_proj = linear(embed_dim, kv_dim, 1.0)
-        self.v_proj = linear(embed_dim, kv_dim, gain)
+        finish = init_projections(self, embed_dim, num_heads, num_kv_heads, gain,
+                                  use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                                  rngs=rngs)
         self.attention = DilatedAttention(segment_lengths, dilation_rates, mode=mode, scale=scale,
                                           implementation=implementation, block_sizes=block_sizes,
                                           sequence_parallel=sequence_parallel)
         self.dropout = nnx.Dropout(dropout, rngs=rngs if keep_rngs and dropout > 0 else None)
-        self.norm = (
-            nnx.LayerNorm(embed_dim, epsilon=layer_norm_eps, dtype=dtype, param_dtype=param_dtype,
-                          rngs=rngs)
-            if layer_norm else nnx.data(None)
-        )
-        self.out_proj = linear(embed_dim, embed_dim, gain)
+        finish(layer_norm, layer_norm_eps)
 
     def __call__(
         self,
@@ -185,9 +180,5 @@ class MultiheadDilatedAttention(nnx.Module):
         """``query (b, n, E)``, ``key``/``value (b, n, E)`` (default: ``query``, and ``value``
         defaults to ``key``) -> ``(b, n, E)``."""
         q, k, v = project_qkv(self, query, key, value)
-        b, n, _ = query.shape
-        x = self.attention(q, k, v, is_causal=is_causal).reshape(b, n, self.embed_dim)
-        x = self.dropout(x, deterministic=deterministic, rngs=rngs)
-        if self.norm is not None:
-            x = self.norm(x)
-        return self.out_proj(x)
+        x = self.attention(q, k, v, is_causal=is_causal).reshape(query.shape)
+        return output_projection(self, self.dropout(x, deterministic=deterministic, rngs=rngs))

@@ -8,7 +8,13 @@ from flax import nnx
 
 from dilax import _validation as V
 from dilax.block_sparse import IMPLEMENTATIONS, block_sparse_attention
-from dilax.nn._heads import check_dropout_and_gain, check_heads, linear_factory, project_qkv
+from dilax.nn._heads import (
+    check_dropout_and_gain,
+    check_heads,
+    init_projections,
+    output_projection,
+    project_qkv,
+)
 from dilax.patterns import BlockSparsePattern
 
 
@@ -109,25 +115,11 @@ class BlockSparseMultiheadAttention(nnx.Module):
                 f"({num_heads})"
             )
         dropout, gain = check_dropout_and_gain(dropout, gamma_init)
-        self.embed_dim = embed_dim
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = embed_dim // num_heads
         self.pattern = pattern
-        self.gamma_init = gain
-        kv_dim = num_kv_heads * self.head_dim
-
-        linear = linear_factory(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                                rngs=rngs)
-        self.q_proj = linear(embed_dim, embed_dim, 1.0)
-        self.k_proj = linear(embed_dim, kv_dim, 1.0)
-        self.v_proj = linear(embed_dim, kv_dim, self.gamma_init)
-        self.norm = (
-            nnx.LayerNorm(embed_dim, epsilon=layer_norm_eps, dtype=dtype,
-                          param_dtype=param_dtype, rngs=rngs)
-            if layer_norm else None
-        )
-        self.out_proj = linear(embed_dim, embed_dim, self.gamma_init)
+        finish = init_projections(self, embed_dim, num_heads, num_kv_heads, gain,
+                                  use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                                  rngs=rngs)
+        finish(layer_norm, layer_norm_eps)
         self.dropout = nnx.Dropout(float(dropout), rngs=rngs) if dropout > 0 else None
 
     def __call__(
@@ -142,11 +134,7 @@ class BlockSparseMultiheadAttention(nnx.Module):
         """``query``, ``key``, ``value``: ``(b, n, embed_dim)`` (key defaults to query, value to
         key). Returns ``(b, n, embed_dim)``."""
         q, k, v = project_qkv(self, query, key, value)
-        b, n, _ = query.shape
-        x = block_sparse_attention(q, k, v, self.pattern, is_causal=is_causal)
-        x = x.reshape(b, n, self.embed_dim)
+        x = block_sparse_attention(q, k, v, self.pattern, is_causal=is_causal).reshape(query.shape)
         if self.dropout is not None:
             x = self.dropout(x, deterministic=deterministic)
-        if self.norm is not None:
-            x = self.norm(x)
-        return self.out_proj(x)
+        return output_projection(self, x)

@@ -1,0 +1,165 @@
+"""One value for the settings every LongNet layer and model shares: :class:`LongNetConfig`.
+
+The encoder and decoder layers, :class:`~dilax.models.LongNet` and
+:class:`~dilax.models.LongNetLM` all take ``config=`` and, as before, the same settings as
+arguments; :func:`resolve_config` is the one place that turns those arguments into a validated
+config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, TypedDict
+
+import jax
+import jax.numpy as jnp
+
+from dilax import _validation as V
+from dilax.attention_fn import check_options
+from dilax.core import BlockSizes
+from dilax.nn._heads import check_dropout, check_heads
+from dilax.nn.attention import check_sequence_parallel
+from dilax.ring import SequenceParallel
+
+Dtype = Any
+Branches = tuple[int, ...] | list[int]
+
+# LongNet paper, Sec. 4.1: segment lengths {2048, ..., 32768}. The paper's dilation rates are
+# (1, 2, 4, 6, 12), but 16384 % 6 and 32768 % 12 are not 0, which the semantics ("w % r == 0")
+# rejects; we use the powers of two (1, 2, 4, 8, 16), which also keep w / r = 2048 dilated
+# positions per segment in every branch.
+PAPER_SEGMENT_LENGTHS: tuple[int, ...] = (2048, 4096, 8192, 16384, 32768)
+DEFAULT_DILATION_RATES: tuple[int, ...] = (1, 2, 4, 8, 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class LongNetConfig:
+    """The settings shared by the LongNet layers, :class:`LongNet` and :class:`LongNetLM`.
+
+    Frozen and hashable (modules keep it as static metadata); validated and normalized once,
+    when it is built (``segment_lengths``/``dilation_rates`` become tuples of ints). Defaults:
+    the LongNet paper's base model (Sec. 4.1). What is not shared stays an argument of the
+    module that uses it: ``gamma_init`` and ``cross_attention`` (layers), the layer counts and
+    ``remat`` (:class:`LongNet`), ``num_tokens`` and ``xpos_scale_base`` (:class:`LongNetLM`).
+
+    Fields:
+      d_model: model width; ``d_model % num_heads == 0``.
+      num_heads: query heads.
+      dim_feedforward: FFN hidden width.
+      segment_lengths, dilation_rates: the dilated branches ``(w_i, r_i)``, ``w_i % r_i == 0``
+        (paper segment lengths; see ``DEFAULT_DILATION_RATES`` for the rates).
+      num_kv_heads: GQA key/value heads (``None``: ``num_heads``); must divide ``num_heads``.
+      dropout: residual-branch, FFN-hidden and attention-output dropout rate, in ``[0, 1)``.
+      activation: FFN nonlinearity (default ReLU, as in LongNet/MAGNETO).
+      layer_norm_eps: LayerNorm epsilon (``>= 0``).
+      mode: ``"mixture"`` (LongNet Eq. 10) or ``"grouped"`` (dilated-attention-pytorch).
+      use_bias: biases on every linear layer (initialized to zero).
+      implementation, block_sizes: forwarded to :func:`dilax.dilated_attention`.
+      sequence_parallel: a :class:`dilax.SequenceParallel`: every attention runs as ring
+        attention over its mesh (``implementation`` must then be None or ``"xla"``).
+      dtype: compute dtype (e.g. ``jnp.bfloat16``; ``None``: from inputs and parameters).
+      param_dtype: parameter dtype.
+      keep_rngs: keep a forked ``dropout`` stream of the constructor's ``rngs`` (only when
+        ``dropout > 0``); with ``False`` pass ``rngs`` at call time.
+
+    Raises:
+      ValueError / TypeError: naming the first invalid field.
+    """
+
+    d_model: int = 768
+    num_heads: int = 12
+    dim_feedforward: int = 3072
+    segment_lengths: tuple[int, ...] = PAPER_SEGMENT_LENGTHS
+    dilation_rates: tuple[int, ...] = DEFAULT_DILATION_RATES
+    _: dataclasses.KW_ONLY
+    num_kv_heads: int | None = None
+    dropout: float = 0.0
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.relu
+    layer_norm_eps: float = 1e-5
+    mode: str = "mixture"
+    use_bias: bool = True
+    implementation: str | None = None
+    block_sizes: BlockSizes | None = None
+    sequence_parallel: SequenceParallel | None = None
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    keep_rngs: bool = True
+
+    def __post_init__(self):
+        d_model, num_heads, num_kv_heads = check_heads(self.d_model, self.num_heads,
+                                                       self.num_kv_heads)
+        dim_feedforward = V.static_int(self.dim_feedforward, "dim_feedforward")
+        if dim_feedforward <= 0:
+            raise ValueError(f"dim_feedforward must be positive, got {dim_feedforward}")
+        dilated = check_options(self.segment_lengths, self.dilation_rates, mode=self.mode,
+                                implementation=self.implementation,
+                                block_sizes=self.block_sizes)
+        V.check_mode(self.mode, num_heads, len(dilated["segment_lengths"]))
+        eps = V.check_real(self.layer_norm_eps, "layer_norm_eps")
+        if not (math.isfinite(eps) and eps >= 0):
+            raise ValueError(f"layer_norm_eps must be finite and >= 0, got {eps}")
+        if not callable(self.activation):
+            raise TypeError(f"activation must be callable, got {self.activation!r}")
+        normalized = dict(
+            d_model=d_model, num_heads=num_heads,
+            num_kv_heads=None if self.num_kv_heads is None else num_kv_heads,
+            dim_feedforward=dim_feedforward, segment_lengths=dilated["segment_lengths"],
+            dilation_rates=dilated["dilation_rates"], dropout=check_dropout(self.dropout),
+            layer_norm_eps=eps, use_bias=V.check_bool(self.use_bias, "use_bias"),
+            sequence_parallel=check_sequence_parallel(self.sequence_parallel,
+                                                      self.implementation),
+            keep_rngs=V.check_bool(self.keep_rngs, "keep_rngs"),
+        )
+        for name, value in normalized.items():
+            object.__setattr__(self, name, value)
+
+    def replace(self, **changes: Any) -> LongNetConfig:
+        """A copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+
+class LongNetOptions(TypedDict, total=False):
+    """The keyword-only fields of :class:`LongNetConfig`: the type of the ``**options`` that
+    the layers, :class:`LongNet` and :class:`LongNetLM` accept (an IDE lists them)."""
+
+    num_kv_heads: int | None
+    dropout: float
+    activation: Callable[[jax.Array], jax.Array]
+    layer_norm_eps: float
+    mode: str
+    use_bias: bool
+    implementation: str | None
+    block_sizes: BlockSizes | None
+    sequence_parallel: SequenceParallel | None
+    dtype: Dtype | None
+    param_dtype: Dtype
+    keep_rngs: bool
+
+
+_SIZES = ("d_model", "num_heads", "dim_feedforward", "segment_lengths", "dilation_rates")
+_OPTIONS = tuple(f.name for f in dataclasses.fields(LongNetConfig) if f.name not in _SIZES)
+
+
+def resolve_config(owner: str, config: LongNetConfig | None, options: dict[str, Any], *,
+                   base: LongNetConfig | None = None, **sizes: Any) -> LongNetConfig:
+    """The config a constructor runs with: ``config`` (default ``base``, else
+    ``LongNetConfig()``) with the settings given as arguments replaced.
+
+    ``sizes`` are the constructor's size arguments (``d_model``, ``num_heads``,
+    ``dim_feedforward``, ``segment_lengths``, ``dilation_rates``), ``None`` where not given;
+    ``options`` its ``**options`` (every key given, ``None`` included, replaces the field).
+    ``owner`` names the constructor in the error for an unknown keyword.
+    """
+    if config is None:
+        config = LongNetConfig() if base is None else base
+    elif not isinstance(config, LongNetConfig):
+        raise TypeError(f"config must be a dilax.models.LongNetConfig or None, got "
+                        f"{type(config).__name__}")
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(f"{owner}() got unexpected keyword arguments {unknown}; its settings are "
+                        f"the fields of LongNetConfig: {_SIZES + _OPTIONS}")
+    changes = {k: v for k, v in sizes.items() if v is not None} | options
+    return config.replace(**changes) if changes else config

@@ -1,0 +1,76 @@
+"""Train a small character-level LongNet LM: ``python -m dilax.train``.
+
+Decoder-only :class:`dilax.models.LongNetLM` on the shipped corpus (``dilax/data/fables.txt``),
+optax AdamW with linear warmup + cosine decay and global-norm clipping, an ``nnx.jit`` train
+step that donates the model and optimizer state, eval loss, Orbax checkpoints (``--resume``)
+and a sampled continuation at the end. Losses are in nats per character.
+
+Determinism: the batch of step ``s`` is drawn from ``numpy.random.default_rng([seed, s])`` and
+the dropout key is ``fold_in(key(seed), s)``, so a run's only state is (parameters, optimizer
+state, step). A checkpoint stores exactly that, and stopping at step ``k`` and resuming
+reproduces the uninterrupted loss curve bit for bit (same machine and software).
+
+Checkpoint layout (``--checkpoint-dir DIR``): ``DIR/<step>/state`` (Orbax arrays: model and
+optimizer) and ``DIR/<step>/meta`` (JSON: model and training config, step, and a SHA-256 of the
+state used to detect corruption). Resuming refuses a checkpoint whose model config differs.
+
+Modules: ``config`` (the configs and their checks, the character tokenizer, the data batches),
+``steps`` (model, optimizer, loss, train and eval steps), ``checkpoints`` (Orbax save/restore
+and the resume checks), ``sampling``, ``loop`` (:func:`train`) and ``cli`` (:func:`main`).
+"""
+
+from dilax.train.checkpoints import (
+    CHECKPOINT_FORMAT,
+    CheckpointError,
+    read_checkpoint_meta,
+    restore_checkpoint,
+    save_checkpoint,
+    state_checksum,
+)
+from dilax.train.checkpoints import _state_tree as _state_tree  # the saved tree (tests)
+from dilax.train.cli import build_parser, configs_from_args, configs_from_argv, main
+from dilax.train.config import (
+    CharTokenizer,
+    ModelConfig,
+    TrainConfig,
+    check_model_config,
+    check_train_config,
+    eval_batches,
+    split_corpus,
+    train_batch,
+    unigram_entropy,
+)
+from dilax.train.loop import TrainResult, train
+from dilax.train.sampling import sample
+from dilax.train.steps import eval_step, lm_loss, make_model, make_optimizer, make_tx, train_step
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "CharTokenizer",
+    "CheckpointError",
+    "ModelConfig",
+    "TrainConfig",
+    "TrainResult",
+    "build_parser",
+    "check_model_config",
+    "check_train_config",
+    "configs_from_args",
+    "configs_from_argv",
+    "eval_batches",
+    "eval_step",
+    "lm_loss",
+    "main",
+    "make_model",
+    "make_optimizer",
+    "make_tx",
+    "read_checkpoint_meta",
+    "restore_checkpoint",
+    "sample",
+    "save_checkpoint",
+    "split_corpus",
+    "state_checksum",
+    "train",
+    "train_batch",
+    "train_step",
+    "unigram_entropy",
+]

@@ -1,0 +1,215 @@
+"""Orbax checkpoints: save, restore, and the checks that make a resume exact or refuse it.
+
+Layout: ``DIR/<step>/state`` (Orbax arrays: model and optimizer) and ``DIR/<step>/meta`` (JSON:
+model and training config, step, and a SHA-256 of the state used to detect corruption).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dilax.train.config import ModelConfig, TrainConfig
+
+CHECKPOINT_FORMAT = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, unreadable, corrupt, or from another model configuration."""
+
+
+def _state_tree(model: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, Any]:
+    return {"model": nnx.to_pure_dict(nnx.state(model)),
+            "optimizer": nnx.to_pure_dict(nnx.state(optimizer))}
+
+
+def state_checksum(tree: Any) -> str:
+    """SHA-256 over every leaf's path, dtype, shape and bytes."""
+    h = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        a = np.asarray(leaf)
+        h.update(f"{jax.tree_util.keystr(path)}|{a.dtype}|{a.shape}|".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def _manager(directory: str | Path, keep: int = 3, create: bool = True):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(
+        Path(directory).absolute(),
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=create),
+    )
+
+
+def save_checkpoint(directory: str | Path, step: int, model: nnx.Module,
+                    optimizer: nnx.Optimizer, model_cfg: ModelConfig, train_cfg: TrainConfig,
+                    keep: int = 3) -> Path:
+    """Writes ``directory/<step>`` (state + JSON meta) and waits until it is on disk."""
+    import orbax.checkpoint as ocp
+
+    tree = _state_tree(model, optimizer)
+    meta = {
+        "format": CHECKPOINT_FORMAT, "step": int(step), "model_config": model_cfg.to_json(),
+        "train_config": dataclasses.asdict(train_cfg), "checksum": state_checksum(tree),
+    }
+    mngr = _manager(directory, keep)
+    try:
+        mngr.save(int(step), args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
+                                                     meta=ocp.args.JsonSave(meta)), force=True)
+        mngr.wait_until_finished()
+    finally:
+        mngr.close()
+    return Path(directory).absolute() / str(int(step))
+
+
+def _existing_steps(directory: str | Path) -> list[int]:
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def read_checkpoint_meta(directory: str | Path, step: int | None = None) -> tuple[int, dict]:
+    """Returns ``(step, meta)`` of the latest (or given) checkpoint in ``directory``."""
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).absolute()
+    if not directory.is_dir():
+        raise CheckpointError(f"no checkpoint found: checkpoint directory {directory} "
+                              "does not exist")
+    mngr = _manager(directory, create=False)
+    try:
+        steps = sorted(mngr.all_steps())
+        if not steps:
+            raise CheckpointError(f"no checkpoint found in {directory}")
+        step = steps[-1] if step is None else int(step)
+        if step not in steps:
+            raise CheckpointError(f"no checkpoint for step {step} in {directory} "
+                                  f"(available: {steps})")
+        try:
+            meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {directory / str(step)} is corrupt or "
+                                  f"incomplete: cannot read its meta JSON ({e})") from e
+    finally:
+        mngr.close()
+    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"checkpoint {directory / str(step)} has an unknown format "
+                              f"(meta: {str(meta)[:200]})")
+    return step, meta
+
+
+def _check_model_config(meta: dict, model_cfg: ModelConfig, where: str | Path) -> None:
+    saved, now = meta.get("model_config") or {}, model_cfg.to_json()
+    if saved != now:
+        diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        raise CheckpointError(
+            f"checkpoint {where} was written for a different model config; differing fields: "
+            f"{diff} (checkpoint: { {k: saved.get(k) for k in diff} }, now: "
+            f"{ {k: now.get(k) for k in diff} }). Use the same model flags or another "
+            "--checkpoint-dir."
+        )
+
+
+_TRAJECTORY_FIELDS = ("steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay",
+                      "clip_norm", "seed")
+
+
+def _check_train_config_unchanged(meta: dict, cfg: TrainConfig) -> dict[str, tuple]:
+    """The trajectory fields that differ from the checkpoint's, ``{name: (checkpoint, now)}``;
+    raises unless ``cfg.allow_config_change``."""
+    saved = meta.get("train_config") or {}
+    changed = {k: (saved.get(k), getattr(cfg, k)) for k in _TRAJECTORY_FIELDS
+               if k in saved and saved[k] != getattr(cfg, k)}
+    if changed and not cfg.allow_config_change:
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in changed)
+        raise CheckpointError(
+            f"checkpoint in {Path(cfg.checkpoint_dir).absolute()} was written with a different "
+            f"training config ({flags}; checkpoint vs now: {changed}); resuming would not "
+            "reproduce the interrupted run. Use the same flags, or pass --allow-config-change "
+            "to continue anyway")
+    return changed
+
+
+def restore_checkpoint(directory: str | Path, model: nnx.Module, optimizer: nnx.Optimizer,
+                       model_cfg: ModelConfig, step: int | None = None) -> tuple[int, dict]:
+    """Restores the latest (or given) checkpoint into ``model`` and ``optimizer`` in place.
+
+    Raises:
+      CheckpointError: no checkpoint, unreadable or corrupt files (checksum mismatch), or a
+        checkpoint written for another model configuration.
+    """
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).absolute()
+    step, meta = read_checkpoint_meta(directory, step)
+    _check_model_config(meta, model_cfg, directory / str(step))
+    # Restore to host (NumPy) and put back with jnp.asarray: the arrays are then placed like
+    # freshly initialized ones (uncommitted), so an already compiled train step is reused.
+    target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), _state_tree(model, optimizer))
+    mngr = _manager(directory, create=False)
+    try:
+        tree = mngr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target))).state
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {directory / str(step)} is corrupt or incomplete: "
+                              f"cannot read its state ({type(e).__name__}: {e})") from e
+    finally:
+        mngr.close()
+    if state_checksum(tree) != meta.get("checksum"):
+        raise CheckpointError(f"checkpoint {directory / str(step)} is corrupt: the state's "
+                              "SHA-256 does not match the one recorded when it was saved")
+    for obj, key in ((model, "model"), (optimizer, "optimizer")):
+        state = nnx.state(obj)
+        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, tree[key]))
+        nnx.update(obj, state)
+    return step, meta
+
+
+def check_before_run(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
+    """Fails fast, before anything is built or trained.
+
+    With ``cfg.resume``: the latest checkpoint must be readable and written for ``model_cfg``
+    and (unless ``cfg.allow_config_change``) the same training trajectory. Without: a
+    ``cfg.checkpoint_dir`` must not already hold checkpoints (that run would be overwritten).
+
+    Raises:
+      CheckpointError: saying which, and what to do.
+    """
+    if cfg.resume:
+        _, meta = read_checkpoint_meta(cfg.checkpoint_dir)
+        _check_model_config(meta, model_cfg, cfg.checkpoint_dir)
+        _check_train_config_unchanged(meta, cfg)
+    elif cfg.checkpoint_dir:
+        existing = _existing_steps(cfg.checkpoint_dir)
+        if existing:
+            raise CheckpointError(
+                f"{Path(cfg.checkpoint_dir).absolute()} already holds checkpoints (steps "
+                f"{existing}); pass --resume to continue that run or use another "
+                "--checkpoint-dir")
+
+
+def resume(cfg: TrainConfig, model: nnx.Module, optimizer: nnx.Optimizer,
+           model_cfg: ModelConfig, log: Callable[[str], None]) -> int:
+    """Restores the latest checkpoint of ``cfg.checkpoint_dir`` into ``model`` and
+    ``optimizer``; returns its step. Logs a warning when the training flags differ from the
+    checkpoint's (allowed by ``cfg.allow_config_change``)."""
+    start, meta = restore_checkpoint(cfg.checkpoint_dir, model, optimizer, model_cfg)
+    if int(optimizer.step[...]) != start:
+        raise CheckpointError(f"checkpoint step {start} disagrees with the optimizer step "
+                              f"{int(optimizer.step[...])} stored in it")
+    changed = _check_train_config_unchanged(meta, cfg)
+    if changed:
+        log(f"warning: training config differs from the checkpoint's {changed}; the run "
+            "will not reproduce an uninterrupted one")
+    log(f"resumed from {Path(cfg.checkpoint_dir).absolute() / str(start)} (step {start})")
+    return start

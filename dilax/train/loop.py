@@ -1,0 +1,203 @@
+"""The training loop: :func:`train` and what it returns."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dilax.data import load_corpus
+from dilax.models import LongNetLM
+from dilax.train.checkpoints import check_before_run, resume, save_checkpoint
+from dilax.train.config import (
+    CharTokenizer,
+    ModelConfig,
+    TrainConfig,
+    eval_batches,
+    split_corpus,
+    train_batch,
+    unigram_entropy,
+    validate,
+)
+from dilax.train.sampling import sample
+from dilax.train.steps import count_params, eval_step, make_model, make_optimizer, train_step
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What :func:`train` returns; losses are nats per character."""
+
+    losses: dict[int, float]  # step (1-based) -> train loss of that step, steps run here only
+    eval_losses: dict[int, float]  # step -> eval loss (step 0: before training)
+    unigram_entropy: float
+    start_step: int
+    last_step: int
+    tokens_per_s: float
+    elapsed_s: float
+    sample: str | None
+    num_params: int
+    model: LongNetLM
+    optimizer: nnx.Optimizer
+
+    @property
+    def final_eval_loss(self) -> float | None:
+        return self.eval_losses[max(self.eval_losses)] if self.eval_losses else None
+
+
+class _Progress:
+    """tqdm progress bar, or plain periodic lines where tqdm is not installed/disabled."""
+
+    def __init__(self, total: int, initial: int, enabled: bool, log: Callable[[str], None]):
+        self.log, self.bar = log, None
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def update(self, step: int, **postfix: str) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(postfix, refresh=False)
+
+    def write(self, msg: str) -> None:
+        (self.bar.write if self.bar is not None else self.log)(msg)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@dataclasses.dataclass
+class _Run:
+    """What one invocation trains: the model and optimizer, the data, steps ``start+1..end``."""
+
+    cfg: TrainConfig
+    model_cfg: ModelConfig
+    model: LongNetLM
+    optimizer: nnx.Optimizer
+    train_data: np.ndarray
+    evals: list
+    start: int
+    end: int
+
+
+def _evaluate(run: _Run) -> float:
+    total = sum(eval_step(run.model, jnp.asarray(x), jnp.asarray(y)) for x, y in run.evals)
+    return float(total) / len(run.evals)
+
+
+def _run_steps(run: _Run, progress: bool, log: Callable[[str], None]
+               ) -> tuple[dict[int, float], dict[int, float], float, float]:
+    """Trains steps ``run.start + 1 .. run.end``, evaluating every ``eval_every`` steps and
+    checkpointing every ``checkpoint_every`` steps (both also at ``end``); evaluates first
+    at step 0 on a fresh run. Returns ``(losses, eval_losses, tokens_per_s, elapsed_s)``,
+    the throughput measured after the first (compiling) step."""
+    cfg, start, end = run.cfg, run.start, run.end
+    losses: dict[int, float] = {}
+    eval_losses: dict[int, float] = {}
+    if start == 0 and cfg.eval_every > 0:
+        eval_losses[0] = _evaluate(run)
+    base_key = jax.random.key(cfg.seed)
+    bar = _Progress(cfg.steps, start, progress, log)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    t0 = time.perf_counter()
+    t_first = None
+    try:
+        for step in range(start + 1, end + 1):
+            x, y = train_batch(run.train_data, cfg.seed, step, cfg.batch_size, cfg.seq_len)
+            loss = train_step(run.model, run.optimizer, jnp.asarray(x), jnp.asarray(y),
+                              jax.random.fold_in(base_key, step))
+            losses[step] = float(loss)
+            now = time.perf_counter()
+            if t_first is None:
+                t_first = now  # the first step includes compilation
+            done = step - start - 1
+            rate = done * tokens_per_step / (now - t_first) if done else float("nan")
+            bar.update(step, loss=f"{losses[step]:.4f}", tok_s=f"{rate:,.0f}")
+            if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == end):
+                eval_losses[step] = _evaluate(run)
+                bar.write(f"step {step}: train loss {losses[step]:.4f}, eval loss "
+                          f"{eval_losses[step]:.4f} nats/char")
+            if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or step == end):
+                path = save_checkpoint(cfg.checkpoint_dir, step, run.model, run.optimizer,
+                                       run.model_cfg, cfg, cfg.keep_checkpoints)
+                bar.write(f"checkpoint saved: step {step} ({path})")
+    finally:
+        bar.close()
+    elapsed = time.perf_counter() - t0
+    tps = ((end - start - 1) * tokens_per_step / (time.perf_counter() - t_first)
+           if end - start > 1 and t_first is not None else float("nan"))
+    return losses, eval_losses, tps, elapsed
+
+
+def _nats_and_bits(nats: float) -> str:
+    return f"{nats:.4f} nats/char ({nats / math.log(2):.4f} bits/char)"
+
+
+def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, *, text: str | None = None,
+          progress: bool = True, log: Callable[[str], None] = print) -> TrainResult:
+    """Trains (or resumes) a character LM; see the :mod:`dilax.train` docstring.
+
+    Args:
+      cfg: the training configuration.
+      model_cfg: the model; default ``ModelConfig(vocab=<characters of the corpus>)``.
+      text: the corpus; default the shipped one (:func:`dilax.data.load_corpus`).
+      progress: show a tqdm progress bar (plain log lines otherwise).
+      log: where messages go (default ``print``).
+
+    Returns:
+      :class:`TrainResult` with the per-step losses of this invocation, eval losses, the
+      trained model and optimizer, and the sample (when the run reached ``cfg.steps``).
+
+    Raises:
+      ValueError: non-positive sizes, ``seq_len`` too long for the corpus, ``resume`` without
+        ``checkpoint_dir``, ``stop_after`` outside ``[1, steps]``, ``model_cfg.vocab`` that is
+        not the corpus's.
+      CheckpointError: ``resume`` with a missing, corrupt or other-config checkpoint, or a
+        fresh run into a ``checkpoint_dir`` that already holds checkpoints.
+    """
+    text = load_corpus() if text is None else text
+    tok = CharTokenizer.from_text(text)
+    model_cfg = ModelConfig(vocab=tok.vocab) if model_cfg is None else model_cfg
+    if model_cfg.vocab != tok.vocab:
+        raise ValueError("model_cfg.vocab does not match the corpus characters")
+    tokens = tok.encode(text)
+    train_data, val_data = split_corpus(tokens)
+    validate(cfg, model_cfg, len(train_data), len(val_data))
+    entropy = unigram_entropy(tokens)
+    check_before_run(cfg, model_cfg)  # missing, unreadable, other config: before building
+
+    model = make_model(model_cfg, cfg.seed)
+    optimizer = make_optimizer(model, cfg)
+    num_params = count_params(model)
+    start = resume(cfg, model, optimizer, model_cfg, log) if cfg.resume else 0
+    log(f"LongNetLM: {num_params:,} parameters; corpus {len(tokens):,} characters, vocabulary "
+        f"{len(tok.vocab)}; unigram entropy {_nats_and_bits(entropy)}")
+
+    end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
+    run = _Run(cfg, model_cfg, model, optimizer, train_data,
+               eval_batches(val_data, cfg.eval_batches, cfg.batch_size, cfg.seq_len), start, end)
+    losses, eval_losses, tps, elapsed = _run_steps(run, progress, log)
+    text_out = None
+    if cfg.sample_tokens > 0 and end == cfg.steps:
+        text_out = sample(model, tok, cfg.prompt, cfg.sample_tokens, cfg.seq_len,
+                          cfg.temperature,  # the key of step 0, which never trains
+                          jax.random.fold_in(jax.random.key(cfg.seed), 0))
+    result = TrainResult(losses, eval_losses, entropy, start, end, tps, elapsed, text_out,
+                         num_params, model, optimizer)
+    if result.final_eval_loss is not None:
+        log(f"final eval loss {_nats_and_bits(result.final_eval_loss)} vs unigram entropy "
+            f"{_nats_and_bits(entropy)}")
+    log(f"{end - start} steps in {elapsed:.1f} s, {tps:,.0f} tokens/s after compilation")
+    if text_out is not None:
+        log("sample:\n" + text_out)
+    return result
