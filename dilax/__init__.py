@@ -13,7 +13,7 @@ from dilax.core import BlockSizes, attention_core, merge_attention_states
 from dilax.dilated import dilated_attention
 from dilax.factory import create_attention
 from dilax.reference import dilated_counts
-from dilax.ring import SequenceParallel, ring_dilated_attention, sharded_dilated_attention
+from dilax.sp import SequenceParallel, ring_dilated_attention, sharded_dilated_attention
 
 __version__ = "0.1.0"
 

@@ -17,7 +17,7 @@ from dilax._validation import MODES, check_bool
 from dilax.backend import IMPLEMENTATIONS, current_backend, default_implementation
 from dilax.core import BlockSizes
 from dilax.nn.attention import DilatedAttention
-from dilax.ring import SequenceParallel
+from dilax.sp import SequenceParallel
 
 KINDS = ("auto", "dilated", "block_sparse", "ring")
 

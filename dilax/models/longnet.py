@@ -24,7 +24,7 @@ from dilax import _validation as V
 from dilax.core import BlockSizes
 from dilax.nn._heads import check_dropout, linear_factory
 from dilax.nn.attention import MultiheadDilatedAttention
-from dilax.ring import SequenceParallel
+from dilax.sp import SequenceParallel
 
 Dtype = Any
 
