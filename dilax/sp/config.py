@@ -16,8 +16,10 @@ class SequenceParallel:
 
     Give it to :class:`dilax.nn.DilatedAttention`, :class:`dilax.nn.MultiheadDilatedAttention`
     or the LongNet models (``sequence_parallel=...``): their attention then runs as
-    :func:`dilax.sharded_dilated_attention` over ``mesh``. The projections and feed-forward
-    layers are left to XLA's sharding propagation under ``jit``.
+    :func:`dilax.sharded_dilated_attention` over ``mesh``. Given to
+    :class:`dilax.nn.BlockSparseAttention` or :class:`dilax.nn.BlockSparseMultiheadAttention`
+    it runs :func:`dilax.sharded_block_sparse_attention` (``layout="contiguous"`` only). The
+    projections and feed-forward layers are left to XLA's sharding propagation under ``jit``.
 
     Args:
       mesh: the device mesh.
