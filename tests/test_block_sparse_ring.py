@@ -25,8 +25,9 @@ import numpy as np
 import pytest
 
 from dilax import patterns as P
+from dilax import sharded_block_sparse_attention
 from dilax.block_sparse import block_sparse_attention
-from dilax.sp.block_sparse_ring import plan_ring, sharded_block_sparse_attention
+from dilax.sp.block_sparse_ring import plan_ring
 
 N, BSZ, D = 128, 8, 8
 
