@@ -14,7 +14,13 @@ from dilax.block_sparse import block_sparse_attention, content_adaptive_attentio
 from dilax.core import BlockSizes, attention_core, merge_attention_states
 from dilax.dilated import dilated_attention
 from dilax.reference import dilated_counts
-from dilax.ring import SequenceParallel, ring_dilated_attention, sharded_dilated_attention
+from dilax.sp import (
+    SequenceParallel,
+    ring_block_sparse_attention,
+    ring_dilated_attention,
+    sharded_block_sparse_attention,
+    sharded_dilated_attention,
+)
 
 __version__ = "0.1.0"
 
@@ -48,6 +54,8 @@ __all__ = [
     "memory",
     "merge_attention_states",
     "patterns",
+    "ring_block_sparse_attention",
     "ring_dilated_attention",
+    "sharded_block_sparse_attention",
     "sharded_dilated_attention",
 ]

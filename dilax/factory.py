@@ -2,7 +2,8 @@
 
 The PyTorch project's factory picks a class from a string; here the choice also depends on the
 backend (Pallas kernels on GPU, the blockwise XLA core elsewhere) and on what the caller gives:
-a block pattern means block-sparse, a mesh with a sequence axis means ring attention.
+a block pattern means block-sparse, a mesh with a sequence axis means ring attention (dilated,
+or block-sparse when a pattern is given too).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dilax import _validation as V
 from dilax.backend import current_backend, default_implementation
 from dilax.core import BlockSizes
 from dilax.nn.attention import DilatedAttention
-from dilax.ring import SequenceParallel
+from dilax.sp import SequenceParallel
 
 KINDS = ("auto", "dilated", "block_sparse", "ring")
 
@@ -77,8 +78,9 @@ BACKENDS = ("cpu", "gpu", "cuda", "rocm", "tpu")
 def _fail(message: str) -> ValueError:
     valid = ("valid combinations: kind='dilated' with segment_lengths + dilation_rates; "
              "kind='block_sparse' with pattern; kind='ring' with segment_lengths + "
-             "dilation_rates + mesh (a mesh axis named seq_axis); kind='auto' infers one of "
-             "these. Add embed_dim + num_heads (+ rngs) for a multi-head module.")
+             "dilation_rates (dilated ring) or pattern (block-sparse ring) + mesh (a mesh axis "
+             "named seq_axis); kind='auto' infers one of these. Add embed_dim + num_heads "
+             "(+ rngs) for a multi-head module.")
     return ValueError(f"{message}. {valid}")
 
 
@@ -102,9 +104,12 @@ def create_attention(
     """Builds the right attention module and reports the choice.
 
     Args:
-      kind: ``"auto"`` (infer), ``"dilated"``, ``"block_sparse"`` or ``"ring"``.
+      kind: ``"auto"`` (infer), ``"dilated"``, ``"block_sparse"`` or ``"ring"``
+        (sequence-parallel: dilated with segment_lengths/dilation_rates, block-sparse with
+        a pattern).
       segment_lengths, dilation_rates: dilated/ring configuration.
-      pattern: a :class:`dilax.patterns.BlockSparsePattern` (block-sparse).
+      pattern: a :class:`dilax.patterns.BlockSparsePattern` (block-sparse, or block-sparse
+        ring with a mesh).
       mesh, seq_axis: a mesh whose ``seq_axis`` shards the sequence (ring).
       embed_dim, num_heads: give both for a multi-head module with projections (then
         ``rngs`` is required); otherwise a parameter-free module over ``(b, n, h, d)``.
@@ -144,7 +149,10 @@ def create_attention(
 
     reasons = []
     if kind == "auto":
-        if pattern is not None:
+        if pattern is not None and mesh is not None:
+            kind, why = "ring", (f"a block pattern and a mesh were given: block-sparse ring, "
+                                 f"the sequence is sharded over '{seq_axis}'")
+        elif pattern is not None:
             kind, why = "block_sparse", "a block pattern was given"
         elif dilated_cfg and mesh is not None:
             kind, why = "ring", f"a mesh was given: the sequence is sharded over '{seq_axis}'"
@@ -154,8 +162,10 @@ def create_attention(
             raise _fail("create_attention('auto') needs segment_lengths + dilation_rates or a "
                         "pattern")
         reasons.append(why)
-    if kind in ("dilated", "ring") and not dilated_cfg:
-        raise _fail(f"kind={kind!r} needs segment_lengths and dilation_rates")
+    if kind == "dilated" and not dilated_cfg:
+        raise _fail("kind='dilated' needs segment_lengths and dilation_rates")
+    if kind == "ring" and not dilated_cfg and pattern is None:
+        raise _fail("kind='ring' needs segment_lengths and dilation_rates, or a pattern")
     if kind == "block_sparse" and pattern is None:
         raise _fail("kind='block_sparse' needs a pattern")
     if kind == "ring":
@@ -173,7 +183,8 @@ def create_attention(
         reasons.append(f"implementation {implementation!r} requested")
     if kind == "ring":
         implementation = "xla"
-        reasons.append("ring attention runs the blockwise XLA core on each device")
+        reasons.append(f"{'block-sparse ' if pattern is not None else ''}ring attention runs "
+                       "the blockwise XLA core on each device")
     if kind == "block_sparse" and implementation == "cudnn":
         raise _fail("cuDNN has no block-sparse attention: use implementation 'pallas' or 'xla'")
 
@@ -197,6 +208,14 @@ def create_attention(
         else:
             inner = nn.BlockSparseAttention(pattern, is_causal=is_causal,
                                             implementation=implementation, **module_kwargs)
+    elif pattern is not None:  # block-sparse ring
+        sp = SequenceParallel(mesh, seq_axis)
+        if multihead:
+            inner = nn.BlockSparseMultiheadAttention(embed_dim, num_heads, pattern, rngs=rngs,
+                                                     sequence_parallel=sp, **module_kwargs)
+        else:
+            inner = nn.BlockSparseAttention(pattern, is_causal=is_causal, sequence_parallel=sp,
+                                            **module_kwargs)
     elif multihead:
         inner = nn.MultiheadDilatedAttention(
             embed_dim, num_heads, segment_lengths, dilation_rates, mode=mode, rngs=rngs,

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # (module, names): ``None`` means the module's ``__all__``.
 SECTIONS = (
     ("dilax", None),
+    ("dilax.sp", ("LAYOUTS", "zigzag_permutation")),
     ("dilax.nn", None),
     ("dilax.models", None),
     ("dilax.patterns", None),

@@ -25,8 +25,9 @@ import numpy as np
 import pytest
 
 from dilax import patterns as P
+from dilax import sharded_block_sparse_attention
 from dilax.block_sparse import block_sparse_attention
-from dilax.block_sparse_ring import plan_ring, sharded_block_sparse_attention
+from dilax.sp.block_sparse_ring import plan_ring
 
 N, BSZ, D = 128, 8, 8
 
@@ -84,12 +85,17 @@ def _run_case(name):
                               (want[0], *want[1]), strict=True)
     }
     finite = all(bool(jnp.isfinite(x).all()) for x in (got[0], *got[1]))
-    plan = plan_ring(pattern, mesh.shape["sp"], h, hk, causal)
+    nd = mesh.shape["sp"]
+    plan = plan_ring(pattern, nd, h, hk, causal)
     hlo = compiled.as_text()
     permutes = hlo.count("collective-permute-start") or hlo.count("collective-permute(")
-    return {"errors": errors, "finite": finite, "right": plan.right, "left": plan.left,
-            "steps": sorted(plan.steps), "permutes": permutes,
-            "all_gather": "all-gather" in hlo}
+    # Per stream: hops, and the chunk offsets (i - j) mod P it brings device i (from device j).
+    streams = [[st.hops, sorted({(i - j) % nd for row in st.src for i, j in enumerate(row)
+                                 if j >= 0})] for st in plan.streams]
+    steps = {int((i - j) % nd) for i, j in np.argwhere(plan.needs)}
+    steps |= {0} if plan.own is not None else set()
+    return {"errors": errors, "finite": finite, "streams": streams, "steps": sorted(steps),
+            "permutes": permutes, "all_gather": "all-gather" in hlo}
 
 
 def _worker_errors():
@@ -135,12 +141,13 @@ def test_ring_equals_single_device_forward_and_gradient(report, name):
 
 def test_ring_skips_steps_and_permutes_only_as_far_as_needed(report):
     lw = report["local_window_gqa"]
-    # A local window needs the neighbours only: one step each way, not P - 1 = 7 steps.
-    assert lw["steps"] == [0, 1, 7] and (lw["right"], lw["left"]) == (1, 1)
+    # A local window needs the neighbours only: one step each way (right: the chunk of i - 1,
+    # left: of i + 1), not P - 1 = 7 steps.
+    assert lw["steps"] == [0, 1, 7] and lw["streams"] == [[1, [1]], [1, [7]]]
     # (k, v) x (right, left) forward, their cotangents backward; a one-way ring needs 7 steps.
     assert 0 < lw["permutes"] <= 2 * 2 * 2, lw["permutes"]
     causal = report["per_head_empty_rows_causal"]
-    assert causal["steps"] == [0, 1, 2] and (causal["right"], causal["left"]) == (2, 0)
+    assert causal["steps"] == [0, 1, 2] and causal["streams"] == [[2, [1, 2]]]
 
 
 def test_ring_errors(report):

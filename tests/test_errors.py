@@ -114,6 +114,29 @@ ERROR_TABLE += [
     ("ring outside shard_map", lambda: dilax.ring_dilated_attention(Q, KV, KV, (8,), (1,),
                                                                     axis_name="sp"),
      ValueError, "axis_name='sp' is not a mesh axis bound here"),
+    ("block-sparse ring outside shard_map", lambda: dilax.ring_block_sparse_attention(
+        Q, KV, KV, PATTERN, axis_name="sp"), ValueError,
+     "axis_name='sp' is not a mesh axis bound here; call ring_block_sparse_attention"),
+    ("block-sparse ring: axis_name not a str", lambda: dilax.ring_block_sparse_attention(
+        Q, KV, KV, PATTERN, axis_name=("sp",)), TypeError,
+     "axis_name must be a mesh axis name (str)"),
+    ("block-sparse ring: n not divisible by devices", lambda: (
+        dilax.sharded_block_sparse_attention(
+            jnp.zeros((1, 15, 4, 8)), jnp.zeros((1, 15, 2, 8)), jnp.zeros((1, 15, 2, 8)),
+            dilax.patterns.local_window(15, 4, 4), mesh=_mesh())), ValueError,
+     "seq_len n=15 must be divisible by the size 2"),
+    ("block-sparse ring: shard not a block multiple", lambda: (
+        dilax.sharded_block_sparse_attention(
+            jnp.zeros((1, 24, 4, 8)), jnp.zeros((1, 24, 2, 8)), jnp.zeros((1, 24, 2, 8)),
+            dilax.patterns.local_window(24, 8, 8), mesh=_mesh())), ValueError,
+     "(n/P = 12) must be a multiple of the pattern's block_size 8"),
+    ("block-sparse ring: batch_axis not a mesh axis", lambda: (
+        dilax.sharded_block_sparse_attention(Q, KV, KV, PATTERN, mesh=_mesh(),
+                                             batch_axis="dp")), ValueError,
+     "batch_axis='dp' is not an axis of the mesh"),
+    ("block-sparse ring: mesh of the wrong type", lambda: (
+        dilax.sharded_block_sparse_attention(Q, KV, KV, PATTERN, mesh="sp")), TypeError,
+     "mesh must be a jax.sharding.Mesh"),
     ("factory: mesh of the wrong type", lambda: dilax.create_attention(
         segment_lengths=(8,), dilation_rates=(1,), mesh="sp"), TypeError,
      "mesh must be a jax.sharding.Mesh"),

@@ -61,6 +61,18 @@ def test_ring_kind_on_a_one_device_mesh_equals_single_device():
     np.testing.assert_allclose(np.asarray(attn(Q, KV, KV)), np.asarray(expected), atol=1e-5)
 
 
+def test_ring_kind_with_a_pattern_runs_the_block_sparse_ring():
+    mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+    pattern = patterns.local_window(32, 8, 8)
+    attn = dilax.create_attention("ring", pattern=pattern, mesh=mesh, is_causal=True)
+    assert attn.choice.kind == "ring" and attn.choice.implementation == "xla"
+    assert isinstance(attn.inner, dilax.nn.BlockSparseAttention)
+    assert attn.inner.sequence_parallel == dilax.SequenceParallel(mesh)
+    expected = dilax.block_sparse_attention(Q, KV, KV, pattern, is_causal=True,
+                                            implementation="reference")
+    np.testing.assert_allclose(np.asarray(attn(Q, KV, KV)), np.asarray(expected), atol=1e-5)
+
+
 @pytest.mark.parametrize("kwargs,fragment", [
     (dict(kind="sparse"), "kind must be one of"),
     (dict(), "needs segment_lengths + dilation_rates or a pattern"),
@@ -68,6 +80,11 @@ def test_ring_kind_on_a_one_device_mesh_equals_single_device():
     (dict(segment_lengths=(8,), dilation_rates=(1,), pattern=patterns.local_window(32, 8, 8)),
      "not both"),
     (dict(kind="ring", segment_lengths=(8,), dilation_rates=(1,)), "needs a mesh"),
+    (dict(kind="ring", pattern=patterns.local_window(32, 8, 8)), "needs a mesh"),
+    (dict(kind="ring"), "needs segment_lengths and dilation_rates, or a pattern"),
+    (dict(kind="block_sparse", pattern=patterns.local_window(32, 8, 8),
+          mesh=jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))),
+     "does not take a mesh"),
     (dict(kind="block_sparse"), "needs a pattern"),
     (dict(segment_lengths=(8,), dilation_rates=(1,), implementation="triton"),
      "implementation must be one of"),

@@ -17,9 +17,10 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as Ps
 
+from benchmarks.hlo import collective_permute_bytes
 from dilax import dilated_attention, ring_dilated_attention, sharded_dilated_attention
 from dilax.core import BlockSizes
-from dilax.ring import collective_permute_bytes, zigzag_permutation
+from dilax.sp import zigzag_permutation
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 

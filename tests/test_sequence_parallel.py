@@ -1,7 +1,7 @@
 """Sequence-parallel modules and models (``sequence_parallel=dilax.SequenceParallel(...)``).
 
-The same parameters run once on one device and once as ring attention over a 4-device mesh
-(8 host CPU devices come from tests/conftest.py); outputs and parameter gradients must agree.
+The same parameters run once on one device and once as ring attention over a 4- or 8-device
+mesh (8 host CPU devices come from tests/conftest.py); outputs and gradients must agree.
 The ring itself is checked against the mask-based reference in test_ring.py; here the point is
 that the option reaches every attention of a module/model and changes nothing but placement.
 """
@@ -14,10 +14,17 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import AxisType
+from tolerance import FP32, assert_scaled_close
 
 import dilax
+from dilax import patterns
 from dilax.models import LongNetLM
-from dilax.nn import DilatedAttention, MultiheadDilatedAttention
+from dilax.nn import (
+    BlockSparseAttention,
+    BlockSparseMultiheadAttention,
+    DilatedAttention,
+    MultiheadDilatedAttention,
+)
 
 # fp32; the ring merges the same partial softmax results in another order than one device.
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -99,6 +106,67 @@ def test_factory_ring_multihead_and_batch_axis():
     np.testing.assert_allclose(both(q, kv, kv), ref, **TOL)
 
 
+def _assert_trees_scaled_close(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb) > 0
+    for x, y in zip(la, lb, strict=True):
+        assert_scaled_close(x, y, FP32)
+
+
+def test_factory_block_sparse_ring_multihead_equals_one_device():
+    """A pattern and a mesh: create_attention builds the block-sparse multi-head module on the
+    block-sparse ring (8 devices, 32 positions each); same output and parameter gradients.
+
+    No projection biases: the gradient of k_proj's bias is exactly 0 (softmax ignores a
+    constant added to all logits of a query), so its computed value is rounding noise of a
+    sum over all b * n positions (~1e-5 here, next to gradients of ~100) and has no magnitude
+    of its own to scale a tolerance with."""
+    mesh = _mesh(8)
+    pattern = patterns.local_window(256, 16, 40) | patterns.global_local(256, 16, 16, 0)
+    attn = dilax.create_attention(pattern=pattern, mesh=mesh, embed_dim=32, num_heads=4,
+                                  num_kv_heads=2, use_bias=False, rngs=nnx.Rngs(0))
+    assert attn.choice.kind == "ring" and "block-sparse ring" in attn.choice.reason
+    assert isinstance(attn.inner, BlockSparseMultiheadAttention)
+    assert attn.inner.sequence_parallel == dilax.SequenceParallel(mesh)
+    one = BlockSparseMultiheadAttention(32, 4, pattern, num_kv_heads=2, use_bias=False,
+                                        rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.PRNGKey(7), (2, 256, 32))
+    g = jax.random.normal(jax.random.PRNGKey(8), (2, 256, 32))
+    loss = lambda y: jnp.vdot(y, g)
+    out_1, grads_1 = _grads_and_out(one, x, loss)
+    out_r, grads_r = _grads_and_out(attn, x, loss)
+    assert_scaled_close(out_r, out_1, FP32)
+    _assert_trees_scaled_close(grads_r, grads_1)
+
+
+def test_block_sparse_module_ring_batch_axis_forward_and_gradient():
+    """BlockSparseAttention(sequence_parallel=...) on a 2 x 4 mesh (batch over "dp"), causal,
+    per-head pattern, GQA: output and q/k/v gradients equal the single-device op."""
+    mesh2d = jax.make_mesh((2, 4), ("dp", "sp"), axis_types=(AxisType.Auto,) * 2)
+    pattern = patterns.random(128, 8, 0.4, seed=2, num_heads=4)
+    attn = BlockSparseAttention(pattern, is_causal=True,
+                                sequence_parallel=dilax.SequenceParallel(mesh2d, "sp", "dp"))
+    ks = jax.random.split(jax.random.PRNGKey(9), 4)
+    q = jax.random.normal(ks[0], (2, 128, 4, 8))
+    k = jax.random.normal(ks[1], (2, 128, 2, 8))
+    v = jax.random.normal(ks[2], (2, 128, 2, 8))
+    g = jax.random.normal(ks[3], (2, 128, 4, 8))
+
+    def value_and_grads(fn):
+        def run(q, k, v):
+            out, vjp = jax.vjp(fn, q, k, v)
+            return out, vjp(g)
+
+        return jax.jit(run)(q, k, v)
+
+    out_r, grads_r = value_and_grads(lambda q, k, v: attn(q, k, v))
+    out_1, grads_1 = value_and_grads(
+        lambda q, k, v: dilax.block_sparse_attention(q, k, v, pattern, is_causal=True))
+    assert_scaled_close(out_r, out_1, FP32)
+    for name, a, e in zip("qkv", grads_r, grads_1, strict=True):
+        assert_scaled_close(a, e, FP32, err_msg=f"d{name}")
+
+
 @pytest.mark.parametrize("make, exc, fragment", [
     (lambda: dilax.SequenceParallel("mesh"), TypeError, "mesh must be a jax.sharding.Mesh"),
     (lambda: dilax.SequenceParallel(_mesh(), seq_axis="x"), ValueError,
@@ -111,6 +179,15 @@ def test_factory_ring_multihead_and_batch_axis():
      ValueError, "implementation must be None or 'xla'"),
     (lambda: DilatedAttention((8,), (1,), sequence_parallel=_mesh()), TypeError,
      "sequence_parallel must be a dilax.SequenceParallel"),
+    (lambda: BlockSparseAttention(patterns.local_window(64, 8, 8), sequence_parallel=(
+        dilax.SequenceParallel(_mesh(), layout="zigzag"))), ValueError,
+     "sequence_parallel.layout must be one of ('contiguous',)"),
+    (lambda: BlockSparseAttention(patterns.local_window(64, 8, 8), implementation="pallas",
+                                  sequence_parallel=dilax.SequenceParallel(_mesh())),
+     ValueError, "implementation must be None or 'xla'"),
+    (lambda: BlockSparseMultiheadAttention(16, 2, patterns.local_window(64, 8, 8),
+                                           sequence_parallel=_mesh(), rngs=nnx.Rngs(0)),
+     TypeError, "sequence_parallel must be a dilax.SequenceParallel"),
 ])
 def test_sequence_parallel_errors(make, exc, fragment):
     with pytest.raises(exc, match=fragment.replace("(", r"\(").replace(")", r"\)")):

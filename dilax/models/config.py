@@ -21,7 +21,7 @@ from dilax.attention_fn import check_options
 from dilax.core import BlockSizes
 from dilax.nn._heads import check_dropout, check_heads
 from dilax.nn.attention import check_sequence_parallel
-from dilax.ring import SequenceParallel
+from dilax.sp import SequenceParallel
 
 Dtype = Any
 Branches = tuple[int, ...] | list[int]

@@ -26,26 +26,12 @@ from dilax.nn._heads import (
     project_qkv,
     xavier_normal,
 )
-from dilax.ring import SequenceParallel
+from dilax.sp import SequenceParallel, sharded_dilated_attention
+from dilax.sp.config import check_sequence_parallel
 
 __all__ = ["DilatedAttention", "MultiheadDilatedAttention", "xavier_normal"]
 
 Dtype = Any
-
-
-def check_sequence_parallel(sequence_parallel: SequenceParallel | None,
-                            implementation: str | None) -> SequenceParallel | None:
-    """``sequence_parallel`` if it is None or a :class:`dilax.SequenceParallel` that can run
-    ``implementation`` (the ring runs the XLA core: None or ``"xla"``)."""
-    if sequence_parallel is None:
-        return None
-    if not isinstance(sequence_parallel, SequenceParallel):
-        raise TypeError("sequence_parallel must be a dilax.SequenceParallel or None, got "
-                        f"{type(sequence_parallel).__name__}")
-    if implementation not in (None, "xla"):
-        raise ValueError("sequence_parallel runs the XLA core on every device: implementation "
-                         f"must be None or 'xla', got {implementation!r}")
-    return sequence_parallel
 
 
 class DilatedAttention(nnx.Module):
@@ -80,8 +66,8 @@ class DilatedAttention(nnx.Module):
     ):
         cfg = check_options(segment_lengths, dilation_rates, mode=mode, is_causal=is_causal,
                             scale=scale, implementation=implementation, block_sizes=block_sizes)
-        self.sequence_parallel = check_sequence_parallel(sequence_parallel,
-                                                         cfg["implementation"])
+        self.sequence_parallel: SequenceParallel | None = check_sequence_parallel(
+            sequence_parallel, cfg["implementation"])
         self.segment_lengths: tuple[int, ...] = cfg["segment_lengths"]
         self.dilation_rates: tuple[int, ...] = cfg["dilation_rates"]
         self.mode: str = cfg["mode"]
@@ -94,10 +80,13 @@ class DilatedAttention(nnx.Module):
         self, q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool | None = None
     ) -> jax.Array:
         causal = self.is_causal if is_causal is None else V.check_bool(is_causal, "is_causal")
-        if self.sequence_parallel is not None:
-            return self.sequence_parallel(
-                q, k, v, self.segment_lengths, self.dilation_rates, is_causal=causal,
-                scale=self.scale, mode=self.mode, block_sizes=self.block_sizes)
+        sp = self.sequence_parallel
+        if sp is not None:
+            return sharded_dilated_attention(
+                q, k, v, self.segment_lengths, self.dilation_rates, mesh=sp.mesh,
+                seq_axis=sp.seq_axis, batch_axis=sp.batch_axis, layout=sp.layout,
+                is_causal=causal, scale=self.scale, mode=self.mode,
+                block_sizes=self.block_sizes)
         return dilated_attention(
             q, k, v, self.segment_lengths, self.dilation_rates, is_causal=causal,
             scale=self.scale, mode=self.mode, implementation=self.implementation,

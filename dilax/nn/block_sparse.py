@@ -1,4 +1,9 @@
-"""Flax NNX modules for block-sparse attention (thin wrappers over the functional op)."""
+"""Flax NNX modules for block-sparse attention (thin wrappers over the functional ops).
+
+With ``sequence_parallel=dilax.SequenceParallel(mesh, ...)`` they run
+:func:`dilax.sharded_block_sparse_attention` (the sequence split over a mesh axis) instead of
+:func:`dilax.block_sparse_attention`; parameters and results are the same.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ from dilax.nn._heads import (
     project_qkv,
 )
 from dilax.patterns import BlockSparsePattern
+from dilax.sp import SequenceParallel, sharded_block_sparse_attention
+from dilax.sp.config import check_sequence_parallel
 
 
 def _check_pattern_type(pattern) -> BlockSparsePattern:
@@ -27,6 +34,16 @@ def _check_pattern_type(pattern) -> BlockSparsePattern:
     return pattern
 
 
+def _attend(q, k, v, pattern, sp: SequenceParallel | None, *, is_causal, scale=None,
+            implementation=None):
+    if sp is not None:
+        return sharded_block_sparse_attention(q, k, v, pattern, mesh=sp.mesh,
+                                              seq_axis=sp.seq_axis, batch_axis=sp.batch_axis,
+                                              is_causal=is_causal, scale=scale)
+    return block_sparse_attention(q, k, v, pattern, is_causal=is_causal, scale=scale,
+                                  implementation=implementation)
+
+
 class BlockSparseAttention(nnx.Module):
     """Parameter-free block-sparse attention over ``(b, n, h, d)`` q and ``(b, n, hk, d)`` k, v.
 
@@ -36,28 +53,37 @@ class BlockSparseAttention(nnx.Module):
       is_causal: default causal flag (overridable per call).
       implementation: ``None``, ``"xla"``, ``"pallas"`` or ``"reference"`` (see
         :func:`dilax.block_sparse_attention`).
+      sequence_parallel: a :class:`dilax.SequenceParallel` (mesh and axes,
+        ``layout="contiguous"``) to run as ring block-sparse attention over the devices
+        (:func:`dilax.sharded_block_sparse_attention`; XLA core, so ``implementation`` must
+        be None or ``"xla"``); None: one device.
 
     ``__call__(q, k, v)`` returns ``(b, n, h, d)`` in ``q.dtype``.
 
     Raises:
-      TypeError: ``pattern`` is not a ``BlockSparsePattern``; non-bool ``is_causal``.
-      ValueError: unknown ``implementation``; at call time, the errors of
-        :func:`dilax.block_sparse_attention` (shapes, pattern that does not fit ``n``).
+      TypeError: ``pattern`` is not a ``BlockSparsePattern``; non-bool ``is_causal``;
+        ``sequence_parallel`` not a ``SequenceParallel``.
+      ValueError: unknown ``implementation``, or one other than None/``"xla"`` with
+        ``sequence_parallel``; a zigzag ``sequence_parallel.layout``; at call time, the
+        errors of :func:`dilax.block_sparse_attention` (shapes, pattern that does not fit
+        ``n``) or :func:`dilax.sharded_block_sparse_attention` (mesh divisibility).
     """
 
     def __init__(self, pattern: BlockSparsePattern, *, is_causal: bool = False,
-                 implementation: str | None = None):
+                 implementation: str | None = None,
+                 sequence_parallel: SequenceParallel | None = None):
         self.pattern = _check_pattern_type(pattern)
         self.is_causal = V.check_bool(is_causal, "is_causal")
         self.implementation = V.check_implementation(implementation, IMPLEMENTATIONS)
+        self.sequence_parallel = check_sequence_parallel(
+            sequence_parallel, self.implementation, layouts=("contiguous",))
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *,
                  is_causal: bool | None = None, scale: float | None = None) -> jax.Array:
         """Returns ``(b, n, h, d)`` (see :func:`dilax.block_sparse_attention`)."""
-        return block_sparse_attention(
-            q, k, v, self.pattern, is_causal=self.is_causal if is_causal is None else is_causal,
-            scale=scale, implementation=self.implementation,
-        )
+        return _attend(q, k, v, self.pattern, self.sequence_parallel,
+                       is_causal=self.is_causal if is_causal is None else is_causal,
+                       scale=scale, implementation=self.implementation)
 
 
 class BlockSparseMultiheadAttention(nnx.Module):
@@ -79,6 +105,8 @@ class BlockSparseMultiheadAttention(nnx.Module):
       use_bias: biases in the four projections.
       layer_norm, layer_norm_eps: the MAGNETO sub-LayerNorm before the output projection.
       gamma_init: Xavier gain of the v and out projections.
+      sequence_parallel: as in :class:`BlockSparseAttention` (ring block-sparse attention
+        over a mesh; projections are left to XLA's sharding propagation under ``jit``).
       dtype, param_dtype: computation and parameter dtypes.
       rngs: ``nnx.Rngs`` (``params``; ``dropout`` when ``dropout > 0``).
 
@@ -87,8 +115,9 @@ class BlockSparseMultiheadAttention(nnx.Module):
     Raises:
       ValueError: non-positive sizes, ``embed_dim % num_heads != 0``,
         ``num_heads % num_kv_heads != 0``, a pattern with neither 1 nor ``num_heads`` heads,
-        ``dropout`` outside ``[0, 1)``.
-      TypeError: ``pattern`` is not a ``BlockSparsePattern``; non-int sizes.
+        ``dropout`` outside ``[0, 1)``, a zigzag ``sequence_parallel.layout``.
+      TypeError: ``pattern`` is not a ``BlockSparsePattern``; non-int sizes;
+        ``sequence_parallel`` not a ``SequenceParallel``.
     """
 
     def __init__(
@@ -103,6 +132,7 @@ class BlockSparseMultiheadAttention(nnx.Module):
         layer_norm: bool = True,
         layer_norm_eps: float = 1e-5,
         gamma_init: float = 1.0,
+        sequence_parallel: SequenceParallel | None = None,
         dtype=None,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
@@ -115,6 +145,8 @@ class BlockSparseMultiheadAttention(nnx.Module):
                 f"({num_heads})"
             )
         dropout, gain = check_dropout_and_gain(dropout, gamma_init)
+        self.sequence_parallel = check_sequence_parallel(sequence_parallel, None,
+                                                         layouts=("contiguous",))
         self.pattern = pattern
         finish = init_projections(self, embed_dim, num_heads, num_kv_heads, gain,
                                   use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
@@ -134,7 +166,8 @@ class BlockSparseMultiheadAttention(nnx.Module):
         """``query``, ``key``, ``value``: ``(b, n, embed_dim)`` (key defaults to query, value to
         key). Returns ``(b, n, embed_dim)``."""
         q, k, v = project_qkv(self, query, key, value)
-        x = block_sparse_attention(q, k, v, self.pattern, is_causal=is_causal).reshape(query.shape)
+        x = _attend(q, k, v, self.pattern, self.sequence_parallel, is_causal=is_causal)
+        x = x.reshape(query.shape)
         if self.dropout is not None:
             x = self.dropout(x, deterministic=deterministic)
         return output_projection(self, x)

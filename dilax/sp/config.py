@@ -1,0 +1,61 @@
+"""``SequenceParallel``: the static module option that runs attention over a device mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax.sharding import Mesh
+
+from dilax.sp.layout import check_layout
+from dilax.sp.mesh import check_mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceParallel:
+    """Where and how to run attention sequence-parallel (static, hashable module config).
+
+    Give it to :class:`dilax.nn.DilatedAttention`, :class:`dilax.nn.MultiheadDilatedAttention`
+    or the LongNet models (``sequence_parallel=...``): their attention then runs as
+    :func:`dilax.sharded_dilated_attention` over ``mesh``. Given to
+    :class:`dilax.nn.BlockSparseAttention` or :class:`dilax.nn.BlockSparseMultiheadAttention`
+    it runs :func:`dilax.sharded_block_sparse_attention` (``layout="contiguous"`` only). The
+    projections and feed-forward layers are left to XLA's sharding propagation under ``jit``.
+
+    Args:
+      mesh: the device mesh.
+      seq_axis: mesh axis the sequence is split over (``n`` must be divisible by its size).
+      batch_axis: optional mesh axis the batch is split over.
+      layout: ``"contiguous"`` or ``"zigzag"`` (see :func:`dilax.sharded_dilated_attention`).
+
+    Raises:
+      TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.
+      ValueError: ``seq_axis``/``batch_axis`` not axes of the mesh, or equal; unknown
+        ``layout``.
+    """
+
+    mesh: Mesh
+    seq_axis: str = "sp"
+    batch_axis: str | None = None
+    layout: str = "contiguous"
+
+    def __post_init__(self):
+        check_mesh(self.mesh, self.seq_axis, self.batch_axis)
+        check_layout(self.layout)
+
+
+def check_sequence_parallel(sequence_parallel, implementation,
+                            layouts: tuple[str, ...] = ("contiguous", "zigzag")):
+    """A module's ``sequence_parallel`` option: None, or a :class:`SequenceParallel` with one
+    of ``layouts`` and ``implementation`` None or ``"xla"`` (the rings run the XLA core)."""
+    if sequence_parallel is None:
+        return None
+    if not isinstance(sequence_parallel, SequenceParallel):
+        raise TypeError("sequence_parallel must be a dilax.SequenceParallel or None, got "
+                        f"{type(sequence_parallel).__name__}")
+    if implementation not in (None, "xla"):
+        raise ValueError("sequence_parallel runs the XLA core on every device: "
+                         f"implementation must be None or 'xla', got {implementation!r}")
+    if sequence_parallel.layout not in layouts:
+        raise ValueError(f"sequence_parallel.layout must be one of {layouts} here, got "
+                         f"{sequence_parallel.layout!r}")
+    return sequence_parallel

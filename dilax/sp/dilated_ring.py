@@ -1,0 +1,313 @@
+"""Ring (sequence-parallel) dilated attention with ``jax.shard_map``.
+
+The sequence axis of ``q, k, v`` is split over the ``P`` devices of a mesh axis. Each branch
+``(w, r)`` of the configuration is computed in one of three ways, chosen statically:
+
+* **local** -- every segment lies inside one device's shard (``(n/P) % w == 0``): the
+  single-device path (:func:`dilax.branches.run_branches`) runs on the shard, no communication.
+* **halo** -- segments are shorter than a shard but not aligned with shard boundaries: after
+  dilation each device receives the ``w/r - 1`` dilated rows on either side from its neighbours,
+  cuts a segment-aligned window and runs the local path on it.
+* **ring** -- segments span several devices: dilated K/V chunks travel between the devices
+  that share segments (:mod:`dilax.sp.ring_vjp`, scheduled by :mod:`dilax.sp.schedule`), with
+  a second ring for the backward pass. Communication per device is ``O(w / r)`` rows per
+  branch, independent of ``n``.
+
+Branches are merged exactly like the single-device function (log-sum-exp weights in
+``mode="mixture"``, ``1/G`` in ``mode="grouped"``), so the result equals
+:func:`dilax.dilated_attention` on the gathered inputs, forward and backward
+(docs/semantics.md, "Ring attention").
+
+Layouts (:mod:`dilax.sp.layout`). ``layout="contiguous"``: device ``i`` holds positions
+``[i n/P, (i+1) n/P)``. ``layout="zigzag"`` (causal load balance): the sequence is cut into
+``2P`` chunks of ``n/(2P)`` positions and device ``i`` holds chunk ``i`` followed by chunk
+``2P-1-i``; see :func:`dilax.sp.zigzag_permutation`. :func:`sharded_dilated_attention`
+converts to and from it for you.
+
+Inside your own ``jax.shard_map``: pass ``check_vma=False`` (the blockwise core's loop carries
+are not yet typed per device; :func:`sharded_dilated_attention` does this for you).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Hashable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+
+from dilax import _validation as V
+from dilax.branches import Branches, combine_branches, run_branches
+from dilax.core import BlockSizes, attention_core, fence_after, static_take
+from dilax.layout import BranchPlan, dilated_branches
+from dilax.layout import plan_branch as _plan_branch
+from dilax.sp.dilate import dilate, undilate, valid_rows
+from dilax.sp.layout import check_layout, lookup, relayout, vshift
+from dilax.sp.mesh import axis_size, check_mesh, check_sharded_shape, shard_sequence
+from dilax.sp.ring_vjp import RING_BLOCKS, RingConfig, ring
+from dilax.sp.schedule import Geometry, geometry, ring_streams
+
+_F32 = jnp.float32
+
+
+def _halo_branch(qd, kd, vd, geo: Geometry, n_u, axis_name, scale, is_causal, block_sizes):
+    """Segments shorter than a chunk but not aligned with it: each device takes the
+    ``L - 1`` dilated rows on either side of its chunks from its neighbours, cuts
+    segment-aligned windows and runs the core on them. ``(out f32, lse)`` per dilated row."""
+    b, C, R, U, G, d = qd.shape
+    L, Lm1 = geo.L, geo.L - 1
+    idx = lax.axis_index(axis_name)
+    F = [lookup(t, idx) for t in geo.table(geo.F[:-1])]
+    cnt = [lookup(t, idx) for t in geo.table(geo.cnt)]
+    s_w = max(((geo.F[v] % L) + geo.cnt[v] - 1) // L + 1 for v in range(geo.V) if geo.cnt[v])
+    size = max(Lm1 + s_w * L, 2 * Lm1 + R)
+
+    def tails(x):
+        if geo.regular:
+            return x[:, :, R - Lm1:]
+        return jnp.stack([lax.dynamic_slice_in_dim(x[:, c], cnt[c] - Lm1, Lm1, axis=1)
+                          for c in range(C)], axis=1)
+
+    def window(x, left, right, c):
+        parts = [x[:, c], jnp.zeros((b, size - Lm1 - R, *x.shape[3:]), x.dtype)]
+        if Lm1:
+            parts.insert(0, left[:, c] if left is not None else
+                         jnp.zeros((b, Lm1, *x.shape[3:]), x.dtype))
+        buf = jnp.concatenate(parts, axis=1)
+        if right is not None:
+            buf = lax.dynamic_update_slice_in_dim(buf, right[:, c], Lm1 + cnt[c], axis=1)
+        return lax.dynamic_slice_in_dim(buf, Lm1 - F[c] % L, s_w * L, axis=1)
+
+    halos = {}
+    for name, x in (("k", kd), ("v", vd)):
+        if Lm1:
+            halos[name] = (vshift(tails(x), 1, geo.P, C, axis_name),
+                           vshift(x[:, :, :Lm1], -1, geo.P, C, axis_name))
+        else:
+            halos[name] = (None, None)
+    qw = jnp.stack([window(qd, None, None, c) for c in range(C)], axis=1)
+    kw = jnp.stack([window(kd, *halos["k"], c) for c in range(C)], axis=1)
+    vw = jnp.stack([window(vd, *halos["v"], c) for c in range(C)], axis=1)
+    seg_start = jnp.stack([(F[c] // L + jnp.arange(s_w)) * L for c in range(C)])  # (C, s_w)
+    kv_len = jnp.clip(n_u[None, None, :] - seg_start[..., None], 0, L)  # (C, s_w, U)
+    kv_len = jnp.broadcast_to(kv_len[None], (b, C, s_w, U)).reshape(b * C * s_w, U)
+    out, lse = attention_core(
+        qw.reshape(b * C * s_w, L, U, G, d),
+        kw.reshape(b * C * s_w, L, U, d),
+        vw.reshape(b * C * s_w, L, U, d),
+        scale=scale, is_causal=is_causal, kv_len=kv_len, block_sizes=block_sizes,
+    )
+    out = out.reshape(b, C, s_w * L, U, G, d)
+    lse = lse.reshape(b, C, s_w * L, U, G)
+    out = jnp.stack([lax.dynamic_slice_in_dim(out[:, c], F[c] % L, R, axis=1)
+                     for c in range(C)], axis=1)
+    lse = jnp.stack([lax.dynamic_slice_in_dim(lse[:, c], F[c] % L, R, axis=1)
+                     for c in range(C)], axis=1)
+    return out, lse
+
+
+def _branch(q, k, v, plan: BranchPlan, P, C, axis_name, scale, is_causal, block_sizes,
+            fence=None):
+    """Branch ``plan`` on the local shard ``(b, m, ...)``, like :func:`dilax.branches.run_branches`:
+    ``(out f32, lse, local_plan)`` in the dilated layout of ``local_plan`` (heads ascending),
+    which :func:`dilax.branches.combine_branches` expands over the ``m`` local positions."""
+    b, m, h, d = q.shape
+    hk = k.shape[2]
+    n = P * m
+    geo = geometry(n, P, C, plan.w, plan.r)
+    if _is_local(plan, P, C, m):
+        loc = _plan_branch(geo.mc, h, hk, plan.w, plan.r, plan.q_heads, plan.q_slots)
+        fold = lambda x: x.reshape(b * C, geo.mc, *x.shape[2:])
+        (out,), (lse,) = run_branches(fold(q), fold(k), fold(v), Branches(
+            (loc,), scale, is_causal, block_sizes or RING_BLOCKS), fence=fence)
+        # The C chunks of S segments each are C*S segments of the local shard.
+        return out, lse, dataclasses.replace(loc, num_segments=C * loc.num_segments)
+    U, G = len(plan.kv_heads), plan.q_per_kv
+
+    def to_dilated(q, k, v):
+        qd = dilate(q, plan, plan.q_heads, plan.q_slots, geo, axis_name)
+        return (qd.reshape(b, C, geo.R, U, G, d),
+                dilate(k, plan, plan.kv_heads, plan.kv_slots, geo, axis_name),
+                dilate(v, plan, plan.kv_heads, plan.kv_slots, geo, axis_name))
+
+    n_u = tuple(-(-(n - o) // plan.r) for o in plan.kv_slots)
+    if geo.L <= min(geo.cnt) + 1:
+        out, lse = _halo_branch(*to_dilated(q, k, v), geo, jnp.asarray(n_u, jnp.int32), axis_name,
+                                scale, is_causal, block_sizes)
+    else:
+        bs = block_sizes or RING_BLOCKS
+        cfg = RingConfig(axis_name, geo, n_u, ring_streams(geo, is_causal), scale, is_causal,
+                         BlockSizes(*(min(x, geo.R) for x in (bs.block_q, bs.block_k,
+                                                              *bs.backward))), to_dilated)
+        out, lse = ring(q, k, v, fence, cfg)
+    out = out.astype(_F32)
+    Hq = U * G
+    if geo.regular:
+        # Chunk row t of head j is local position c*mc + slot_j + r*t: the single-device
+        # dilated layout with C segments of mc, merged without expanding per branch.
+        order = tuple(sorted(range(Hq), key=plan.q_heads.__getitem__))
+        loc = dataclasses.replace(plan, w=geo.mc, num_segments=C)
+        out = static_take(out.reshape(b * C, geo.R, Hq, d), order, axis=2)
+        lse = static_take(lse.reshape(b * C, geo.R, Hq), order, axis=2)
+        return out, lse, loc
+    valid = valid_rows(geo, plan.kv_slots, axis_name)[None, :, :, :, None]
+    out = jnp.where(valid[..., None], out, 0.0)
+    lse = jnp.where(valid, lse, -jnp.inf)
+    out = undilate(out.reshape(b, C, geo.R, Hq, d), plan, geo, axis_name, 0.0, jnp.add)
+    lse = undilate(lse.reshape(b, C, geo.R, Hq), plan, geo, axis_name, -jnp.inf, jnp.maximum)
+    heads = tuple(sorted(plan.q_heads))
+    full = dataclasses.replace(plan, w=m, r=1, num_segments=1, q_heads=heads,
+                               q_slots=(0,) * len(heads))
+    return out, lse, full
+
+
+def _is_local(plan: BranchPlan, P: int, C: int, m: int) -> bool:
+    """Whether every segment of ``plan`` lies inside one chunk of ``m / C`` local positions
+    (then the branch needs no communication)."""
+    geo = geometry(P * m, P, C, plan.w, plan.r)
+    return geo.V == 1 or geo.mc % plan.w == 0
+
+
+def ring_dilated_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_lengths: tuple[int, ...] | list[int] | int,
+    dilation_rates: tuple[int, ...] | list[int] | int,
+    *,
+    axis_name: Hashable,
+    is_causal: bool = False,
+    mode: str = "mixture",
+    scale: float | None = None,
+    layout: str = "contiguous",
+    block_sizes: BlockSizes | None = None,
+) -> jax.Array:
+    """Dilated attention on a sequence sharded over mesh axis ``axis_name`` (per-device view).
+
+    Call inside ``jax.shard_map(..., check_vma=False)`` with the sequence axis of ``q, k, v``
+    sharded over ``axis_name``. The result equals :func:`dilax.dilated_attention` on the
+    gathered inputs (forward and backward), while each device holds only ``O(n / P)`` of the
+    data and sends ``O(w / r)`` rows per spanning branch.
+
+    Args:
+      q: local shard ``(b, n/P, h, d)``.
+      k, v: local shards ``(b, n/P, hk, d)``, ``h % hk == 0``.
+      segment_lengths, dilation_rates, is_causal, mode, scale, block_sizes: as in
+        :func:`dilax.dilated_attention` (segments refer to global positions).
+      axis_name: the mesh axis the sequence is sharded over (size ``P``).
+      layout: ``"contiguous"`` (device ``i`` holds positions ``[i n/P, (i+1) n/P)``) or
+        ``"zigzag"`` (device ``i`` holds chunks ``i`` and ``2P-1-i`` of ``n/(2P)`` positions,
+        see :func:`zigzag_permutation`; balances causal work). The output has the same layout.
+
+    Returns:
+      The local shard of the output, ``(b, n/P, h, d)`` in ``q.dtype``.
+
+    Raises:
+      ValueError: ``axis_name`` not bound by an enclosing ``shard_map``, a bad ``layout``,
+        ``layout="zigzag"`` with an odd local length, and every input error of
+        :func:`dilax.dilated_attention`. TypeError: as there (dtypes, non-static config).
+    """
+    q, k, v = V.check_qkv(q, k, v)
+    ws, rs, mode, is_causal, scale, block_sizes = V.check_dilated_call(
+        q, segment_lengths, dilation_rates, mode, is_causal, scale, block_sizes)
+    layout = check_layout(layout)
+    V.check_memory(q, k, num_branches=len(ws), op="ring_dilated_attention (per device)")
+    P = axis_size(axis_name, "ring_dilated_attention", "sharded_dilated_attention")
+    b, m, h, d = q.shape
+    C = 2 if layout == "zigzag" and P > 1 else 1
+    if m % C:
+        raise ValueError(
+            f"layout='zigzag' splits each shard into two chunks and needs an even local "
+            f"seq_len, got n/P={m} on mesh axis {axis_name!r}"
+        )
+    plans = dilated_branches(P * m, h, k.shape[2], ws, rs, mode)
+    # Spanning branches first, sparsest (largest r, smallest dilated copies) first, local ones
+    # last, each fenced behind the previous one: only finished (dilated, so small) branch
+    # outputs are live next to the branch being computed, whatever the XLA scheduler prefers.
+    order = sorted(range(len(plans)), key=lambda i: (_is_local(plans[i], P, C, m), -plans[i].r))
+    results: list = [None] * len(plans)
+    prev = None
+    for i in order:
+        results[i] = _branch(q, k, v, plans[i], P, C, axis_name, scale, is_causal, block_sizes,
+                             fence=None if prev is None else fence_after(prev))
+        prev = results[i][1]
+    outs, lses, local_plans = zip(*results)
+    out, _ = combine_branches(outs, lses, local_plans, m, mode)
+    return out.astype(q.dtype)
+
+
+def sharded_dilated_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_lengths: tuple[int, ...] | list[int] | int,
+    dilation_rates: tuple[int, ...] | list[int] | int,
+    *,
+    mesh: Mesh,
+    seq_axis: str = "sp",
+    batch_axis: str | None = None,
+    is_causal: bool = False,
+    mode: str = "mixture",
+    scale: float | None = None,
+    layout: str = "contiguous",
+    block_sizes: BlockSizes | None = None,
+) -> jax.Array:
+    """Sequence-parallel dilated attention over ``mesh`` (global view; builds the shard_map).
+
+    Args:
+      q: ``(b, n, h, d)``; k, v: ``(b, n, hk, d)`` in natural position order.
+      mesh: a ``jax.sharding.Mesh``; the sequence is sharded over ``seq_axis`` (``P`` devices,
+        ``n % P == 0``) and, optionally, the batch over ``batch_axis``.
+      layout: ``"contiguous"`` or ``"zigzag"``. With ``"zigzag"`` the shards are permuted to the
+        zigzag layout with point-to-point transfers inside the shard_map (``n % 2P == 0``) and
+        the output is permuted back, so the caller always sees natural order.
+      Other arguments: as in :func:`dilax.dilated_attention`.
+
+    Returns:
+      ``(b, n, h, d)`` in ``q.dtype``, sharded like ``q``; equal to
+      ``dilated_attention(q, k, v, ...)``.
+
+    Raises:
+      TypeError: ``mesh`` is not a ``Mesh``; dtypes or non-static config as in
+        :func:`dilax.dilated_attention`.
+      ValueError: ``seq_axis``/``batch_axis`` not mesh axes or equal, ``n % P != 0``,
+        ``layout="zigzag"`` with ``n % 2P != 0``, batch not divisible by the ``batch_axis``
+        size, and every input error of :func:`dilax.dilated_attention`.
+    """
+    q, k, v = V.check_qkv(q, k, v)
+    layout = check_layout(layout)
+    check_mesh(mesh, seq_axis, batch_axis)
+    P = check_sharded_shape(q, mesh, seq_axis, batch_axis)
+    n = q.shape[1]
+    if layout == "zigzag" and P > 1 and n % (2 * P):
+        raise ValueError(
+            f"layout='zigzag' needs seq_len n={n} divisible by 2 * {P} (twice the size of mesh "
+            f"axis {seq_axis!r})"
+        )
+    ws, rs, mode, is_causal, scale, block_sizes = V.check_dilated_call(
+        q, segment_lengths, dilation_rates, mode, is_causal, scale, block_sizes)
+    return _sharded_jit(q, k, v, ws, rs, mesh, seq_axis, batch_axis, is_causal, mode, scale,
+                        layout, block_sizes)
+
+
+# One compiled program per static configuration (cached across eager calls, and bitwise the
+# same result as a call under the caller's jax.jit).
+@functools.partial(jax.jit, static_argnums=tuple(range(3, 13)))
+def _sharded_jit(q, k, v, segment_lengths, dilation_rates, mesh, seq_axis, batch_axis,
+                 is_causal, mode, scale, layout, block_sizes):
+    P = mesh.shape[seq_axis]
+    zigzag = layout == "zigzag" and P > 1
+
+    def body(q, k, v):
+        if zigzag:
+            q, k, v = (relayout(x, P, seq_axis, True) for x in (q, k, v))
+        out = ring_dilated_attention(
+            q, k, v, segment_lengths, dilation_rates, axis_name=seq_axis, is_causal=is_causal,
+            mode=mode, scale=scale, layout=layout, block_sizes=block_sizes,
+        )
+        return relayout(out, P, seq_axis, False) if zigzag else out
+
+    return shard_sequence(body, mesh, seq_axis, batch_axis, q, k, v)

@@ -1,0 +1,74 @@
+"""The mesh side of both rings: axis size, mesh/axis checks and the ``shard_map`` around them.
+
+Shared by :func:`dilax.sharded_dilated_attention` and
+:func:`dilax.sharded_block_sparse_attention` (global view) and their per-device ops (inside
+``shard_map``), so that both rings accept the same meshes and fail with the same messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import jax
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+
+def axis_size(axis_name: Hashable, op: str, sharded_op: str) -> int:
+    """Size of the bound mesh axis ``axis_name``; a ValueError naming ``op`` (the per-device
+    function) and ``sharded_op`` (its global-view wrapper) outside a matching shard_map."""
+    try:
+        return int(lax.axis_size(axis_name))
+    except NameError as e:
+        raise ValueError(
+            f"axis_name={axis_name!r} is not a mesh axis bound here; call {op} inside "
+            f"jax.shard_map over a mesh with that axis (or use {sharded_op})"
+        ) from e
+
+
+def check_mesh(mesh, seq_axis, batch_axis) -> None:
+    """``mesh`` is a Mesh, ``seq_axis`` (required) and ``batch_axis`` (optional) are distinct
+    axes of it."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if seq_axis is None:
+        raise ValueError("seq_axis must name a mesh axis, got None")
+    for name, ax in (("seq_axis", seq_axis), ("batch_axis", batch_axis)):
+        if ax is not None and ax not in mesh.shape:
+            raise ValueError(f"{name}={ax!r} is not an axis of the mesh {dict(mesh.shape)}")
+    if seq_axis == batch_axis:
+        raise ValueError(f"seq_axis and batch_axis must differ, got {seq_axis!r} for both")
+
+
+def check_sharded_shape(q: jax.Array, mesh: Mesh, seq_axis, batch_axis) -> int:
+    """``q: (b, n, ...)`` splits over the mesh: ``n`` by the ``seq_axis`` size ``P`` (returned),
+    ``b`` by the ``batch_axis`` size."""
+    b, n = q.shape[:2]
+    P = mesh.shape[seq_axis]
+    if n % P:
+        raise ValueError(
+            f"seq_len n={n} must be divisible by the size {P} of mesh axis {seq_axis!r}"
+        )
+    if batch_axis is not None and b % mesh.shape[batch_axis]:
+        raise ValueError(
+            f"batch size {b} must be divisible by the size {mesh.shape[batch_axis]} of mesh "
+            f"axis {batch_axis!r}"
+        )
+    return P
+
+
+def shard_sequence(body: Callable, mesh: Mesh, seq_axis, batch_axis, q, k, v) -> jax.Array:
+    """``jax.shard_map(body)`` with the batch of ``q, k, v`` and the output over
+    ``batch_axis`` and their sequence over ``seq_axis``.
+
+    ``check_vma=False``: the blockwise core's loop carries are not typed per device.
+    """
+    spec = PartitionSpec(batch_axis, seq_axis)
+    axes = [ax for ax in (seq_axis, batch_axis) if ax is not None]
+    if any(mesh.axis_types[mesh.axis_names.index(ax)] == AxisType.Explicit for ax in axes):
+        # Explicit mesh axes (jax.make_mesh's default): shard_map wants the inputs' sharding
+        # to match in_specs already.
+        sharding = NamedSharding(mesh, spec)
+        q, k, v = (jax.sharding.reshard(x, sharding) for x in (q, k, v))
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
+                         check_vma=False)(q, k, v)

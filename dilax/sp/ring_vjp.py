@@ -1,0 +1,360 @@
+"""The ring regime of a dilated branch: segments that span several devices.
+
+Each device dilates its own K/V first (keeps the ``1/r`` of its rows that the head's offset
+selects, :mod:`dilax.sp.dilate`), then those dilated chunks travel between the devices that
+share segments (:mod:`dilax.sp.schedule` streams) with ``lax.ppermute`` while every device
+folds them into the float32 online-softmax state of its queries with
+:func:`dilax.core.attention_core` and :func:`dilax.core.merge_attention_states`. Chunks
+entirely in the future (causal) or in another segment are skipped with ``lax.cond``.
+Communication per device is ``O(w / r)`` rows per branch, independent of ``n``.
+
+The backward pass is a ``jax.custom_vjp`` with a second ring that sends K, V and the dK, dV
+accumulators, so it also keeps ``O(n / P)`` memory per device. The hops run in a
+``lax.fori_loop`` whose body sends the next chunk while it computes the current one: one chunk
+in use and one in flight per device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Hashable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from dilax.core import (
+    XLA,
+    BlockSizes,
+    Mask,
+    attention_core,
+    identity_view,
+    merge_attention_states,
+    output_delta,
+    when,
+)
+from dilax.sp.layout import lookup
+from dilax.sp.schedule import Geometry, Stream
+
+_F32 = jnp.float32
+
+
+def _varying_like(x: jax.Array, *refs: jax.Array) -> jax.Array:
+    """``x`` typed as varying over the mesh axes the ``refs`` vary over.
+
+    Under ``shard_map(check_vma=True)`` a freshly created constant (zeros, -inf) is not
+    per-device; loop carries and ``lax.cond`` branches must agree on the type.
+    """
+    try:
+        have = jax.typeof(x).mat.varying
+        want = frozenset().union(*(jax.typeof(r).mat.varying for r in refs))
+    except AttributeError:  # outside shard_map, or a jax without varying-axis types
+        return x
+    missing = tuple(sorted(want - have, key=str))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+@dataclasses.dataclass(frozen=True)
+class RingConfig:
+    """Static configuration of one spanning branch on the ring (hashable: a custom_vjp
+    non-differentiable argument)."""
+
+    axis_name: Hashable
+    geo: Geometry
+    n_u: tuple[int, ...]  # dilated length of each virtual kv head's offset
+    streams: tuple[Stream, ...]
+    scale: float
+    is_causal: bool
+    block_sizes: BlockSizes  # forward (block_q, block_k) and backward (.backward) blocks
+    dilate: Callable  # local shards (q, k, v) -> dilated chunks (qd, kd, vd)
+
+    @property
+    def single_segment(self) -> bool:
+        """Every chunk lies inside one segment (aligned case): one candidate, no key shift."""
+        return all(s is None or s[0] == s[1] for s in map(self.geo.segments, range(self.geo.V)))
+
+
+def _shift_rows(x, lo):
+    """Rows ``[lo, lo + R)`` of ``x: (b, R, ...)`` (zeros past the end)."""
+    R = x.shape[1]
+    widths = [(0, 0), (0, R)] + [(0, 0)] * (x.ndim - 2)
+    return lax.dynamic_slice_in_dim(jnp.pad(x, widths), lo, R, axis=1)
+
+
+def _unshift_rows(x, lo):
+    """Inverse of :func:`_shift_rows` for gradients: row ``t`` goes back to ``lo + t``."""
+    R = x.shape[1]
+    buf = jnp.zeros((x.shape[0], 2 * R, *x.shape[2:]), x.dtype)
+    return lax.dynamic_update_slice_in_dim(buf, x, lo, axis=1)[:, :R]
+
+
+def _candidates(cfg: RingConfig, Fq, cq, Fk, ck, ok, R):
+    """Per candidate segment of the ``R`` query rows starting at dilated index ``Fq`` (``cq`` of
+    them valid): (key shift or None, kv_len (U,), run?, row mask)."""
+    L = cfg.geo.L
+    n_u = jnp.asarray(cfg.n_u, jnp.int32)
+    if cfg.single_segment:
+        kv_len = jnp.clip(jnp.minimum(ck, n_u - Fk), 0, None)
+        pred = ok & (Fk // L == Fq // L) & (cq > 0) & (jnp.max(kv_len) > 0)
+        if cfg.is_causal:
+            pred = pred & (Fk <= Fq + cq - 1)
+        return [(None, kv_len, pred, None)]
+    t = jnp.arange(R)
+    cands = []
+    for j in range(2):
+        s = Fq // L + j
+        lo = jnp.clip(s * L - Fk, 0, ck)
+        hi = jnp.clip((s + 1) * L - Fk, 0, ck)
+        kv_len = jnp.clip(jnp.minimum(hi, n_u - Fk) - lo, 0, None)
+        qlo = jnp.clip(s * L - Fq, 0, cq)
+        qhi = jnp.clip((s + 1) * L - Fq, 0, cq)
+        pred = ok & (qhi > qlo) & (jnp.max(kv_len) > 0)
+        if cfg.is_causal:
+            pred = pred & (Fk + lo <= Fq + qhi - 1)
+        cands.append((lo, kv_len, pred, (t >= qlo) & (t < qhi)))
+    return cands
+
+
+def _pair_forward(cfg: RingConfig, q, k, v, Fq, cq, Fk, ck, ok):
+    """Attention of one query chunk ``q: (b, R, U, G, d)`` to one key chunk: (out f32, lse)."""
+    b, R, U, G, d = q.shape
+    results = []
+    for lo, kv_len, pred, rows in _candidates(cfg, Fq, cq, Fk, ck, ok, R):
+        ks = k if lo is None else _shift_rows(k, lo)
+        vs = v if lo is None else _shift_rows(v, lo)
+        k_off = Fk if lo is None else Fk + lo
+        kv_len_b = jnp.broadcast_to(kv_len, (b, U))
+
+        def run(ops, kv_len_b=kv_len_b, k_off=k_off):
+            o, lse = attention_core(*ops, scale=cfg.scale, is_causal=cfg.is_causal,
+                                    kv_len=kv_len_b, q_offset=Fq, k_offset=k_off,
+                                    block_sizes=cfg.block_sizes)
+            return o.astype(_F32), lse
+
+        def skip(ops):
+            return (_varying_like(jnp.zeros(ops[0].shape, _F32), *ops),
+                    _varying_like(jnp.full(ops[0].shape[:-1], -jnp.inf, _F32), *ops))
+
+        results.append((lax.cond(pred, run, skip, (q, ks, vs)), rows))
+    (out, lse), _ = results[0]
+    for (o, lse_c), rows in results[1:]:
+        sel = rows[None, :, None, None]
+        out = jnp.where(sel[..., None], o, out)
+        lse = jnp.where(sel, lse_c, lse)
+    return out, lse
+
+
+def _pair_backward(cfg: RingConfig, q, k, v, out, lse, dout, dlse, Fq, cq, Fk, ck, ok):
+    """Gradient contributions of one (query chunk, key chunk) pair, float32."""
+    b, R, U, G, d = q.shape
+    dq = jnp.zeros(q.shape, _F32)
+    dk = jnp.zeros(k.shape, _F32)
+    dv = jnp.zeros(v.shape, _F32)
+    for lo, kv_len, pred, rows in _candidates(cfg, Fq, cq, Fk, ck, ok, R):
+        ks = k if lo is None else _shift_rows(k, lo)
+        vs = v if lo is None else _shift_rows(v, lo)
+        k_off = Fk if lo is None else Fk + lo
+        # Rows of another segment: lse = +inf makes their probabilities exactly 0.
+        lse_c = lse if rows is None else jnp.where(rows[None, :, None, None], lse, jnp.inf)
+        kv_len_b = jnp.broadcast_to(kv_len, (b, U))
+
+        def run(ops, kv_len_b=kv_len_b, k_off=k_off):
+            qq, kk, vv, oo, ll, do, dl = ops
+            flat = lambda x: x.reshape(b, R, U * G, *x.shape[4:])
+            g = XLA.backward(flat(qq), kk, vv, view=identity_view(U, G),
+                             mask=Mask(kv_len_b, Fq, k_off, cfg.is_causal), scale=cfg.scale,
+                             lse=flat(ll), dout=flat(do), delta=flat(output_delta(oo, do, dl)),
+                             block_sizes=cfg.block_sizes, grad_dtype=_F32)
+            return g[0].reshape(q.shape), g[1], g[2]
+
+        def skip(ops):
+            return tuple(_varying_like(jnp.zeros(x.shape, _F32), *ops) for x in ops[:3])
+
+        gq, gk, gv = lax.cond(pred, run, skip, (q, ks, vs, out, lse_c, dout, dlse))
+        dq = dq + gq
+        dk = dk + (gk if lo is None else _unshift_rows(gk, lo))
+        dv = dv + (gv if lo is None else _unshift_rows(gv, lo))
+    return dq, dk, dv
+
+
+_ROW_CHUNK = 256
+# Block pair of the spanning branches: per-device memory is the point of the ring, so the score
+# tile stays small next to a shard (a few % slower on CPU than default_block_sizes' tiles).
+RING_BLOCKS = BlockSizes(128, 128, 128, 128)
+
+
+def _row_chunk(R: int) -> int:
+    """Query rows per folding step: the partial result of one hop is ``(rows, U, G, d)``
+    float32 and is merged into the state in place, so it stays small next to the shard."""
+    if R <= _ROW_CHUNK:
+        return R
+    best = max(c for c in range(1, _ROW_CHUNK + 1) if R % c == 0)
+    return best if best >= _ROW_CHUNK // 4 else R
+
+
+def _fold_pair(cfg: RingConfig, q, k, v, Fq, cq, Fk, ck, ok, state):
+    """Merges the attention of queries ``q: (b, R, U, G, d)`` to one key chunk into ``state``
+    (float32 ``out``, ``lse``), a chunk of query rows at a time."""
+    out, lse = state
+    R = q.shape[1]
+    rc = _row_chunk(R)
+    if rc == R:
+        return merge_attention_states(out, lse, *_pair_forward(cfg, q, k, v, Fq, cq, Fk, ck, ok))
+
+    def body(i, carry):
+        out, lse = carry
+        s = i * rc
+        rows = lambda x: lax.dynamic_slice_in_dim(x, s, rc, axis=1)
+        o, l = _pair_forward(cfg, rows(q), k, v, Fq + s, jnp.clip(cq - s, 0, rc), Fk, ck, ok)
+        o, l = merge_attention_states(rows(out), rows(lse), o, l)
+        return (lax.dynamic_update_slice_in_dim(out, o, s, axis=1),
+                lax.dynamic_update_slice_in_dim(lse, l, s, axis=1))
+
+    return lax.fori_loop(0, R // rc, body, (out, lse))
+
+
+def _tables(cfg: RingConfig):
+    """Per-chunk dilated starts and counts (static tables), this device's index, and its
+    query chunks' starts ``Fq`` and counts ``cq``."""
+    geo = cfg.geo
+    F_t, cnt_t = geo.table(geo.F[:-1]), geo.table(geo.cnt)
+    idx = lax.axis_index(cfg.axis_name)
+    return (F_t, cnt_t, idx, [lookup(F_t[c], idx) for c in range(geo.C)],
+            [lookup(cnt_t[c], idx) for c in range(geo.C)])
+
+
+def _stream_loop(st: Stream, idx, step, carry, transfer):
+    """Runs ``step(carry, src)`` for every hop of stream ``st``, moving ``transfer(carry)`` one
+    hop between steps. A ``fori_loop`` keeps one block in use and one in flight per device."""
+    src = jnp.asarray(np.asarray(st.src, np.int32))  # (steps, P)
+    hops = len(st.src)
+    carry = transfer(carry, True)
+
+    def body(s, carry):
+        return transfer(step(carry, src[s, idx]), False)
+
+    if hops > 1:
+        carry = lax.fori_loop(0, hops - 1, body, carry)
+    return step(carry, src[hops - 1, idx])
+
+
+def _ring_forward(qd, kd, vd, cfg: RingConfig):
+    C = cfg.geo.C
+    F_t, cnt_t, idx, Fq, cq = _tables(cfg)
+
+    def visit(state, kb, vb, src):
+        ok = src >= 0
+        j = jnp.maximum(src, 0)
+        state = list(state)
+        for cp in range(C):
+            Fk, ck = lookup(F_t[cp], j), lookup(cnt_t[cp], j)
+            for c in range(C):
+                state[c] = _fold_pair(cfg, qd[:, c], kb[:, cp], vb[:, cp], Fq[c], cq[c], Fk, ck,
+                                      ok, state[c])
+        return tuple(state)
+
+    b, _, R, U, G, d = qd.shape
+    state = ((_varying_like(jnp.zeros((b, R, U, G, d), _F32), qd, kd),
+              _varying_like(jnp.full((b, R, U, G), -jnp.inf, _F32), qd, kd)),) * C
+    if not cfg.streams:
+        return _stack_state(visit(state, kd, vd, idx))
+    # Every transfer sits inside a loop body next to the compute it overlaps with (iteration s
+    # sends the block of hop s + 1 while it computes hop s), so the scheduler cannot hoist the
+    # transfers of later hops ahead of time: each device holds one block in use and one in
+    # flight. Hop 0 is the own block (visited by the first stream only).
+    for si, st in enumerate(cfg.streams):
+        own = np.arange(cfg.geo.P) if si == 0 else np.full(cfg.geo.P, -1)
+        src = jnp.asarray(np.concatenate([own[None], np.asarray(st.src)]).astype(np.int32))
+
+        def body(s, carry, st=st, src=src):
+            kb, vb, state = carry
+            nxt = [lax.ppermute(x, cfg.axis_name, st.perm) for x in (kb, vb)]
+            return (*nxt, visit(state, kb, vb, src[s, idx]))
+
+        kb, vb, state = lax.fori_loop(0, len(st.src), body, (kd, vd, state))
+        state = visit(state, kb, vb, src[len(st.src), idx])
+    return _stack_state(state)
+
+
+def _stack_state(state):
+    return jnp.stack([s[0] for s in state], axis=1), jnp.stack([s[1] for s in state], axis=1)
+
+
+def _ring_backward(cfg: RingConfig, res, cts):
+    qd, kd, vd, out, lse = res
+    dout, dlse = cts
+    C = cfg.geo.C
+    F_t, cnt_t, idx, Fq, cq = _tables(cfg)
+
+    def visit(dq, kb, vb, src):
+        ok = src >= 0
+        j = jnp.maximum(src, 0)
+        dq = list(dq)
+        dks, dvs = [], []
+        for cp in range(C):
+            Fk, ck = lookup(F_t[cp], j), lookup(cnt_t[cp], j)
+            dk_c = dv_c = None
+            for c in range(C):
+                # One pass over all query rows: row chunks (as in the forward) would need
+                # extra dK/dV accumulators, which cost more than the per-hop dQ they save.
+                gq, gk, gv = _pair_backward(cfg, qd[:, c], kb[:, cp], vb[:, cp], out[:, c],
+                                            lse[:, c], dout[:, c], dlse[:, c], Fq[c], cq[c], Fk,
+                                            ck, ok)
+                dq[c] = dq[c] + gq
+                dk_c = gk if dk_c is None else dk_c + gk
+                dv_c = gv if dv_c is None else dv_c + gv
+            dks.append(dk_c)
+            dvs.append(dv_c)
+        return jnp.stack(dq, axis=1), jnp.stack(dks, axis=1), jnp.stack(dvs, axis=1)
+
+    dq0 = [_varying_like(jnp.zeros(qd.shape[:1] + qd.shape[2:], _F32), qd, kd, dout)
+           for _ in range(C)]
+    dq, dk, dv = visit(dq0, kd, vd, idx)
+    for st in cfg.streams:
+        def transfer(carry, first, st=st):
+            kb, vb, dkb, dvb, dq = carry
+            kb, vb = (lax.ppermute(x, cfg.axis_name, st.perm) for x in (kb, vb))
+            if not first:  # dK/dV accumulators travel with the block they belong to
+                dkb, dvb = (lax.ppermute(x, cfg.axis_name, st.perm) for x in (dkb, dvb))
+            return kb, vb, dkb, dvb, dq
+
+        def step(carry, src):
+            kb, vb, dkb, dvb, dq = carry
+            dq, gk, gv = visit(list(jnp.moveaxis(dq, 1, 0)), kb, vb, src)
+            return kb, vb, dkb + gk, dvb + gv, dq
+
+        zeros = _varying_like(jnp.zeros(kd.shape, _F32), qd, kd, dout)
+        _, _, dkb, dvb, dq = _stream_loop(st, idx, step, (kd, vd, zeros, zeros, dq), transfer)
+        dk = dk + lax.ppermute(dkb, cfg.axis_name, st.ret)
+        dv = dv + lax.ppermute(dvb, cfg.axis_name, st.ret)
+    return dq.astype(qd.dtype), dk.astype(kd.dtype), dv.astype(vd.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def ring(q, k, v, fence, cfg):
+    """Ring attention of the local shards ``q, k, v`` in the dilated layout of ``cfg.dilate``.
+
+    The dilation is inside the custom_vjp: the backward pass keeps only the shards (alive
+    anyway) and the branch output, and recomputes the dilated copies. ``fence``: see
+    :func:`dilax.core.fence_after` (None: no ordering constraint)."""
+    return when(fence, lambda q, k, v: _ring_forward(*cfg.dilate(q, k, v), cfg), (q, k, v))
+
+
+def _ring_fwd(q, k, v, fence, cfg):
+    out, lse = ring(q, k, v, fence, cfg)
+    return (out, lse), (q, k, v, fence, out, lse)
+
+
+def _ring_bwd(cfg, res, cts):
+    q, k, v, fence, out, lse = res
+
+    def grads(q, k, v, out, lse, dout, dlse):
+        (qd, kd, vd), undilate = jax.vjp(cfg.dilate, q, k, v)
+        return undilate(_ring_backward(cfg, (qd, kd, vd, out, lse), (dout, dlse)))
+
+    return (*when(fence, grads, (q, k, v, out, lse, *cts)), None)
+
+
+ring.defvjp(_ring_fwd, _ring_bwd)
