@@ -10,7 +10,8 @@ imported on first use.
 from dilax import memory, patterns
 from dilax.attention_fn import attention_fn
 from dilax.backend import describe
-from dilax.block_sparse import block_sparse_attention, content_adaptive_attention
+from dilax.block_sparse import block_sparse_attention
+from dilax.content_adaptive import content_adaptive_attention
 from dilax.core import BlockSizes, attention_core, merge_attention_states
 from dilax.dilated import dilated_attention
 from dilax.reference import dilated_counts

@@ -147,7 +147,21 @@ def create_attention(
     if multihead and (embed_dim is None or num_heads is None or rngs is None):
         raise _fail("a multi-head module needs embed_dim, num_heads and rngs")
 
-    reasons = []
+    reasons: list[str] = []
+    kind = _choose_kind(kind, dilated_cfg, pattern, mesh, seq_axis, reasons)
+    implementation = _choose_implementation(kind, implementation, backend, pattern, reasons)
+    if kind == "block_sparse" and multihead:
+        implementation = "xla"  # the multi-head block-sparse module runs the XLA gather path
+    sp = SequenceParallel(mesh, seq_axis) if kind == "ring" else None
+    inner = _build(kind, multihead, sp, dict(
+        embed_dim=embed_dim, num_heads=num_heads, segment_lengths=segment_lengths,
+        dilation_rates=dilation_rates, pattern=pattern, mode=mode, is_causal=is_causal,
+        implementation=implementation, rngs=rngs), module_kwargs)
+    return Attention(inner, Choice(kind, implementation, multihead, "; ".join(reasons)))
+
+
+def _choose_kind(kind, dilated_cfg, pattern, mesh, seq_axis, reasons) -> str:
+    """Resolves ``"auto"`` (appending why to ``reasons``) and checks the kind's needs."""
     if kind == "auto":
         if pattern is not None and mesh is not None:
             kind, why = "ring", (f"a block pattern and a mesh were given: block-sparse ring, "
@@ -175,7 +189,10 @@ def create_attention(
             raise _fail(f"seq_axis={seq_axis!r} is not an axis of the mesh {mesh.axis_names}")
     if kind != "ring" and mesh is not None:
         raise _fail(f"kind={kind!r} does not take a mesh")
+    return kind
 
+
+def _choose_implementation(kind, implementation, backend, pattern, reasons) -> str:
     if implementation is None:
         implementation = default_implementation(backend)
         reasons.append(f"backend {backend!r} -> {implementation!r}")
@@ -187,41 +204,34 @@ def create_attention(
                        "the blockwise XLA core on each device")
     if kind == "block_sparse" and implementation == "cudnn":
         raise _fail("cuDNN has no block-sparse attention: use implementation 'pallas' or 'xla'")
+    return implementation
 
+
+def _build(kind: str, multihead: bool, sp: SequenceParallel | None, a: dict,
+           module_kwargs: dict) -> nnx.Module:
+    """The module of a resolved choice; ``a`` holds the checked arguments."""
     from dilax import nn
 
+    heads = (a["embed_dim"], a["num_heads"])
+    if a["pattern"] is not None:  # block-sparse, on one device or as a ring
+        if multihead:
+            extra = {} if sp is None else dict(sequence_parallel=sp)
+            return nn.BlockSparseMultiheadAttention(*heads, a["pattern"], rngs=a["rngs"],
+                                                    **extra, **module_kwargs)
+        extra = (dict(implementation=a["implementation"]) if sp is None
+                 else dict(sequence_parallel=sp))
+        return nn.BlockSparseAttention(a["pattern"], is_causal=a["is_causal"], **extra,
+                                       **module_kwargs)
+    branches = (a["segment_lengths"], a["dilation_rates"])
     if kind == "dilated":
         if multihead:
-            inner = nn.MultiheadDilatedAttention(
-                embed_dim, num_heads, segment_lengths, dilation_rates, mode=mode,
-                implementation=implementation, rngs=rngs, **module_kwargs)
-        else:
-            inner = nn.DilatedAttention(segment_lengths, dilation_rates, mode=mode,
-                                        is_causal=is_causal, implementation=implementation,
-                                        **module_kwargs)
-    elif kind == "block_sparse":
-        if multihead:
-            # The multi-head block-sparse module always runs the XLA gather path.
-            implementation = "xla"
-            inner = nn.BlockSparseMultiheadAttention(embed_dim, num_heads, pattern, rngs=rngs,
-                                                     **module_kwargs)
-        else:
-            inner = nn.BlockSparseAttention(pattern, is_causal=is_causal,
-                                            implementation=implementation, **module_kwargs)
-    elif pattern is not None:  # block-sparse ring
-        sp = SequenceParallel(mesh, seq_axis)
-        if multihead:
-            inner = nn.BlockSparseMultiheadAttention(embed_dim, num_heads, pattern, rngs=rngs,
-                                                     sequence_parallel=sp, **module_kwargs)
-        else:
-            inner = nn.BlockSparseAttention(pattern, is_causal=is_causal, sequence_parallel=sp,
-                                            **module_kwargs)
-    elif multihead:
-        inner = nn.MultiheadDilatedAttention(
-            embed_dim, num_heads, segment_lengths, dilation_rates, mode=mode, rngs=rngs,
-            sequence_parallel=SequenceParallel(mesh, seq_axis), **module_kwargs)
-    else:
-        inner = RingDilatedAttention(segment_lengths, dilation_rates, mesh=mesh,
-                                     seq_axis=seq_axis, mode=mode, is_causal=is_causal,
-                                     **module_kwargs)
-    return Attention(inner, Choice(kind, implementation, multihead, "; ".join(reasons)))
+            return nn.MultiheadDilatedAttention(
+                *heads, *branches, mode=a["mode"], implementation=a["implementation"],
+                rngs=a["rngs"], **module_kwargs)
+        return nn.DilatedAttention(*branches, mode=a["mode"], is_causal=a["is_causal"],
+                                   implementation=a["implementation"], **module_kwargs)
+    if multihead:
+        return nn.MultiheadDilatedAttention(*heads, *branches, mode=a["mode"], rngs=a["rngs"],
+                                            sequence_parallel=sp, **module_kwargs)
+    return RingDilatedAttention(*branches, mesh=sp.mesh, seq_axis=sp.seq_axis, mode=a["mode"],
+                                is_causal=a["is_causal"], **module_kwargs)

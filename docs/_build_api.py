@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # (module, names): ``None`` means the module's ``__all__``.
 SECTIONS = (
     ("dilax", None),
+    ("dilax.core", ("Mask", "attention", "core_for", "XlaCore", "PallasCore", "CudnnCore",
+                    "default_block_sizes")),
     ("dilax.sp", ("LAYOUTS", "zigzag_permutation")),
     ("dilax.nn", None),
     ("dilax.models", None),

@@ -36,8 +36,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.config import MIN_BLOCK, KernelConfig, triton_compiler_params
-from pallas_kernels.flash_attention import (
+from pallas_kernels.common import (
     backward_rows,
     check_grouped_qkv,
     dkdv_loop,
@@ -48,6 +47,7 @@ from pallas_kernels.flash_attention import (
     pad_to,
     padded_head_dim,
 )
+from pallas_kernels.config import MIN_BLOCK, KernelConfig, triton_compiler_params
 from pallas_kernels.reference import masked_reference
 from pallas_kernels.tables import (
     block_mask_from_tables,

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 import dilax
 from dilax import block_sparse as BS
+from dilax import content_adaptive as CA
 from dilax import patterns as P
 from dilax.nn import BlockSparseAttention, BlockSparseMultiheadAttention
 from dilax.reference import masked_attention
@@ -241,7 +242,7 @@ def test_memory_scales_with_active_blocks_not_n_squared():
 
 
 def selection_mask(q, k, bs, top_k, causal):
-    idx, cnt = BS.content_adaptive_selection(q, k, bs, top_k, is_causal=causal)
+    idx, cnt = CA.content_adaptive_selection(q, k, bs, top_k, is_causal=causal)
     idx, cnt = np.asarray(idx), np.asarray(cnt)
     b, n, h, _ = q.shape
     hk, nb = k.shape[2], -(-n // bs)
@@ -312,7 +313,7 @@ def test_content_adaptive_trains_on_planted_blocks():
     def evaluate(params, key):
         x, target, nxt = batch(key, 64)
         q, k, _ = qkv(params, x)
-        idx, _ = BS.content_adaptive_selection(q, k, bs, top_k)
+        idx, _ = CA.content_adaptive_selection(q, k, bs, top_k)
         hit = (idx[:, 0] == nxt[..., None]).any(-1)
         return hit.mean(), loss_fn(params, x, target)
 

@@ -100,6 +100,9 @@ def _slice_rows(x, b, start, size):
     return lax.dynamic_slice(x, (b, start) + (0,) * (x.ndim - 2), (1, size) + x.shape[2:])[0]
 
 
+# forward and backward are ~90 lines each on purpose: their loop bodies are closures over the
+# padded inputs, the view and the static tiles, and the causal/ragged loop bounds sit next to
+# the body they bound; split apart, every level would pass the same dozen arguments down.
 def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: BlockSizes,
             out_dtype=None):
     """``(out, lse)`` of the queries of ``view``: ``out (B, Lq, H_out, d)`` in ``out_dtype``

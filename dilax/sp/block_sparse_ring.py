@@ -31,7 +31,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from dilax import _validation as V
-from dilax.block_sparse import _head_layout, check_pattern, sparse_attention_tables
+from dilax.block_sparse import check_pattern, head_layout, sparse_attention_tables
 from dilax.core import merge_attention_states
 from dilax.patterns import BlockSparsePattern, mask_tables
 from dilax.sp.mesh import axis_size, check_mesh, check_sharded_shape, shard_sequence
@@ -71,7 +71,7 @@ class RingPlan:
 def plan_ring(pattern: BlockSparsePattern, num_devices: int, h: int, hk: int,
               is_causal: bool) -> RingPlan:
     """Static per-(hop, device) tables of ``pattern`` on a ring of ``num_devices``."""
-    U, G, kvmap, m = _head_layout(pattern.block_mask, h, hk)
+    U, G, kvmap, m = head_layout(pattern.block_mask, h, hk)
     P = num_devices
     nq_l = pattern.num_q_blocks // P
     rows = np.arange(nq_l)

@@ -1,0 +1,207 @@
+"""Building blocks shared by the flash and block-sparse kernels.
+
+In-kernel pieces (masked dots, the online-softmax key loop, the dq and dk/dv loops, the loop
+over a kv head's query heads) and the host-side helpers around every ``pallas_call``
+(padding, the backward's ``lse``/``delta`` rows, layout checks).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.config import MIN_BLOCK, next_power_of_2
+
+_F32 = jnp.float32
+_NEG_INF = float("-inf")
+_POS_INF = float("inf")
+
+
+def _dot(a, b, contract_a: int, contract_b: int):
+    """2-D matmul contracting ``a``'s axis ``contract_a`` with ``b``'s, float32 accumulation.
+
+    float32 inputs use IEEE precision (no TF32) so fp32 results match the XLA core."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(
+        a, b, (((contract_a,), (contract_b,)), ((), ())), precision=precision,
+        preferred_element_type=_F32,
+    )
+
+
+def _arange(n: int):
+    return jnp.arange(n, dtype=jnp.int32)
+
+
+def _cdiv_nonneg(a, b: int):
+    """``ceil(a / b)`` for traced ``a >= 0`` (``lax.div`` truncates, which is safe for Triton)."""
+    return lax.div(a + (b - 1), jnp.int32(b))
+
+
+def _floordiv_clamped(a, b: int):
+    """``max(a, 0) // b`` for traced ints."""
+    return lax.div(jnp.maximum(a, 0), jnp.int32(b))
+
+
+def key_mask(q_pos, k_idx, kv_len, k_offset, is_causal: bool):
+    """``(bq, bk)`` visibility of keys ``k_idx`` (local indices) for queries at global ``q_pos``."""
+    mask = (k_idx < kv_len)[None, :]
+    if is_causal:
+        mask = mask & ((k_offset + k_idx)[None, :] <= q_pos[:, None])
+    return mask
+
+
+def online_softmax(q, q_pos, k_ref, v_ref, *, num_steps, block_index, kv_len, k_offset, scale,
+                   is_causal, block_k):
+    """Forward key loop: visits key blocks ``block_index(0 .. num_steps-1)``.
+
+    Returns ``(out (bq, dp) float32, lse (bq,) float32)`` with ``out = 0, lse = -inf`` for rows
+    without a visible key.
+    """
+    block_q, dp = q.shape
+
+    def body(step, carry):
+        m, denom, acc = carry
+        start = pl.multiple_of(block_index(step) * block_k, block_k)
+        k = k_ref[pl.ds(start, block_k), :]
+        v = v_ref[pl.ds(start, block_k), :]
+        k_idx = start + _arange(block_k)
+        mask = key_mask(q_pos, k_idx, kv_len, k_offset, is_causal)
+        s = jnp.where(mask, _dot(q, k, 1, 1) * scale, _NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+        p = jnp.exp(s - m_safe[:, None])
+        corr = jnp.exp(m - m_safe)
+        denom = denom * corr + jnp.sum(p, axis=1)
+        # Zero keys beyond kv_len so NaN/inf there can never leak through 0 * x.
+        v = jnp.where((k_idx < kv_len)[:, None], v, jnp.zeros((), v.dtype))
+        acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v, 1, 0)
+        return m_new, denom, acc
+
+    init = (
+        jnp.full((block_q,), _NEG_INF, _F32),
+        jnp.zeros((block_q,), _F32),
+        jnp.zeros((block_q, dp), _F32),
+    )
+    m, denom, acc = lax.fori_loop(0, num_steps, body, init)
+    has_key = denom > 0.0
+    denom_safe = jnp.where(has_key, denom, 1.0)
+    out = acc / denom_safe[:, None]
+    lse = jnp.where(has_key, m + jnp.log(denom_safe), _NEG_INF)
+    return out, lse
+
+
+def dq_loop(q, do, lse, delta, q_pos, k_ref, v_ref, *, num_steps, block_index, kv_len, k_offset,
+            scale, is_causal, block_k):
+    """dq of one query tile: ``sum_j ds_j @ k_j * scale`` over the listed key blocks.
+
+    ``lse`` must be ``+inf`` (not ``-inf``) on rows without a key so that ``p = 0`` there."""
+    block_q, dp = q.shape
+
+    def body(step, dq):
+        start = pl.multiple_of(block_index(step) * block_k, block_k)
+        k_idx = start + _arange(block_k)
+        valid = (k_idx < kv_len)[:, None]
+        k = jnp.where(valid, k_ref[pl.ds(start, block_k), :], jnp.zeros((), k_ref.dtype))
+        v = jnp.where(valid, v_ref[pl.ds(start, block_k), :], jnp.zeros((), v_ref.dtype))
+        mask = key_mask(q_pos, k_idx, kv_len, k_offset, is_causal)
+        s = jnp.where(mask, _dot(q, k, 1, 1) * scale, _NEG_INF)
+        p = jnp.exp(s - lse[:, None])
+        ds = p * (_dot(do, v, 1, 1) - delta[:, None])
+        return dq + _dot(ds.astype(k.dtype), k, 1, 0)
+
+    dq = lax.fori_loop(0, num_steps, body, jnp.zeros((block_q, dp), _F32))
+    return dq * scale
+
+
+def dkdv_loop(carry, g, k, v, k_idx, kv_len, q_ref, do_ref, lse_ref, delta_ref, *, num_steps,
+              block_index, q_offset, k_offset, scale, is_causal, block_q):
+    """Accumulates ``(dk, dv)`` of one key tile over query head ``g``'s listed query blocks.
+
+    ``q_ref, do_ref``: ``(Lq_pad, G, dp)``; ``lse_ref, delta_ref``: ``(G, Lq_pad)``; ``k, v``
+    are the (already kv_len-zeroed) key tile. ``dk`` is returned unscaled.
+    """
+
+    def body(step, carry):
+        dk, dv = carry
+        start = pl.multiple_of(block_index(step) * block_q, block_q)
+        q = q_ref[pl.ds(start, block_q), g, :]
+        do = do_ref[pl.ds(start, block_q), g, :]
+        lse = lse_ref[g, pl.ds(start, block_q)]
+        delta = delta_ref[g, pl.ds(start, block_q)]
+        q_pos = q_offset + start + _arange(block_q)
+        mask = key_mask(q_pos, k_idx, kv_len, k_offset, is_causal)
+        s = jnp.where(mask, _dot(q, k, 1, 1) * scale, _NEG_INF)
+        p = jnp.exp(s - lse[:, None])
+        dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
+        ds = p * (_dot(do, v, 1, 1) - delta[:, None])
+        dk = dk + _dot(ds.astype(q.dtype), q, 0, 0)
+        return dk, dv
+
+    return lax.fori_loop(0, num_steps, body, carry)
+
+
+def for_each_group(num_groups: int, fn, carry):
+    """``fn(g, carry)`` for ``g`` in ``range(num_groups)`` (no loop when there is one)."""
+    if num_groups == 1:
+        return fn(0, carry)
+    return lax.fori_loop(0, num_groups, fn, carry)
+
+
+def pad_to(x, sizes: dict[int, int], value=0):
+    """Pads axes of ``x`` at the end to the given sizes (no-op when already there)."""
+    widths = [(0, 0)] * x.ndim
+    changed = False
+    for axis, size in sizes.items():
+        extra = size - x.shape[axis]
+        if extra:
+            widths[axis] = (0, extra)
+            changed = True
+    return jnp.pad(x, widths, constant_values=value) if changed else x
+
+
+def padded_head_dim(d: int) -> int:
+    return max(MIN_BLOCK, next_power_of_2(d))
+
+
+def output_delta(out, dout, dlse):
+    """``delta = rowsum(dO * O) - dlse`` (float32): the lse cotangent enters ``ds`` like
+    ``-delta``, and it is all the backward kernels need of ``out``."""
+    return jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1) - dlse.astype(_F32)
+
+
+def backward_rows(lse, delta, len_pad: int):
+    """``(lse, delta)`` rows for the backward kernels, laid out ``(B, Hk, G, len_pad)``.
+
+    ``lse`` is ``+inf`` on rows without a key and on padding, so recomputed ``p`` is 0 there.
+    """
+    empty = lse == _NEG_INF
+    # p = 0 on these rows; keep a NaN dlse out of 0 * x
+    delta = jnp.where(empty, 0.0, delta.astype(_F32))
+    lse = jnp.where(empty, _POS_INF, lse)
+    delta = pad_to(delta.transpose(0, 2, 3, 1), {3: len_pad})
+    lse = pad_to(lse.transpose(0, 2, 3, 1), {3: len_pad}, value=_POS_INF)
+    return lse, delta
+
+
+def check_grouped_qkv(q, k, v, name: str = "flash_attention"):
+    """Shape/dtype rules of the grouped layout ``q (B, Lq, Hk, G, d)``, ``k, v (B, Lk, Hk, d)``."""
+    if q.ndim != 5 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"{name}: q must be (B, Lq, Hk, G, d) and k, v (B, Lk, Hk, d), got q {q.shape}, "
+            f"k {k.shape}, v {v.shape}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"{name}: k and v must have the same shape, got {k.shape} and {v.shape}")
+    B, _, Hk, _, d = q.shape
+    if k.shape[0] != B or k.shape[2] != Hk or k.shape[3] != d:
+        raise ValueError(
+            f"{name}: k must be (B, Lk, Hk, d) matching q (B, Lq, Hk, G, d) = {q.shape}, "
+            f"got {k.shape}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"{name}: q, k and v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise TypeError(f"{name}: q, k, v must have a floating dtype, got {q.dtype}")
