@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.common import (
     backward_rows,
     check_grouped_qkv,
+    dkdv_call,
     dkdv_loop,
     dq_loop,
     for_each_group,
@@ -256,25 +257,17 @@ def _sparse_backward(q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, out, lse, dout, dlse
     q_idx4 = q_idx.reshape(heads, rows, nkb, width)
     q_cnt3 = q_cnt.reshape(heads, rows, nkb)
     c_map = (lambda c: c) if per_head else (lambda c: 0)
-    q_full = pl.BlockSpec((None, n_pad, None, G, dp), lambda j, b, c: (b, 0, c, 0, 0))
-    rows_full = pl.BlockSpec((None, None, G, n_pad), lambda j, b, c: (b, c, 0, 0))
-    k_spec = pl.BlockSpec((None, block_size, None, dp), lambda j, b, c: (b, j, c, 0))
-    dk, dv = pl.pallas_call(
+    dk, dv = dkdv_call(
         functools.partial(_dkdv_kernel, scale=scale, is_causal=is_causal,
                           block_size=block_size, seq_len=n, groups=G, per_head=per_head),
         grid=(nkb, B, Hk),
-        in_specs=[
+        table_specs=[
             pl.BlockSpec((None, rows, None, width), lambda j, b, c: (c_map(c), 0, j, 0)),
             pl.BlockSpec((None, rows, None), lambda j, b, c: (c_map(c), 0, j)),
-            q_full, k_spec, k_spec, q_full, rows_full, rows_full,
         ],
-        out_specs=[k_spec, k_spec],
-        out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype),
-                   jax.ShapeDtypeStruct(vp.shape, v.dtype)],
-        compiler_params=params,
-        interpret=interpret,
-        debug=debug,
-        name="dilax_block_sparse_dkdv",
+        len_pad=n_pad, groups=G, dp=dp, block_k=block_size, kv_shape=kp.shape,
+        k_dtype=k.dtype, v_dtype=v.dtype, compiler_params=params, interpret=interpret,
+        debug=debug, name="dilax_block_sparse_dkdv",
     )(q_idx4, q_cnt3, qp, kp, vp, dop, lse_rows, delta_rows)
     return dq[:, :n, ..., :d], dk[:, :n, :, :d], dv[:, :n, :, :d]
 

@@ -7,6 +7,7 @@ over a kv head's query heads) and the host-side helpers around every ``pallas_ca
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -205,3 +206,24 @@ def check_grouped_qkv(q, k, v, name: str = "flash_attention"):
         )
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise TypeError(f"{name}: q, k, v must have a floating dtype, got {q.dtype}")
+
+
+def dkdv_call(kernel, *, grid, table_specs, len_pad: int, groups: int, dp: int, block_k: int,
+              kv_shape, k_dtype, v_dtype, compiler_params, interpret: bool, debug: bool,
+              name: str):
+    """The dk/dv ``pallas_call`` on grid ``(key block j, batch b, kv head c)``.
+
+    Each program reads its tables (``table_specs``), all ``len_pad`` (padded) query rows of
+    kv head ``c``'s ``groups`` query heads with their ``dout`` and ``(lse, delta)`` rows, and
+    key/value block ``j``; it writes dk and dv of that block (``kv_shape``). Call the result
+    with ``(*tables, q, k, v, dout, lse_rows, delta_rows)``."""
+    q_full = pl.BlockSpec((None, len_pad, None, groups, dp), lambda j, b, c: (b, 0, c, 0, 0))
+    rows_full = pl.BlockSpec((None, None, groups, len_pad), lambda j, b, c: (b, c, 0, 0))
+    k_spec = pl.BlockSpec((None, block_k, None, dp), lambda j, b, c: (b, j, c, 0))
+    return pl.pallas_call(
+        kernel, grid=grid,
+        in_specs=[*table_specs, q_full, k_spec, k_spec, q_full, rows_full, rows_full],
+        out_specs=[k_spec, k_spec],
+        out_shape=[jax.ShapeDtypeStruct(kv_shape, k_dtype),
+                   jax.ShapeDtypeStruct(kv_shape, v_dtype)],
+        compiler_params=compiler_params, interpret=interpret, debug=debug, name=name)

@@ -41,6 +41,7 @@ from pallas_kernels.common import (
     _floordiv_clamped,
     backward_rows,
     check_grouped_qkv,
+    dkdv_call,
     dkdv_loop,
     dq_loop,
     for_each_group,
@@ -79,14 +80,21 @@ def _causal_key_blocks(q_block, block_q, block_k, q_offset, k_offset):
     return jnp.where(last >= 0, _floordiv_clamped(last, block_k) + 1, 0)
 
 
-def _fwd_kernel(offs_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, is_causal,
-                block_q, block_k):
+def _query_rows(offs_ref, kvlen_ref, is_causal, block_q, block_k):
+    """A query-block program's positions, its number of key blocks (``kv_len``, causal cut),
+    ``kv_len`` and ``k_offset``."""
     i = pl.program_id(0)
     q_offset, k_offset, kv_len = offs_ref[0], offs_ref[1], kvlen_ref[0]
     q_pos = q_offset + i * block_q + _arange(block_q)
     hi = _cdiv_nonneg(kv_len, block_k)
     if is_causal:
         hi = jnp.minimum(hi, _causal_key_blocks(i, block_q, block_k, q_offset, k_offset))
+    return q_pos, hi, kv_len, k_offset
+
+
+def _fwd_kernel(offs_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, is_causal,
+                block_q, block_k):
+    q_pos, hi, kv_len, k_offset = _query_rows(offs_ref, kvlen_ref, is_causal, block_q, block_k)
     out, lse = online_softmax(
         q_ref[...], q_pos, k_ref, v_ref, num_steps=hi, block_index=lambda s: s, kv_len=kv_len,
         k_offset=k_offset, scale=scale, is_causal=is_causal, block_k=block_k,
@@ -97,12 +105,7 @@ def _fwd_kernel(offs_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sca
 
 def _dq_kernel(offs_ref, kvlen_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
                scale, is_causal, block_q, block_k):
-    i = pl.program_id(0)
-    q_offset, k_offset, kv_len = offs_ref[0], offs_ref[1], kvlen_ref[0]
-    q_pos = q_offset + i * block_q + _arange(block_q)
-    hi = _cdiv_nonneg(kv_len, block_k)
-    if is_causal:
-        hi = jnp.minimum(hi, _causal_key_blocks(i, block_q, block_k, q_offset, k_offset))
+    q_pos, hi, kv_len, k_offset = _query_rows(offs_ref, kvlen_ref, is_causal, block_q, block_k)
     dq = dq_loop(
         q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], q_pos, k_ref, v_ref,
         num_steps=hi, block_index=lambda s: s, kv_len=kv_len, k_offset=k_offset, scale=scale,
@@ -254,24 +257,13 @@ def flash_backward(q, k, v, *, kv_len, offsets, lse, dout, delta, scale: float,
     )(offsets, kv_len, qp, kp, vp, dop, lse_rows, delta_rows)
 
     # dk, dv: one program per (key block, batch, kv head), loop over its G heads and q blocks.
-    q_full = pl.BlockSpec((None, lq_pad, None, G, dp), lambda j, b, c: (b, 0, c, 0, 0))
-    rows_full = pl.BlockSpec((None, None, G, lq_pad), lambda j, b, c: (b, c, 0, 0))
-    k_spec = pl.BlockSpec((None, bk_kv, None, dp), lambda j, b, c: (b, j, c, 0))
-    dk, dv = pl.pallas_call(
+    dk, dv = dkdv_call(
         functools.partial(_dkdv_kernel, scale=scale, is_causal=is_causal, block_q=bq_kv,
                           block_k=bk_kv, num_q_blocks=lq_pad // bq_kv, groups=G),
         grid=(lk_pad // bk_kv, B, Hk),
-        in_specs=[
-            offs_spec,
-            pl.BlockSpec((None, 1), lambda j, b, c: (b, c)),
-            q_full, k_spec, k_spec, q_full, rows_full, rows_full,
-        ],
-        out_specs=[k_spec, k_spec],
-        out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype),
-                   jax.ShapeDtypeStruct(vp.shape, v.dtype)],
-        compiler_params=params,
-        interpret=interpret,
-        debug=debug,
+        table_specs=[offs_spec, pl.BlockSpec((None, 1), lambda j, b, c: (b, c))],
+        len_pad=lq_pad, groups=G, dp=dp, block_k=bk_kv, kv_shape=kp.shape, k_dtype=k.dtype,
+        v_dtype=v.dtype, compiler_params=params, interpret=interpret, debug=debug,
         name="dilax_flash_dkdv",
     )(offsets, kv_len, qp, kp, vp, dop, lse_rows, delta_rows)
     return dq[:, :Lq, ..., :d], dk[:, :Lk, :, :d], dv[:, :Lk, :, :d]
