@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tolerance import assert_scaled_close
 
 from dilax.models import (
     PAPER_SEGMENT_LENGTHS,
@@ -20,7 +21,6 @@ from dilax.models import (
     xpos,
 )
 from dilax.reference import dilated_counts, masked_attention
-from tolerance import assert_scaled_close
 
 WS, RS = (4, 16), (1, 4)
 # Layer wiring is checked with the dense SPEC oracle (implementation="reference"), which

@@ -28,7 +28,9 @@ def _free_port() -> int:
 def test_two_processes_match_single_process():
     port = _free_port()
     env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    from conftest import xla_flags  # here: this file also runs as the workers' script
+
+    env["XLA_FLAGS"] = xla_flags(4)  # 4 host devices per process, the session's compile flags
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.pop("JAX_PLATFORMS", None)
     procs = [
