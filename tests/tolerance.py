@@ -18,6 +18,11 @@ FP32 = 1e-5  # float32: ~100 ulps of headroom for reordered sums of a few hundre
 HALF = 2e-2  # bfloat16 / float16: ~5 ulps of bf16 at the output's scale
 
 
+def tol_for(dtype) -> float:
+    """``FP32`` for float32 (and float64) results, ``HALF`` for bfloat16 / float16."""
+    return FP32 if np.dtype(dtype).itemsize >= 4 else HALF
+
+
 def assert_scaled_close(actual, expected, tol: float = FP32, *, depth: int = 1,
                         err_msg: str = "") -> None:
     """``np.testing.assert_allclose`` with ``rtol=tol`` and ``atol = tol * depth * scale``,
