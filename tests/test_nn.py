@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tolerance import HALF, assert_scaled_close
+from tolerance import HALF, assert_scaled_close, assert_trees_close
 
 import dilax
 from dilax.nn import DilatedAttention, MultiheadDilatedAttention
@@ -183,7 +183,7 @@ def test_mhda_under_nnx_transforms_and_gradients():
                                 argnums=(0, 1)))(_params(m), x)
     assert_scaled_close(value, jnp.sum(ref * ct), err_msg="loss")
     g_m = nnx.to_pure_dict(g_m)
-    jax.tree.map(lambda a, b: assert_scaled_close(a, b, err_msg="d params"), g_m, r_m)
+    assert_trees_close(g_m, r_m, err_msg="d params")
     assert_scaled_close(g_x, r_x, err_msg="d input")
     flat = jax.tree_util.tree_flatten_with_path(g_m)[0]
     assert len(flat) == 10  # q/k/v/out kernels and biases + LayerNorm scale and bias
