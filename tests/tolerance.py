@@ -8,6 +8,10 @@ scales with the largest magnitude of the expected array (and with the depth of t
 computation, e.g. the number of stacked layers):
 
     |actual - expected| <= tol * (|expected| + depth * max(1, max|expected|))
+
+``tol_for(dtype)`` picks FP32 or HALF; ``assert_trees_close`` compares pytrees (gradients of
+parameters) with one scale for the whole tree. Where the expected values are simple to get in
+float64 (``tests/oracle.py``), the oracle's own rounding drops out of the budget.
 """
 
 from __future__ import annotations
@@ -52,10 +56,9 @@ def assert_trees_close(actual, expected, tol: float = FP32, *, depth: int = 1,
     import jax
 
     leaves_a, tree_a = jax.tree.flatten(actual)
-    paths_b, tree_b = jax.tree_util.tree_flatten_with_path(expected)
+    with_paths, tree_b = jax.tree_util.tree_flatten_with_path(expected)
     assert tree_a == tree_b and leaves_a, (tree_a, tree_b)
-    leaves_b = [np.asarray(x, np.float64) for _, x in paths_b]
-    scale = max(_scale(x) for x in leaves_b)
-    for a, (path, b) in zip(leaves_a, zip((p for p, _ in paths_b), leaves_b), strict=True):
+    scale = max(_scale(np.asarray(b, np.float64)) for _, b in with_paths)
+    for a, (path, b) in zip(leaves_a, with_paths, strict=True):
         assert_scaled_close(a, b, tol, depth=depth, scale=scale,
                             err_msg=f"{err_msg} {jax.tree_util.keystr(path)}".strip())
