@@ -1,14 +1,49 @@
-"""Test-session setup shared by all test modules.
+"""Test-session setup shared by all test modules: ``XLA_FLAGS``, set before any test module
+imports jax (XLA reads them once, when jax initializes its backends).
 
-The sequence-parallel (ring) tests need 8 devices. On a CPU-only machine XLA provides them as
-host devices, but it reads ``XLA_FLAGS`` once, when jax initializes its backends, so the flag is
-set here, before any test module imports jax. A device count already present in ``XLA_FLAGS``
-is kept. Single-device tests are unaffected (jit still places work on device 0).
+- Devices: the sequence-parallel (ring) tests need 8 devices. On a CPU-only machine XLA
+  provides them as host devices. Single-device tests are unaffected (jit still places work on
+  device 0).
+- Compile speed: the suite compiles far more than it runs (hundreds of small programs, the
+  Pallas interpreter's especially), so XLA:CPU compiles at LLVM -O0 with the legacy elemental
+  fusion emitters. On the dilated-attention programs that is ~5x less compile time than the
+  default pipeline, for kernels that are slower but run on tiny shapes. HLO passes (fusion
+  decisions, buffer assignment, so ``memory_analysis``) are unchanged; numerics change at the
+  rounding level only, which the tolerances (``tests/tolerance.py``) allow for anyway, as they
+  must for other CPUs. ``DILAX_TEST_FULL_OPT=1`` keeps XLA's default pipeline.
+
+A flag already present in ``XLA_FLAGS`` is kept as the user set it. Subprocesses started by the
+tests inherit the environment; those that need another device count use :func:`xla_flags`.
 """
 
 import os
+import re
 
-_FLAG = "--xla_force_host_platform_device_count"
+_DEVICE_COUNT = "--xla_force_host_platform_device_count"
+# jaxlib is pinned below 0.11 (pyproject.toml), where these flags exist; XLA aborts on unknown
+# flags, so check them when moving the pin.
+_COMPILE_SPEED_FLAGS = {
+    "--xla_backend_optimization_level": "0",
+    "--xla_llvm_disable_expensive_passes": "true",
+    "--xla_cpu_use_fusion_emitters": "false",
+}
 
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}=8".strip()
+
+def xla_flags(device_count: int = 8, base: str | None = None) -> str:
+    """``base`` (default: the current ``XLA_FLAGS``) with this session's flags added where
+    ``base`` does not set them, and the host device count set to ``device_count``."""
+    flags = os.environ.get("XLA_FLAGS", "") if base is None else base
+    flags = re.sub(rf"{_DEVICE_COUNT}=\S*", "", flags)
+    wanted = {_DEVICE_COUNT: str(device_count)}
+    if os.environ.get("DILAX_TEST_FULL_OPT", "") in ("", "0"):
+        wanted.update(_COMPILE_SPEED_FLAGS)
+    added = [f"{name}={value}" for name, value in wanted.items()
+             if name == _DEVICE_COUNT or f"{name}=" not in flags]
+    return " ".join([*flags.split(), *added])
+
+
+if _DEVICE_COUNT in os.environ.get("XLA_FLAGS", ""):  # a device count the user set is kept
+    _count = int(re.search(rf"{_DEVICE_COUNT}=(\d+)", os.environ["XLA_FLAGS"]).group(1))
+else:
+    _count = 8
+os.environ["XLA_FLAGS"] = xla_flags(_count)

@@ -13,8 +13,10 @@ Usage from a test module::
         run_case(case, dilated_impl)
 
 ``run_case`` checks the output and the gradients w.r.t. q, k, v against the mask-based
-reference of SPEC.md (``dilax.reference``), fp32 to 1e-5 and half precision to 2e-2.
-Shapes stay tiny: the Pallas interpreter on CPU compiles every kernel of every branch.
+reference of SPEC.md (the float64 oracle over ``dilax.reference.dilated_counts``,
+``tests/oracle.py``), to ``tests/tolerance.py``'s FP32 / HALF relative to the magnitude of each
+compared array. Shapes stay tiny: the Pallas interpreter on CPU compiles every kernel of every
+branch.
 """
 
 from __future__ import annotations
@@ -25,16 +27,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from oracle import dilated as dilated_oracle
+from tolerance import assert_scaled_close, tol_for
 
 import dilax
-from dilax.reference import dilated_attention_reference
-
-FP32_TOL = 1e-5
-HALF_TOL = 2e-2  # |a - b| <= 2e-2 * max(1, |b|) for bfloat16 / float16
-# Tests compile far more than they run (the Pallas interpreter especially): skip LLVM's
-# expensive passes, ~40% less CPU per case. Numerics are unaffected at these tolerances.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 class DilatedCase(NamedTuple):
@@ -91,50 +87,45 @@ def implementation(name: str) -> DilatedFn:
     raise ValueError(f"unknown implementation {name!r}")
 
 
-def make_qkv(case: DilatedCase, seed: int = 0):
-    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+def make_inputs(case: DilatedCase, seed: int = 0):
+    """q, k, v and an output cotangent (so every output element gets its own), in case.dtype."""
+    k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(seed), 4)
     dtype = jnp.dtype(case.dtype)
     q = jax.random.normal(k1, (case.b, case.n, case.h, case.d), jnp.float32).astype(dtype)
     k = jax.random.normal(k2, (case.b, case.n, case.hk, case.d), jnp.float32).astype(dtype)
     v = jax.random.normal(k3, (case.b, case.n, case.hk, case.d), jnp.float32).astype(dtype)
-    return q, k, v
+    dout = jax.random.normal(k4, q.shape, jnp.float32).astype(dtype)
+    return q, k, v, dout
 
 
-def _loss_and_grad(fn):
-    def loss(q, k, v):
-        out = fn(q, k, v)
-        # A fixed non-linear read-out so every output element gets its own cotangent.
-        return jnp.sum(jnp.sin(out.astype(jnp.float32) * 1.3)), out
+def jit_vjp(fn):
+    """``jit((q, k, v, dout) -> (fn(q, k, v), (dq, dk, dv)))``."""
 
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True),
-                   compiler_options=FAST_COMPILE)
+    def run(q, k, v, dout):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(dout)
+
+    return jax.jit(run)
 
 
-def assert_close(actual, expected, dtype, what: str) -> None:
-    actual = np.asarray(actual, np.float32)
-    expected = np.asarray(expected, np.float32)
-    assert not np.isnan(actual).any(), f"{what}: NaN"
-    tol = FP32_TOL if jnp.dtype(dtype) == jnp.float32 else HALF_TOL
-    np.testing.assert_allclose(actual, expected, atol=tol, rtol=tol, err_msg=what)
+def assert_matches_oracle(out, grads, ref, dtype) -> None:
+    """Output and d{q,k,v} against an ``oracle.Result``, each to ``tol_for(dtype)`` relative
+    to its own magnitude (``assert_scaled_close``)."""
+    tol = tol_for(dtype)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), ref[:1] + ref[2:],
+                               strict=True):
+        assert got.dtype == jnp.dtype(dtype), name
+        assert_scaled_close(got, want, tol, err_msg=name)
 
 
 def run_case(case: DilatedCase | tuple, fn: DilatedFn, seed: int = 0) -> None:
-    """Checks ``fn`` on ``case``: output and d{q,k,v} against the mask-based reference.
-
-    The reference runs in float32 on the same (possibly half-precision) inputs.
-    """
+    """Checks ``fn`` on ``case``: output and d{q,k,v} against the float64 oracle of the
+    mask-based reference (on the same, possibly half-precision, inputs)."""
     case = DilatedCase(*case)
-    q, k, v = make_qkv(case, seed)
-    scale = 1.0 / float(np.sqrt(case.d))
-    (_, out), grads = _loss_and_grad(
+    q, k, v, dout = make_inputs(case, seed)
+    out, grads = jit_vjp(
         lambda q, k, v: fn(q, k, v, case.ws, case.rs, is_causal=case.causal, mode=case.mode)
-    )(q, k, v)
-    (_, ref), ref_grads = _loss_and_grad(
-        lambda q, k, v: dilated_attention_reference(
-            q, k, v, case.ws, case.rs, is_causal=case.causal, scale=scale, mode=case.mode)
-    )(*(x.astype(jnp.float32) for x in (q, k, v)))
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert_close(out, ref, case.dtype, "out")
-    for name, g, g_ref in zip("qkv", grads, ref_grads, strict=True):
-        assert g.dtype == q.dtype
-        assert_close(g, g_ref, case.dtype, f"d{name}")
+    )(q, k, v, dout)
+    assert out.shape == q.shape
+    ref = dilated_oracle(q, k, v, case.ws, case.rs, case.mode, case.causal, dout=dout)
+    assert_matches_oracle(out, grads, ref, case.dtype)

@@ -8,83 +8,102 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from dilated_cases import DilatedCase, assert_matches_oracle, case_id, jit_vjp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from oracle import attention as attention_oracle
+from oracle import dilated as dilated_oracle
+from tolerance import FP32, assert_scaled_close
 
 import dilax
 from dilax import BlockSizes
 
-FP32_TOL = 1e-5
-# bf16 has an 8-bit mantissa: one ulp is 2**-7 relative (0.03 at magnitude 4..8), so half
-# precision is compared as |a - b| <= 2e-2 * max(1, |b|): 2e-2 absolute for outputs of order 1,
-# relative for larger gradients.
-BF16_TOL = 2e-2
 
-
-def make_qkv(b, n, h, hk, d, dtype=jnp.float32, seed=0):
-    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
-    q = jax.random.normal(k1, (b, n, h, d), jnp.float32).astype(dtype)
+def make_inputs(b, n, h, hk, d, dtype=jnp.float32, seed=0, q_scale=1.0):
+    """q (times ``q_scale``: sharper or flatter softmax), k, v and an output cotangent."""
+    k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = (q_scale * jax.random.normal(k1, (b, n, h, d), jnp.float32)).astype(dtype)
     k = jax.random.normal(k2, (b, n, hk, d), jnp.float32).astype(dtype)
     v = jax.random.normal(k3, (b, n, hk, d), jnp.float32).astype(dtype)
-    return q, k, v
+    dout = jax.random.normal(k4, (b, n, h, d), jnp.float32).astype(dtype)
+    return q, k, v, dout
 
 
 @functools.cache
-def _loss_and_grad(impl, ws, rs, mode, causal, block_sizes):
-    def loss(q, k, v):
-        out = dilax.dilated_attention(q, k, v, ws, rs, mode=mode, is_causal=causal,
-                                      implementation=impl, block_sizes=block_sizes)
-        # A fixed non-linear read-out so every output element gets its own cotangent.
-        return jnp.sum(jnp.sin(out.astype(jnp.float32) * 1.3)), out
-
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+def _xla_vjp(ws, rs, mode, causal, block_sizes):
+    """One jitted forward + backward per static configuration (it compiles once per shape):
+    hypothesis examples on the same configuration reuse it."""
+    return jit_vjp(functools.partial(
+        dilax.dilated_attention, segment_lengths=ws, dilation_rates=rs, mode=mode,
+        is_causal=causal, implementation="xla", block_sizes=block_sizes))
 
 
-def check_against_reference(q, k, v, ws, rs, mode, causal, block_sizes=None, tol=FP32_TOL):
-    (_, ref), gref = _loss_and_grad("reference", ws, rs, mode, causal, None)(q, k, v)
-    (_, out), gout = _loss_and_grad("xla", ws, rs, mode, causal, block_sizes)(q, k, v)
-    assert out.dtype == q.dtype
-    assert not np.isnan(np.asarray(out, np.float32)).any()
-    rtol = 0 if q.dtype == jnp.float32 else tol
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
-                               atol=tol, rtol=rtol)
-    for name, a, b in zip("qkv", gout, gref):
-        assert not np.isnan(np.asarray(a, np.float32)).any(), name
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                   atol=tol, rtol=rtol, err_msg=f"d{name}")
+def check_against_reference(q, k, v, dout, ws, rs, mode, causal, block_sizes=None):
+    """The XLA path's output and d{q,k,v} (cotangent ``dout``) against the float64 oracle of
+    the mask-based reference, to FP32 / HALF (by dtype) of each array's magnitude."""
+    out, grads = _xla_vjp(ws, rs, mode, causal, block_sizes)(q, k, v, dout)
+    assert out.shape == q.shape
+    ref = dilated_oracle(q, k, v, ws, rs, mode, causal, dout=dout)
+    assert_matches_oracle(out, grads, ref, q.dtype)
 
 
-@st.composite
-def configs(draw):
-    G = draw(st.integers(1, 4))
-    rs = tuple(draw(st.sampled_from([1, 2, 3, 4])) for _ in range(G))
-    ws = tuple(r * draw(st.integers(1, 6)) for r in rs)
-    mode = draw(st.sampled_from(["mixture", "grouped"]))
-    h = draw(st.integers(G if mode == "grouped" else 1, 12))
-    hk = draw(st.sampled_from([x for x in range(1, h + 1) if h % x == 0]))
-    d = draw(st.sampled_from([8, 16, 64]))
-    n = draw(st.integers(1, 3 * max(ws) + 3))
-    b = draw(st.integers(1, 2))
-    causal = draw(st.booleans())
-    bs = draw(st.sampled_from([None, BlockSizes(4, 8), BlockSizes(8, 4), BlockSizes(3, 5, 5, 3),
-                               BlockSizes(4, 8, heads_per_step=1),
-                               BlockSizes(3, 5, 5, 3, heads_per_step=3)]))
-    return dict(b=b, n=n, h=h, hk=hk, d=d, ws=ws, rs=rs, mode=mode, causal=causal, bs=bs)
+def _check_case(case: DilatedCase, block_sizes, seed, q_scale=1.0):
+    q, k, v, dout = make_inputs(*case[:5], dtype=jnp.dtype(case.dtype), seed=seed,
+                                q_scale=q_scale)
+    check_against_reference(q, k, v, dout, case.ws, case.rs, case.mode, case.causal, block_sizes)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cfg=configs(), seed=st.integers(0, 2**16))
-def test_xla_matches_reference_fp32_sweep(cfg, seed):
-    q, k, v = make_qkv(cfg["b"], cfg["n"], cfg["h"], cfg["hk"], cfg["d"], seed=seed)
-    check_against_reference(q, k, v, cfg["ws"], cfg["rs"], cfg["mode"], cfg["causal"], cfg["bs"])
+# The sweeps: a fixed pool of static configurations (each one compiled program, forward and
+# backward), hypothesis drawing the data (inputs, cotangent, softmax sharpness) on each: an
+# example after the first costs milliseconds, a configuration a compile (~1 s). The
+# pool spans what a free draw of (b, n, h, hk, d, ws, rs, mode, causal, block sizes) would:
+# G = 1..4 branches, r = 1..4, w = r * (1..6), h up to 12 with every kind of GQA split (MHA,
+# GQA, MQA, uneven grouped-mode head groups), d in {8, 16, 64}, n from 2 to 3 * max(w) + 3
+# (w > n, n not a multiple of any w), b in {1, 2}, both modes, both masks, and every block-size
+# variant (defaults, q/k blocks either larger, non-powers of two, head groups of 1 and 3).
+SWEEP_FP32 = [
+    (DilatedCase(2, 23, 3, 1, 8, (4,), (1,), "mixture", True), None),
+    (DilatedCase(1, 40, 8, 4, 16, (6, 12), (2, 3), "mixture", False), BlockSizes(4, 8)),
+    (DilatedCase(2, 31, 6, 2, 64, (3, 8, 12), (1, 4, 3), "grouped", True), BlockSizes(8, 4)),
+    (DilatedCase(1, 75, 12, 3, 8, (2, 6, 12, 24), (1, 2, 3, 4), "mixture", True),
+     BlockSizes(3, 5, 5, 3)),
+    (DilatedCase(1, 17, 4, 4, 16, (24, 8), (4, 2), "grouped", False),
+     BlockSizes(4, 8, heads_per_step=1)),
+    (DilatedCase(2, 48, 9, 3, 8, (5, 10, 15), (1, 2, 3), "mixture", False),
+     BlockSizes(3, 5, 5, 3, heads_per_step=3)),
+    (DilatedCase(1, 2, 2, 1, 64, (4, 2), (4, 2), "grouped", True), None),
+    (DilatedCase(1, 39, 10, 5, 16, (3, 9, 12), (3, 3, 2), "grouped", True),
+     BlockSizes(4, 8, heads_per_step=1)),
+]
+SWEEP_BF16 = [
+    (DilatedCase(2, 37, 4, 2, 16, (8, 16), (2, 4), "mixture", True, "bfloat16"),
+     BlockSizes(4, 8)),
+    (DilatedCase(1, 30, 6, 3, 64, (3, 6, 9), (1, 2, 3), "grouped", False, "bfloat16"), None),
+    (DilatedCase(1, 13, 5, 1, 8, (12,), (2,), "mixture", False, "bfloat16"),
+     BlockSizes(3, 5, 5, 3, heads_per_step=3)),
+]
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cfg=configs(), seed=st.integers(0, 2**16))
-def test_xla_matches_reference_bf16_sweep(cfg, seed):
-    q, k, v = make_qkv(cfg["b"], cfg["n"], cfg["h"], cfg["hk"], cfg["d"], jnp.bfloat16, seed)
-    check_against_reference(q, k, v, cfg["ws"], cfg["rs"], cfg["mode"], cfg["causal"], cfg["bs"],
-                            tol=BF16_TOL)
+def _sweep_id(entry):
+    case, bs = entry
+    if bs is None:
+        return f"{case_id(case)}-default"
+    bq, bk = bs.backward
+    return f"{case_id(case)}-bs{bs.block_q}x{bs.block_k}-{bq}x{bk}-hps{bs.heads_per_step}"
+
+
+@pytest.mark.parametrize("entry", SWEEP_FP32, ids=_sweep_id)
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), q_scale=st.sampled_from([0.3, 1.0, 3.0]))
+def test_xla_matches_reference_fp32_sweep(entry, seed, q_scale):
+    _check_case(*entry, seed, q_scale)
+
+
+@pytest.mark.parametrize("entry", SWEEP_BF16, ids=_sweep_id)
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), q_scale=st.sampled_from([0.3, 1.0, 3.0]))
+def test_xla_matches_reference_bf16_sweep(entry, seed, q_scale):
+    _check_case(*entry, seed, q_scale)
 
 
 # Hand-picked cases the sweep must never miss: n not a multiple of any w, w > n, GQA splits
@@ -108,19 +127,14 @@ EDGE_CASES = [
 @pytest.mark.parametrize("case", EDGE_CASES)
 @pytest.mark.parametrize("block_sizes", [None, BlockSizes(4, 8)])
 def test_edge_cases_match_reference(case, block_sizes):
-    b, n, h, hk, d, ws, rs, mode, causal = case
-    q, k, v = make_qkv(b, n, h, hk, d, seed=n)
-    check_against_reference(q, k, v, ws, rs, mode, causal, block_sizes)
+    _check_case(DilatedCase(*case), block_sizes, seed=case[1])
 
 
 @pytest.mark.parametrize("case", [EDGE_CASES[i] for i in (0, 1, 2, 9)])
 def test_head_groups_match_reference(case):
     """Forward steps over head groups (2 query heads each; a kv head's query heads stay
     together, so MQA groups hold all of them) give the reference, forward and gradients."""
-    b, n, h, hk, d, ws, rs, mode, causal = case
-    q, k, v = make_qkv(b, n, h, hk, d, seed=n)
-    check_against_reference(q, k, v, ws, rs, mode, causal,
-                            BlockSizes(4, 8, 8, 4, heads_per_step=2))
+    _check_case(DilatedCase(*case), BlockSizes(4, 8, 8, 4, heads_per_step=2), seed=case[1])
 
 
 @pytest.mark.parametrize("field", ["block_q", "block_k", "block_k_dkv", "heads_per_step"])
@@ -132,9 +146,8 @@ def test_block_sizes_rejects_non_positive_ints(field, value):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_precision_keeps_dtype_and_matches(dtype):
-    q, k, v = make_qkv(1, 48, 4, 2, 16, dtype)
-    check_against_reference(q, k, v, (8, 16), (1, 2), "mixture", True, BlockSizes(8, 8),
-                            tol=BF16_TOL)
+    case = DilatedCase(1, 48, 4, 2, 16, (8, 16), (1, 2), "mixture", True, jnp.dtype(dtype).name)
+    _check_case(case, BlockSizes(8, 8), seed=0)
 
 
 def _numpy_pytorch_grouped(q, k, v, ws, rs, causal):
@@ -171,19 +184,19 @@ def _numpy_pytorch_grouped(q, k, v, ws, rs, causal):
     [(48, 6, (8, 16, 24), (1, 2, 4)), (64, 4, (16, 32), (2, 4)), (36, 3, (6, 12, 36), (1, 2, 3))],
 )
 def test_grouped_reproduces_dilated_attention_pytorch(n, h, ws, rs, causal):
-    q, k, v = make_qkv(2, n, h, h, 16, seed=3)
+    q, k, v, _ = make_inputs(2, n, h, h, 16, seed=3)
     expected = _numpy_pytorch_grouped(q, k, v, ws, rs, causal)
     for impl in ("xla", "reference"):
         out = dilax.dilated_attention(q, k, v, ws, rs, mode="grouped", is_causal=causal,
                                       implementation=impl, block_sizes=None)
-        np.testing.assert_allclose(np.asarray(out), expected, atol=FP32_TOL, rtol=0)
+        assert_scaled_close(out, expected, err_msg=impl)
 
 
 def test_mixture_is_lse_weighted_branch_combination():
     """Mixture mode equals the LongNet Eq. 10 combination of per-branch softmax outputs."""
     n, h, d = 24, 2, 8
     ws, rs = (8, 12), (2, 3)
-    q, k, v = make_qkv(1, n, h, h, d, seed=5)
+    q, k, v, _ = make_inputs(1, n, h, h, d, seed=5)
     q64, k64, v64 = (np.asarray(x, np.float64)[0] for x in (q, k, v))
     expected = np.zeros((n, h, d))
     for j in range(h):
@@ -199,12 +212,12 @@ def test_mixture_is_lse_weighted_branch_combination():
             den += l
         expected[:, j] = np.divide(num, den, out=np.zeros_like(num), where=den > 0)
     out = dilax.dilated_attention(q, k, v, ws, rs)
-    np.testing.assert_allclose(np.asarray(out[0]), expected, atol=FP32_TOL)
+    assert_scaled_close(out[0], expected)
 
 
 def test_unselected_queries_give_zero_and_finite_grads():
     # One branch with r=3: two thirds of the positions of every head are never selected.
-    q, k, v = make_qkv(1, 10, 2, 1, 8)
+    q, k, v, _ = make_inputs(1, 10, 2, 1, 8)
     for impl in ("xla", "reference"):
         f = functools.partial(dilax.dilated_attention, segment_lengths=(6,),
                               dilation_rates=(3,), is_causal=True, implementation=impl)
@@ -228,69 +241,72 @@ def test_core_fully_masked_rows_are_zero_without_nan():
     kv_len = jnp.array([[3]])
     out, lse = dilax.attention_core(q, k, v, scale=0.5, kv_len=kv_len,
                                     block_sizes=BlockSizes(2, 2))
-    np.testing.assert_allclose(np.asarray(out), 1.0)
+    # A softmax-weighted mean of ones: 1 up to the rounding of the normalization (a few ulps,
+    # depending on the kernel's order of summation), hence FP32 rather than exact.
+    assert_scaled_close(out, np.ones(out.shape))
     # k_offset pushes every key into the future of the first queries: those rows are empty.
     out, lse = dilax.attention_core(q, k, v, scale=0.5, is_causal=True, kv_len=kv_len,
                                     k_offset=5, block_sizes=BlockSizes(2, 2))
     assert np.all(np.asarray(out)[0, :5] == 0) and np.all(np.isneginf(np.asarray(lse)[0, :5]))
-    np.testing.assert_allclose(np.asarray(out)[0, 5:], 1.0)
+    assert_scaled_close(np.asarray(out)[0, 5:], np.ones(out[0, 5:].shape))
     g = jax.grad(lambda q: jnp.sum(dilax.attention_core(
         q, k, v, scale=0.5, is_causal=True, kv_len=kv_len, k_offset=5,
         block_sizes=BlockSizes(2, 2))[0]))(q)
     assert np.isfinite(np.asarray(g)).all() and np.all(np.asarray(g)[0, :5] == 0)
 
 
-def test_core_lse_gradient_matches_dense():
-    """The custom_vjp takes a cotangent on lse (used by the mixture merge and by ring)."""
-    q, k, v = make_qkv(2, 13, 4, 2, 8)
-    q = q.reshape(2, 13, 2, 2, 8)
+def test_core_lse_gradient_matches_oracle():
+    """The custom_vjp takes a cotangent on lse (used by the mixture merge and by ring):
+    out, lse and d{q,k,v} under cotangents on both, against the float64 oracle."""
+    q, k, v, dout = make_inputs(2, 13, 4, 2, 8)
+    dlse = jax.random.normal(jax.random.PRNGKey(9), (2, 13, 4))
+    grouped = lambda x: x.reshape(2, 13, 2, 2, *x.shape[3:])  # noqa: E731 (head c*2+g)
 
-    def dense(q, k, v):
-        s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k) * 0.3
-        lse = jax.nn.logsumexp(s, axis=-1)
-        out = jnp.einsum("bhgqk,bkhd->bqhgd", jax.nn.softmax(s, -1), v)
-        return out, lse.transpose(0, 3, 1, 2)
+    @jax.jit
+    def core_vjp(q, k, v, dout, dlse):
+        fwd = lambda q, k, v: dilax.attention_core(  # noqa: E731
+            q, k, v, scale=0.3, block_sizes=BlockSizes(4, 4))
+        (out, lse), vjp = jax.vjp(fwd, grouped(q), k, v)
+        return out, lse, vjp((grouped(dout), grouped(dlse)))
 
-    def core(q, k, v):
-        return dilax.attention_core(q, k, v, scale=0.3, block_sizes=BlockSizes(4, 4))
-
-    def loss(fn):
-        return lambda *a: jnp.sum(jnp.cos(fn(*a)[0])) + jnp.sum(jnp.sin(fn(*a)[1]))
-
-    for a, b in zip(jax.grad(loss(core), (0, 1, 2))(q, k, v),
-                    jax.grad(loss(dense), (0, 1, 2))(q, k, v)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=FP32_TOL)
+    out, lse, (dq, dk, dv) = core_vjp(q, k, v, dout, dlse)
+    ref = attention_oracle(q, k, v, 1.0, 0.3, dout, dlse)
+    assert_scaled_close(out.reshape(q.shape), ref.out, err_msg="out")
+    assert_scaled_close(lse.reshape(ref.lse.shape), ref.lse, err_msg="lse")
+    for name, a, b in zip(("dq", "dk", "dv"), (dq.reshape(q.shape), dk, dv), ref[2:]):
+        assert_scaled_close(a, b, err_msg=name)
 
 
 def test_works_under_jit_vmap_and_checkpoint():
-    q, k, v = make_qkv(2, 33, 4, 2, 8)
+    q, k, v, g = make_inputs(2, 33, 4, 2, 8)
     ws, rs = (8, 16), (1, 2)
-    ref = dilax.dilated_attention(q, k, v, ws, rs, is_causal=True, implementation="reference")
+    ref = dilated_oracle(q, k, v, ws, rs, is_causal=True, dout=g)
 
     jitted = jax.jit(dilax.dilated_attention,
                      static_argnames=("segment_lengths", "dilation_rates", "is_causal"))
     out = jitted(q, k, v, segment_lengths=ws, dilation_rates=rs, is_causal=True)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=FP32_TOL)
+    assert_scaled_close(out, ref.out)
 
     vmapped = jax.vmap(lambda q, k, v: dilax.dilated_attention(q[None], k[None], v[None], ws, rs,
                                                                is_causal=True)[0])
-    np.testing.assert_allclose(np.asarray(vmapped(q, k, v)), np.asarray(ref), atol=FP32_TOL)
+    assert_scaled_close(vmapped(q, k, v), ref.out)
 
     def loss(q, k, v):
-        return jnp.sum(dilax.dilated_attention(q, k, v, ws, rs, is_causal=True) ** 2)
+        return jnp.sum(dilax.dilated_attention(q, k, v, ws, rs, is_causal=True) * g)
 
-    g_plain = jax.grad(loss)(q, k, v)
-    g_remat = jax.grad(jax.checkpoint(loss))(q, k, v)
-    g_ref = jax.grad(lambda q, k, v: jnp.sum(dilax.dilated_attention(
-        q, k, v, ws, rs, is_causal=True, implementation="reference") ** 2))(q, k, v)
-    np.testing.assert_allclose(np.asarray(g_remat), np.asarray(g_plain), atol=1e-6)
-    np.testing.assert_allclose(np.asarray(g_plain), np.asarray(g_ref), atol=FP32_TOL)
+    g_plain = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    g_remat = jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2))(q, k, v)
+    for name, plain, remat, want in zip("qkv", g_plain, g_remat, ref[2:]):
+        # Rematerialization recomputes the same forward ops: equal up to a few ulps of
+        # reordering (the two are separate programs), 10x tighter than against the oracle.
+        assert_scaled_close(remat, plain, FP32 / 10, err_msg=f"remat d{name}")
+        assert_scaled_close(plain, want, err_msg=f"d{name}")
 
 
 def test_no_gather_and_nothing_quadratic_in_hlo():
     """The XLA path dilates by reshape/slice: no gather/scatter, no (n, n) intermediate."""
     n, h, d = 512, 2, 8
-    q, k, v = make_qkv(1, n, h, h, d)
+    q, k, v, _ = make_inputs(1, n, h, h, d)
     f = jax.jit(lambda q, k, v: dilax.dilated_attention(q, k, v, (64, 128), (1, 2)))
     hlo = f.lower(q, k, v).compile().as_text()
     assert " gather(" not in hlo and " scatter(" not in hlo

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tolerance import assert_scaled_close
+from tolerance import FP32, assert_scaled_close, assert_trees_close
 
 from dilax.models import (
     PAPER_SEGMENT_LENGTHS,
@@ -162,11 +162,11 @@ def test_xpos_matches_a_per_position_loop_and_is_relative():
             a, b = x[:, i, 2 * j], x[:, i, 2 * j + 1]
             ref[:, i, 2 * j] = s * (a * math.cos(theta) - b * math.sin(theta))
             ref[:, i, 2 * j + 1] = s * (b * math.cos(theta) + a * math.sin(theta))
-    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+    assert_scaled_close(out, ref)
     # XPOS's point: <xpos(q)_m, xpos(k, downscale)_t> depends only on m - t
     u = jnp.broadcast_to(jnp.asarray(x[0, 0], jnp.float32), (1, n, d))
     dots = np.asarray(jnp.einsum("bmd,btd->mt", xpos(u), xpos(u, downscale=True)))
-    np.testing.assert_allclose(dots[1:, 1:], dots[:-1, :-1], rtol=1e-4, atol=1e-5)
+    assert_scaled_close(dots[1:, 1:], dots[:-1, :-1])
     with pytest.raises(ValueError, match="even"):
         xpos(jnp.zeros((1, 4, 3)))
 
@@ -195,9 +195,10 @@ def test_remat_same_values_and_gradients_and_every_parameter_gets_one():
     loss = lambda lm: jnp.mean(lm(tokens) ** 2)
     step = nnx.jit(nnx.value_and_grad(loss))
     (v1, g1), (v2, g2) = step(plain), step(remat)
-    np.testing.assert_allclose(v2, v1, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
-                 nnx.to_pure_dict(g2), nnx.to_pure_dict(g1))
+    # Rematerialization recomputes the same ops: a few ulps of reordering between the two
+    # programs, 10x tighter than FP32 for the loss.
+    assert_scaled_close(v2, v1, FP32 / 10)
+    assert_trees_close(nnx.to_pure_dict(g2), nnx.to_pure_dict(g1))
     # gradients reach every parameter of the encoder-decoder LM
     flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(g1))[0]
     assert len(flat) == len(jax.tree.leaves(nnx.state(plain, nnx.Param)))

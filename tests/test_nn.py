@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tolerance import HALF, assert_scaled_close, assert_trees_close
 
 import dilax
 from dilax.nn import DilatedAttention, MultiheadDilatedAttention
 from dilax.reference import dilated_counts, masked_attention
 
 WS, RS = (4, 16), (1, 4)  # two branches, one dilated: offsets 0..3 over the heads
-TOL = dict(rtol=1e-5, atol=1e-5)
 # The XLA path is what users run, and the tests of module *semantics* (output, gradients,
 # transforms, GQA in flax's module) use it. Tests of pure wiring (dropout placement, batch
 # axes, validation) pass implementation="reference" (the dense SPEC oracle) to keep the suite
@@ -95,8 +95,8 @@ def test_dilated_attention_module_matches_reference(mode, is_causal):
         return mod(q, k, v), mod(q, k, v, is_causal=not is_causal)
 
     out, flipped = run(mod, q, k, v)
-    np.testing.assert_allclose(out, ref_dilated(q, k, v, WS, RS, mode, is_causal), **TOL)
-    np.testing.assert_allclose(flipped, ref_dilated(q, k, v, WS, RS, mode, not is_causal), **TOL)
+    assert_scaled_close(out, ref_dilated(q, k, v, WS, RS, mode, is_causal))
+    assert_scaled_close(flipped, ref_dilated(q, k, v, WS, RS, mode, not is_causal))
 
 
 def test_dilated_attention_module_validates_at_construction():
@@ -135,8 +135,8 @@ def test_mhda_matches_hand_written_composition(case):
     # cross-attention (distinct key and value inputs) and self-attention (key=value=query)
     cross, self_ = nnx.jit(lambda m, a, b, c: (m(a, b, c, is_causal=case["is_causal"]),
                                                m(a, is_causal=case["is_causal"])))(m, xq, xk, xv)
-    np.testing.assert_allclose(cross, ref_mhda(_params(m), xq, xk, xv, **kw), **TOL)
-    np.testing.assert_allclose(self_, ref_mhda(_params(m), xq, xq, xq, **kw), **TOL)
+    assert_scaled_close(cross, ref_mhda(_params(m), xq, xk, xv, **kw))
+    assert_scaled_close(self_, ref_mhda(_params(m), xq, xq, xq, **kw))
 
 
 def test_mhda_implementation_passthrough():
@@ -144,7 +144,7 @@ def test_mhda_implementation_passthrough():
                                                  rngs=nnx.Rngs(0)))
     x = _x(2, (2, 16, 16))
     ref = ref_mhda(_params(m), x, x, x, num_heads=4, num_kv_heads=4, ws=WS, rs=RS)
-    np.testing.assert_allclose(nnx.jit(lambda m, x: m(x))(m, x), ref, **TOL)
+    assert_scaled_close(nnx.jit(lambda m, x: m(x))(m, x), ref)
     assert m.attention.implementation == "reference"
 
 
@@ -175,23 +175,23 @@ def test_mhda_under_nnx_transforms_and_gradients():
     remat_loss = lambda m, x: jnp.sum(nnx.remat(lambda m, x: m(x, is_causal=True))(m, x) * ct)
 
     # nnx.jit
-    np.testing.assert_allclose(nnx.jit(lambda m, x: m(x, is_causal=True))(m, x), ref, **TOL)
+    assert_scaled_close(nnx.jit(lambda m, x: m(x, is_causal=True))(m, x), ref)
     # nnx.grad of an nnx.remat-ed call under nnx.jit, w.r.t. every parameter and the input,
     # vs the reference composition (plain nnx.grad without remat runs in tests/test_train.py)
     value, (g_m, g_x) = nnx.jit(nnx.value_and_grad(remat_loss, argnums=(0, 1)))(m, x)
     r_m, r_x = jax.jit(jax.grad(lambda p, x: jnp.sum(ref_mhda(p, x, x, x, **kw) * ct),
                                 argnums=(0, 1)))(_params(m), x)
-    np.testing.assert_allclose(value, jnp.sum(ref * ct), rtol=1e-5)
+    assert_scaled_close(value, jnp.sum(ref * ct), err_msg="loss")
     g_m = nnx.to_pure_dict(g_m)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), g_m, r_m)
-    np.testing.assert_allclose(g_x, r_x, rtol=1e-4, atol=1e-5)
+    assert_trees_close(g_m, r_m, err_msg="d params")
+    assert_scaled_close(g_x, r_x, err_msg="d input")
     flat = jax.tree_util.tree_flatten_with_path(g_m)[0]
     assert len(flat) == 10  # q/k/v/out kernels and biases + LayerNorm scale and bias
     for path, g in flat:
         assert float(jnp.abs(g).max()) > 0, f"no gradient reaches {jax.tree_util.keystr(path)}"
     # nnx.vmap over the batch: one example at a time equals the batched reference
     per_example = nnx.vmap(lambda m, xi: m(xi[None], is_causal=True)[0], in_axes=(None, 0))
-    np.testing.assert_allclose(nnx.jit(per_example)(m, x), ref, **TOL)
+    assert_scaled_close(nnx.jit(per_example)(m, x), ref)
 
 
 # ----------------------------------------------------------------------------- dropout / dtype
@@ -208,8 +208,8 @@ def test_mhda_dropout_on_attention_output():
         return m1(x, deterministic=True), m1(x, deterministic=False, rngs=nnx.Rngs(dropout=7))
 
     (y_det, y1), (_, y2) = run(m1, x), run(m1, x)
-    np.testing.assert_allclose(y_det, ref_mhda(_params(m1), x, x, x, num_heads=4, num_kv_heads=2,
-                                               ws=WS, rs=RS), **TOL)
+    assert_scaled_close(y_det, ref_mhda(_params(m1), x, x, x, num_heads=4, num_kv_heads=2,
+                                               ws=WS, rs=RS))
     np.testing.assert_array_equal(y1, y2)
     assert float(jnp.abs(y1 - y_det).max()) > 1e-3
     # the dropout sits before the sub-LayerNorm: reproduce it by hand with the same mask
@@ -222,7 +222,7 @@ def test_mhda_dropout_on_attention_output():
     keep = jax.random.bernoulli(nnx.Rngs(dropout=7).dropout(), 0.5, a.shape)
     a = jnp.where(keep, a / 0.5, 0.0)
     ref = ref_layer_norm(a, p["norm"]) @ p["out_proj"]["kernel"] + p["out_proj"]["bias"]
-    np.testing.assert_allclose(y1, ref, **TOL)
+    assert_scaled_close(y1, ref)
 
 
 def test_mhda_bfloat16_compute_float32_params():
@@ -234,7 +234,7 @@ def test_mhda_bfloat16_compute_float32_params():
     y32 = ref_mhda(_params(m16), x, x, x, num_heads=4, num_kv_heads=4, ws=WS, rs=RS,
                    is_causal=True)
     assert y16.dtype == jnp.bfloat16
-    np.testing.assert_allclose(y16.astype(jnp.float32), y32, rtol=2e-2, atol=5e-2)
+    assert_scaled_close(y16, y32, HALF)
 
 
 # ----------------------------------------------------------------------------- init statistics
@@ -305,12 +305,12 @@ def test_attention_fn_in_flax_mha_equals_mhda(num_kv_heads, mode, is_causal, imp
                 mha(xq, xk, is_causal=is_causal), ours(xq, xk, is_causal=is_causal))
 
     theirs_self, ours_self, theirs_cross, ours_cross = run(mha, ours, xq, xk)
-    np.testing.assert_allclose(theirs_self, ours_self, **TOL)
-    np.testing.assert_allclose(theirs_cross, ours_cross, **TOL)
+    assert_scaled_close(theirs_self, ours_self)
+    assert_scaled_close(theirs_cross, ours_cross)
     # and both equal the hand-written composition
     ref = ref_mhda(_params(ours), xq, xk, xk, num_heads=h, num_kv_heads=num_kv_heads or h,
                    ws=WS, rs=RS, mode=mode, is_causal=is_causal, layer_norm=False)
-    np.testing.assert_allclose(theirs_cross, ref, **TOL)
+    assert_scaled_close(theirs_cross, ref)
 
 
 def test_attention_fn_factory_is_causal():
@@ -324,7 +324,7 @@ def test_attention_fn_factory_is_causal():
     v = jnp.einsum("bne,ehd->bnhd", x, p["value"]["kernel"]) + p["value"]["bias"]
     a = ref_dilated(q, k, v, WS, RS, is_causal=True)
     ref = jnp.einsum("bnhd,hde->bne", a, p["out"]["kernel"]) + p["out"]["bias"]
-    np.testing.assert_allclose(nnx.jit(lambda m, x: m(x))(mha, x), ref, **TOL)
+    assert_scaled_close(nnx.jit(lambda m, x: m(x))(mha, x), ref)
 
 
 def test_attention_fn_batch_axes_and_dtype():
@@ -339,10 +339,10 @@ def test_attention_fn_batch_axes_and_dtype():
     out, unbatched, out16, det = run(q, k, v)
     ref = ref_dilated(q.reshape(6, 16, 4, 8), k.reshape(6, 16, 2, 8), v.reshape(6, 16, 2, 8),
                       WS, RS)
-    np.testing.assert_allclose(out, ref.reshape(out.shape), **TOL)
-    np.testing.assert_allclose(unbatched, ref[0], **TOL)  # no batch axis at all
+    assert_scaled_close(out, ref.reshape(out.shape))
+    assert_scaled_close(unbatched, ref[0])  # no batch axis at all
     assert out16.dtype == jnp.bfloat16
-    np.testing.assert_allclose(out16.astype(jnp.float32), out, rtol=2e-2, atol=2e-2)
+    assert_scaled_close(out16, out, HALF)
     np.testing.assert_array_equal(det, out)  # dropout_rate > 0 is fine when deterministic
 
 

@@ -13,23 +13,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from dilated_cases import (
-    CASES,
-    FAST_COMPILE,
-    assert_close,
-    case_id,
-    implementation,
-    run_case,
-)
+from dilated_cases import CASES, case_id, implementation, run_case
+from oracle import Result
+from oracle import attention as attention_oracle
+from tolerance import assert_scaled_close, tol_for
 
 import dilax
 import pallas_kernels.autotune as at
 from dilax.core import attention_core
-from dilax.reference import masked_attention
 from pallas_kernels import (
     KernelConfig,
     block_sparse_flash_attention,
-    block_sparse_reference,
     default_config,
     flash_attention,
     tables_from_block_mask,
@@ -50,52 +44,57 @@ def _grouped_inputs(B, Lq, Lk, Hk, G, d, dtype, seed=0):
     return q, k, v
 
 
-def _dense_reference(q, k, v, *, scale, is_causal, kv_len, q_offset, k_offset):
-    """Explicit-mask attention in the grouped layout, returning ``(out, lse)`` (float32)."""
-    B, Lq, Hk, G, d = q.shape
-    Lk = k.shape[1]
-    kv_len = np.broadcast_to(np.asarray(kv_len), (B, Hk))
+def _flash_mask(B, Lq, Lk, Hk, G, *, is_causal, kv_len, q_offset, k_offset):
+    """The explicit ``(B, Hk * G, Lq, Lk)`` token mask (query head ``c * G + g``)."""
+    kv_len = np.broadcast_to(np.asarray(Lk if kv_len is None else kv_len), (B, Hk))
     t = np.arange(Lk)
     p = np.arange(Lq)
     mask = t[None, None, None, :] < kv_len[:, :, None, None]  # (B, Hk, 1, Lk)
     if is_causal:
         mask = mask & (k_offset + t[None, :] <= q_offset + p[:, None])[None, None]
-    mask = np.broadcast_to(mask, (B, Hk, Lq, Lk))
-    mask = np.repeat(mask, G, axis=1)  # (B, Hk*G, Lq, Lk): head c*G+g
-    q4 = q.astype(jnp.float32).reshape(B, Lq, Hk * G, d)
-    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
-    out = masked_attention(q4, kf, vf, mask.astype(np.float32), scale)
-    s = jnp.einsum("bqhd,bkhd->bhqk", q4, jnp.repeat(kf, G, axis=2),
-                   precision=jax.lax.Precision.HIGHEST) * scale
-    s = jnp.where(jnp.asarray(mask), s, -jnp.inf)
-    lse = jax.nn.logsumexp(s, axis=-1).transpose(0, 2, 1).reshape(B, Lq, Hk, G)
-    return out.reshape(B, Lq, Hk, G, d), lse
+    return np.repeat(np.broadcast_to(mask, (B, Hk, Lq, Lk)), G, axis=1)
 
 
-def _value_and_grads(fn):
-    """out, lse and d{q,k,v} of a loss reading both out and lse (so dlse != 0)."""
+def _oracle(q, k, v, mask, scale, seed=7):
+    """Float64 oracle in the grouped layout: ``(Result, (dout, dlse))`` under random cotangents
+    on out and on lse (so dlse != 0; 0 on the rows with no key, where lse = -inf)."""
+    B, Lq, Hk, G, d = q.shape
+    flat = lambda x: np.asarray(x).reshape(B, Lq, Hk * G, *np.shape(x)[4:])  # noqa: E731
+    lse = attention_oracle(flat(q), k, v, mask, scale).lse.reshape(B, Lq, Hk, G)
+    rng = np.random.default_rng(seed)
+    dout = jnp.asarray(rng.standard_normal(q.shape, np.float32)).astype(q.dtype)
+    dlse = np.where(np.isfinite(lse), rng.standard_normal(lse.shape), 0.0).astype(np.float32)
+    r = attention_oracle(flat(q), k, v, mask, scale, flat(dout), flat(dlse))
+    ref = Result(r.out.reshape(q.shape), r.lse.reshape(lse.shape), r.dq.reshape(q.shape),
+                 r.dk, r.dv)
+    return ref, (dout, jnp.asarray(dlse))
 
-    def loss(q, k, v):
-        out, lse = fn(q, k, v)
-        finite = jnp.isfinite(lse)
-        read = jnp.sum(jnp.sin(out.astype(jnp.float32) * 1.3))
-        lse_read = jnp.where(finite, jnp.cos(jnp.where(finite, lse, 0.0)), 0.0)
-        return read + 0.7 * jnp.sum(lse_read), (out, lse)
 
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True),
-                   compiler_options=FAST_COMPILE)
+def _vjp(fn):
+    """``jit((q, k, v, (dout, dlse)) -> (out, lse, (dq, dk, dv)))`` of ``fn -> (out, lse)``."""
+
+    @jax.jit
+    def run(q, k, v, cotangents):
+        (out, lse), vjp = jax.vjp(fn, q, k, v)
+        return out, lse, vjp(cotangents)
+
+    return run
 
 
-def _compare(got, want, dtype, tag):
-    (_, (out, lse)), grads = got
-    (_, (out_w, lse_w)), grads_w = want
-    assert_close(out, out_w, dtype, f"{tag} out")
-    lse, lse_w = np.asarray(lse), np.asarray(lse_w)
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_w), err_msg=f"{tag} lse -inf")
-    finite = np.isfinite(lse_w)
-    assert_close(lse[finite], lse_w[finite], dtype, f"{tag} lse")
-    for name, g, g_w in zip("qkv", grads, grads_w, strict=True):
-        assert_close(g, g_w, dtype, f"{tag} d{name}")
+def _compare(got, want: Result, dtype, tag):
+    """out, lse (same -inf rows) and d{q,k,v} against ``want``, each to ``tol_for(dtype)``
+    of its magnitude."""
+    out, lse, grads = got
+    tol = tol_for(dtype)
+    assert out.dtype == jnp.dtype(dtype) and lse.dtype == jnp.float32, tag
+    assert_scaled_close(out, want.out, tol, err_msg=f"{tag} out")
+    lse = np.asarray(lse)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want.lse),
+                                  err_msg=f"{tag} lse -inf")
+    finite = np.isfinite(want.lse)
+    assert_scaled_close(lse[finite], want.lse[finite], tol, err_msg=f"{tag} lse")
+    for name, g, g_w in zip(("dq", "dk", "dv"), grads, want[2:], strict=True):
+        assert_scaled_close(g, g_w, tol, err_msg=f"{tag} {name}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,18 +132,15 @@ def test_flash_attention_matches_core_and_reference(case):
     kv = None if kv_len is None else jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (B, Hk))
     scale = 1.0 / np.sqrt(d)
     common = dict(scale=scale, is_causal=causal, kv_len=kv, q_offset=q_off, k_offset=k_off)
-    got = _value_and_grads(functools.partial(flash_attention, **common, block_sizes=config,
-                                             interpret=True))(q, k, v)
-    (_, (out, lse)), _ = got
-    assert out.dtype == q.dtype and lse.dtype == jnp.float32
-    # XLA core on the same inputs
-    core = _value_and_grads(functools.partial(attention_core, **common))(q, k, v)
-    _compare(got, core, dtype, "vs core")
-    # explicit-mask reference, float32 on the same inputs
-    kv_np = np.full((B, Hk), Lk) if kv is None else np.asarray(kv)
-    ref = _value_and_grads(functools.partial(_dense_reference, **{**common, "kv_len": kv_np}))(
-        *(x.astype(jnp.float32) for x in (q, k, v)))
-    _compare(got, ref, dtype, "vs reference")
+    mask = _flash_mask(B, Lq, Lk, Hk, G, is_causal=causal, kv_len=kv_len, q_offset=q_off,
+                       k_offset=k_off)
+    ref, cot = _oracle(q, k, v, mask, scale)
+    got = _vjp(functools.partial(flash_attention, **common, block_sizes=config,
+                                 interpret=True))(q, k, v, cot)
+    _compare(got, ref, dtype, "flash")
+    # the XLA core on the same inputs (its kv_len / offsets against the same oracle)
+    core = _vjp(functools.partial(attention_core, **common))(q, k, v, cot)
+    _compare(core, ref, dtype, "core")
 
 
 def test_flash_fully_masked_rows_are_zero_with_zero_grad():
@@ -154,11 +150,14 @@ def test_flash_fully_masked_rows_are_zero_with_zero_grad():
     kv = jnp.array([[24, 0], [24, 24]], jnp.int32)
     f = functools.partial(flash_attention, scale=0.25, is_causal=True, kv_len=kv, q_offset=0,
                           k_offset=6, block_sizes=KernelConfig(16, 16), interpret=True)
-    (_, (out, lse)), (dq, dk, dv) = _value_and_grads(f)(q, k, v)
-    out, lse, dq = np.asarray(out), np.asarray(lse), np.asarray(dq)
     empty = np.zeros((B, L, Hk, G), bool)
     empty[:, :6] = True
     empty[0, :, 1] = True
+    rng = np.random.default_rng(3)
+    dout = jnp.asarray(rng.standard_normal(q.shape, np.float32))
+    dlse = jnp.asarray(np.where(empty, 0.0, rng.standard_normal(empty.shape)), jnp.float32)
+    out, lse, (dq, dk, dv) = _vjp(f)(q, k, v, (dout, dlse))
+    out, lse, dq = np.asarray(out), np.asarray(lse), np.asarray(dq)
     assert np.all(np.isneginf(lse[empty])) and np.all(np.isfinite(lse[~empty]))
     assert np.all(out[empty] == 0) and np.all(dq[empty] == 0)
     for g in (dq, dk, dv):
@@ -179,12 +178,14 @@ def test_flash_traced_offsets_and_vmap():
 
     out, lse = jax.jit(jax.vmap(one))(qs, ks, vs, offsets)
     for i in range(2):
-        ref_out, ref_lse = attention_core(qs[i], ks[i], vs[i], scale=0.3, is_causal=True,
-                                          q_offset=int(offsets[i]))
-        assert_close(out[i], ref_out, "float32", "vmap out")
+        mask = _flash_mask(1, 16, 32, 1, 2, is_causal=True, kv_len=None,
+                           q_offset=int(offsets[i]), k_offset=0)
+        ref = attention_oracle(qs[i].reshape(1, 16, 2, 16), ks[i], vs[i], mask, 0.3)
+        assert_scaled_close(out[i].reshape(ref.out.shape), ref.out, err_msg="vmap out")
+        ref_lse = ref.lse.reshape(lse[i].shape)
         np.testing.assert_array_equal(np.isneginf(lse[i]), np.isneginf(ref_lse))
-        fin = np.isfinite(np.asarray(ref_lse))
-        assert_close(np.asarray(lse[i])[fin], np.asarray(ref_lse)[fin], "float32", "vmap lse")
+        fin = np.isfinite(ref_lse)
+        assert_scaled_close(np.asarray(lse[i])[fin], ref_lse[fin], err_msg="vmap lse")
 
 
 def test_flash_visits_only_causal_blocks():
@@ -194,8 +195,9 @@ def test_flash_visits_only_causal_blocks():
     v = v.at[:, 48:].set(jnp.nan)  # keys 48..63: beyond every query's causal horizon
     out, lse = flash_attention(q, k, v, scale=0.25, is_causal=True, q_offset=0, k_offset=0,
                                block_sizes=KernelConfig(16, 16), interpret=True)
-    ref_out, _ = attention_core(q, k, v[:, :48], scale=0.25, is_causal=True)
-    assert_close(out, ref_out, "float32", "out")
+    mask = _flash_mask(1, 32, 48, 1, 1, is_causal=True, kv_len=None, q_offset=0, k_offset=0)
+    ref = attention_oracle(q.reshape(1, 32, 1, 16), k[:, :48], v[:, :48], mask, 0.25)
+    assert_scaled_close(out.reshape(ref.out.shape), ref.out)
 
 
 def test_kernel_config_validation():
@@ -266,12 +268,15 @@ def test_block_sparse_matches_dense_reference(case):
         fn = functools.partial(block_sparse_flash_attention, kv_block_indices=idx,
                                kv_block_counts=cnt, block_size=bs, scale=scale,
                                is_causal=causal, interpret=True)
-    got = _value_and_grads(fn)(q, k, v)
-    ref = _value_and_grads(functools.partial(block_sparse_reference, block_mask=mask,
-                                             block_size=bs, scale=scale, is_causal=causal))(
-        *(x.astype(jnp.float32) for x in (q, k, v)))
+    # the explicit token mask of the block mask, for every query head c * G + g
+    tokens = np.repeat(np.repeat(mask, bs, 1), bs, 2)[:, :n, :n]
+    if causal:
+        tokens = tokens & np.tril(np.ones((n, n), bool))
+    tokens = np.broadcast_to(tokens, (Hk * G, n, n))
+    ref, cot = _oracle(q, k, v, tokens, scale)
+    got = _vjp(fn)(q, k, v, cot)
     _compare(got, ref, dtype, "vs reference")
-    (_, (out, lse)), _ = got
+    out, lse, _ = got
     rows = np.zeros((n,), bool)
     rows[(nb - 1) * bs:] = True
     if h_pat == 1:
@@ -280,6 +285,8 @@ def test_block_sparse_matches_dense_reference(case):
 
 
 def test_block_sparse_full_mask_equals_core_and_explicit_transposed_tables():
+    """An all-ones causal pattern with explicitly given transposed tables: the kernel and the
+    XLA core are both causal dense attention (the oracle)."""
     B, n, Hk, G, d, bs = 1, 48, 1, 2, 32, 16
     nb = 3
     mask = np.ones((1, nb, nb), bool)
@@ -287,12 +294,14 @@ def test_block_sparse_full_mask_equals_core_and_explicit_transposed_tables():
     q_idx, q_cnt = transpose_block_tables(idx, cnt, nb, is_causal=True)
     np.testing.assert_array_equal(q_cnt, [[3, 2, 1]])
     q, k, v = _grouped_inputs(B, n, n, Hk, G, d, jnp.float32)
-    got = _value_and_grads(functools.partial(
+    ref, cot = _oracle(q, k, v, np.tril(np.ones((n, n), bool)), 0.2)
+    got = _vjp(functools.partial(
         block_sparse_flash_attention, kv_block_indices=idx, kv_block_counts=cnt, block_size=bs,
         scale=0.2, is_causal=True, interpret=True, q_block_indices=q_idx,
-        q_block_counts=q_cnt))(q, k, v)
-    core = _value_and_grads(functools.partial(attention_core, scale=0.2, is_causal=True))(q, k, v)
-    _compare(got, core, "float32", "vs core")
+        q_block_counts=q_cnt))(q, k, v, cot)
+    _compare(got, ref, "float32", "block-sparse")
+    core = _vjp(functools.partial(attention_core, scale=0.2, is_causal=True))(q, k, v, cot)
+    _compare(core, ref, "float32", "core")
 
 
 def test_transpose_block_tables_numpy_and_traced_agree():

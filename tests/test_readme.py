@@ -18,6 +18,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from conftest import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 NOT_RUN = re.compile(r"<!--\s*not-run:(.*?)-->", re.S)
@@ -101,7 +103,7 @@ def test_every_block_is_code_or_text_and_every_marker_has_a_block_and_reason():
 def _env(tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] = xla_flags(8)  # this session's compile-speed flags, 8 host devices
     env["MPLBACKEND"] = "Agg"
     bindir = tmp_path / "bin"  # `python` in the shell blocks is this interpreter
     bindir.mkdir(exist_ok=True)

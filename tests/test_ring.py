@@ -16,13 +16,12 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as Ps
+from tolerance import HALF, assert_scaled_close
 
 from benchmarks.hlo import collective_permute_bytes
 from dilax import dilated_attention, ring_dilated_attention, sharded_dilated_attention
 from dilax.core import BlockSizes
 from dilax.sp import zigzag_permutation
-
-TOL = dict(atol=1e-5, rtol=1e-5)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -93,9 +92,9 @@ def _check(P, shape, ws, rs, mode, is_causal, layout="contiguous", seed=0, block
                                                    block_sizes=block_sizes)
     out, grads = _value_and_grads(fn, q, k, v, g)
     ref_out, ref_grads = _reference(shape, ws, rs, mode, is_causal, seed)
-    np.testing.assert_allclose(out, ref_out, **TOL)
+    assert_scaled_close(out, ref_out)
     for name, a, e in zip("qkv", grads, ref_grads, strict=True):
-        np.testing.assert_allclose(a, e, **TOL, err_msg=f"d{name}")
+        assert_scaled_close(a, e, err_msg=f"d{name}")
 
 
 # One local branch (w=8 fits every shard) and one spanning branch (w=64 = n, r=4): P=2, 4, 8
@@ -160,7 +159,7 @@ def test_zigzag_permutation_and_direct_call():
     out = _run(fn, q[:, perm], k[:, perm], v[:, perm])
     ref = _run(lambda q, k, v: dilated_attention(q, k, v, (16, 64), (1, 2), is_causal=True),
                q, k, v)
-    np.testing.assert_allclose(out, ref[:, perm], **TOL)
+    assert_scaled_close(out, ref[:, perm])
 
 
 def test_batch_axis_and_2d_mesh():
@@ -172,9 +171,9 @@ def test_batch_axis_and_2d_mesh():
     out, grads = _value_and_grads(fn, q, k, v, g)
     ref = lambda q, k, v: dilated_attention(q, k, v, (16, 64), (1, 2), is_causal=True)
     ref_out, ref_grads = _value_and_grads(ref, q, k, v, g)
-    np.testing.assert_allclose(out, ref_out, **TOL)
+    assert_scaled_close(out, ref_out)
     for a, e in zip(grads, ref_grads, strict=True):
-        np.testing.assert_allclose(a, e, **TOL)
+        assert_scaled_close(a, e)
 
 
 def test_explicit_mesh_axes():
@@ -186,7 +185,7 @@ def test_explicit_mesh_axes():
     out = _run(fn, q, k, v)
     assert out.sharding.spec[1] == "sp"
     ref_out, _ = _reference(MATRIX_SHAPE, (8, 64), (1, 4), "mixture", False, 6)
-    np.testing.assert_allclose(out, ref_out, **TOL)
+    assert_scaled_close(out, ref_out)
 
 
 def test_bfloat16():
@@ -198,8 +197,7 @@ def test_bfloat16():
     assert out.dtype == jnp.bfloat16
     ref = _run(lambda q, k, v: dilated_attention(q, k, v, (8, 64), (1, 4), is_causal=True),
                q, k, v)
-    np.testing.assert_allclose(out.astype(jnp.float32), ref.astype(jnp.float32), atol=2e-2,
-                               rtol=2e-2)
+    assert_scaled_close(out, ref, HALF)
 
 
 def test_errors():
