@@ -882,9 +882,9 @@ def factory_cases(draw) -> Case:
         kw = dict(segment_lengths=(8,), dilation_rates=(1,),
                   backend=draw(st.sampled_from(["quantum", 3, "GPU0"])))
         names = ("backend",)
-    elif kind == "bs_ring":
-        kw = dict(kind="ring", pattern=pattern, mesh=mesh)
-        names = ("pattern", "segment_lengths")
+    elif kind == "bs_ring":  # the block-sparse ring, without the mesh it shards over
+        kw = dict(kind="ring", pattern=pattern)
+        names = ("mesh",)
     else:
         kw = dict(segment_lengths=(8,), dilation_rates=(1,), is_causal="yes",
                   kind=draw(st.sampled_from(["auto", "ring"])))

@@ -4,7 +4,8 @@ Each device dilates its own K/V first (keeps the ``1/r`` of its rows that the he
 selects, :mod:`dilax.sp.dilate`), then those dilated chunks travel between the devices that
 share segments (:mod:`dilax.sp.schedule` streams) with ``lax.ppermute`` while every device
 folds them into the float32 online-softmax state of its queries with
-:func:`dilax.core.attention_core` and :func:`dilax.core.merge_attention_states`. Chunks
+the XLA core (:meth:`dilax.core.XlaCore.forward`, and ``backward`` in the backward ring) and
+:func:`dilax.core.merge_attention_states`. Chunks
 entirely in the future (causal) or in another segment are skipped with ``lax.cond``.
 Communication per device is ``O(w / r)`` rows per branch, independent of ``n``.
 
@@ -29,7 +30,6 @@ from dilax.core import (
     XLA,
     BlockSizes,
     Mask,
-    attention_core,
     identity_view,
     merge_attention_states,
     output_delta,
@@ -128,10 +128,11 @@ def _pair_forward(cfg: RingConfig, q, k, v, Fq, cq, Fk, ck, ok):
         kv_len_b = jnp.broadcast_to(kv_len, (b, U))
 
         def run(ops, kv_len_b=kv_len_b, k_off=k_off):
-            o, lse = attention_core(*ops, scale=cfg.scale, is_causal=cfg.is_causal,
-                                    kv_len=kv_len_b, q_offset=Fq, k_offset=k_off,
-                                    block_sizes=cfg.block_sizes)
-            return o.astype(_F32), lse
+            qq, kk, vv = ops
+            o, lse = XLA.forward(qq.reshape(b, R, U * G, d), kk, vv, view=identity_view(U, G),
+                                 mask=Mask(kv_len_b, Fq, k_off, cfg.is_causal), scale=cfg.scale,
+                                 block_sizes=cfg.block_sizes, out_dtype=_F32)
+            return o.reshape(q.shape), lse.reshape(q.shape[:-1])
 
         def skip(ops):
             return (_varying_like(jnp.zeros(ops[0].shape, _F32), *ops),
