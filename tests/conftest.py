@@ -29,13 +29,18 @@ _COMPILE_SPEED_FLAGS = {
 }
 
 
-def xla_flags(device_count: int = 8, base: str | None = None) -> str:
+def xla_flags(device_count: int = 8, base: str | None = None, fast_compile: bool = True) -> str:
     """``base`` (default: the current ``XLA_FLAGS``) with this session's flags added where
-    ``base`` does not set them, and the host device count set to ``device_count``."""
+    ``base`` does not set them, and the host device count set to ``device_count``.
+    ``fast_compile=False`` drops the compile-speed flags (for work that runs more than it
+    compiles)."""
     flags = os.environ.get("XLA_FLAGS", "") if base is None else base
     flags = re.sub(rf"{_DEVICE_COUNT}=\S*", "", flags)
     wanted = {_DEVICE_COUNT: str(device_count)}
-    if os.environ.get("DILAX_TEST_FULL_OPT", "") in ("", "0"):
+    if not fast_compile:
+        for name in _COMPILE_SPEED_FLAGS:
+            flags = re.sub(rf"{name}=\S*", "", flags)
+    elif os.environ.get("DILAX_TEST_FULL_OPT", "") in ("", "0"):
         wanted.update(_COMPILE_SPEED_FLAGS)
     added = [f"{name}={value}" for name, value in wanted.items()
              if name == _DEVICE_COUNT or f"{name}=" not in flags]
