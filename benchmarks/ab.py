@@ -54,7 +54,7 @@ def _ratio(new, old):
 
 def compare(base_rows: dict, new_rows: dict) -> list[dict]:
     table = []
-    for k in sorted(new_rows, key=str):
+    for k in sorted(new_rows, key=lambda k: (str(k[0]), k[1] or 0, str(k[2]), k[3] or 0)):
         old, new = base_rows.get(k, {}), new_rows[k]
         table.append(dict(
             row=k[0], n=k[1], pass_=k[2], P=k[3],
