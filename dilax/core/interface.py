@@ -29,6 +29,7 @@ from dilax.core.blocks import BlockSizes, default_block_sizes
 from dilax.core.mask import Mask
 from dilax.core.ordering import when
 from dilax.core.view import SlotView, identity_view
+from pallas_kernels.common import output_delta  # rowsum(dO * O) - dlse, float32
 
 _F32 = jnp.float32
 
@@ -43,11 +44,6 @@ class Core(Protocol):
 
     def backward(self, q, k, v, *, view: SlotView, mask: Mask, scale: float, lse, dout, delta,
                  block_sizes: BlockSizes | None = None, grad_dtype=None, acc=None): ...
-
-
-def output_delta(out, dout, dlse):
-    """``rowsum(dO * O) - dlse`` (float32): all a backward pass needs of ``out``."""
-    return jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1) - dlse.astype(_F32)
 
 
 def sum_invariant_axes(primals, grads):
