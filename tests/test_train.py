@@ -192,9 +192,10 @@ def test_cli_trains_and_resumes(tmp_path, capsys):
     assert T.main(flags + ["--resume", "--stop-after", "6"]) == 0
     out = capsys.readouterr().out
     assert "unigram entropy" in out and "final eval loss" in out and "resumed from" in out
-    # a changed model flag is refused with the differing field named
+    # a changed model flag is refused, naming it
     assert T.main([f if f != "32" else "64" for f in flags[:2]] + flags[2:] + ["--resume"]) == 2
-    assert "different model config" in capsys.readouterr().err
+    assert "--d-model 64 conflicts with the checkpoint's model config (d_model=32" in (
+        capsys.readouterr().err)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["3", "6"]
     # a fresh run does not silently mix its checkpoints into another run's directory
     assert T.main(flags + ["--stop-after", "3"]) == 2

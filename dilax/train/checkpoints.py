@@ -17,7 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dilax.train.config import ModelConfig, TrainConfig
+from dilax.models import LongNetLM
+from dilax.train.config import (
+    MODEL_FREE_FIELDS,
+    MODEL_TRAINING_FIELDS,
+    CharTokenizer,
+    ModelConfig,
+    TrainConfig,
+)
 
 CHECKPOINT_FORMAT = 1
 
@@ -52,14 +59,21 @@ def _manager(directory: str | Path, keep: int = 3, create: bool = True):
 
 def save_checkpoint(directory: str | Path, step: int, model: nnx.Module,
                     optimizer: nnx.Optimizer, model_cfg: ModelConfig, train_cfg: TrainConfig,
-                    keep: int = 3) -> Path:
-    """Writes ``directory/<step>`` (state + JSON meta) and waits until it is on disk."""
+                    keep: int = 3, extra: dict[str, Any] | None = None) -> Path:
+    """Writes ``directory/<step>`` (state + JSON meta) and waits until it is on disk.
+
+    ``extra`` is merged into the meta JSON (the training loop records the data's SHA-256).
+    The meta holds a checksum of the whole state and one of the model alone (for
+    :func:`load_model`, which reads only the model).
+    """
     import orbax.checkpoint as ocp
 
     tree = _state_tree(model, optimizer)
     meta = {
+        **(extra or {}),
         "format": CHECKPOINT_FORMAT, "step": int(step), "model_config": model_cfg.to_json(),
         "train_config": dataclasses.asdict(train_cfg), "checksum": state_checksum(tree),
+        "model_checksum": state_checksum(tree["model"]),
     }
     mngr = _manager(directory, keep)
     try:
@@ -108,40 +122,66 @@ def read_checkpoint_meta(directory: str | Path, step: int | None = None) -> tupl
     return step, meta
 
 
-def _check_model_config(meta: dict, model_cfg: ModelConfig, where: str | Path) -> None:
+def _check_model_config(meta: dict, model_cfg: ModelConfig, where: str | Path,
+                        allow_change: bool = False) -> None:
+    """Refuses a model config that differs from the checkpoint's in a field that shapes the
+    parameters or the computation; ``dropout``/``dtype`` may differ with ``allow_change``
+    (``--allow-config-change``), ``remat`` always (it only trades memory for recompute)."""
     saved, now = meta.get("model_config") or {}, model_cfg.to_json()
-    if saved != now:
-        diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    ignore = set(MODEL_FREE_FIELDS) | (set(MODEL_TRAINING_FIELDS) if allow_change else set())
+    diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k)
+                  and k not in ignore)
+    if diff:
+        hint = ("--dropout and --dtype may change with --allow-config-change. "
+                if set(diff) <= set(MODEL_TRAINING_FIELDS) else "")
         raise CheckpointError(
             f"checkpoint {where} was written for a different model config; differing fields: "
             f"{diff} (checkpoint: { {k: saved.get(k) for k in diff} }, now: "
             f"{ {k: now.get(k) for k in diff} }). Use the same model flags or another "
-            "--checkpoint-dir."
+            f"--checkpoint-dir. {hint}".rstrip()
         )
 
 
-_TRAJECTORY_FIELDS = ("steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay",
-                      "clip_norm", "seed")
+# Fields that fix the run's trajectory: changing one on resume needs --allow-config-change.
+# ``steps`` is not one of them: it may grow (train longer) or shrink; the learning-rate
+# schedule is then recomputed for the new length, which is logged.
+_TRAJECTORY_FIELDS = ("batch_size", "seq_len", "lr", "warmup", "weight_decay", "clip_norm",
+                      "seed")
 
 
-def _check_train_config_unchanged(meta: dict, cfg: TrainConfig) -> dict[str, tuple]:
-    """The trajectory fields that differ from the checkpoint's, ``{name: (checkpoint, now)}``;
-    raises unless ``cfg.allow_config_change``."""
+def _check_train_config_unchanged(meta: dict, cfg: TrainConfig,
+                                  data_sha256: str | None = None) -> dict[str, tuple]:
+    """The trajectory fields (and the data) that differ from the checkpoint's,
+    ``{name: (checkpoint, now)}``; raises unless ``cfg.allow_config_change``."""
     saved = meta.get("train_config") or {}
     changed = {k: (saved.get(k), getattr(cfg, k)) for k in _TRAJECTORY_FIELDS
                if k in saved and saved[k] != getattr(cfg, k)}
+    if data_sha256 and meta.get("data_sha256") and meta["data_sha256"] != data_sha256:
+        changed["data"] = (f"{saved.get('data')} (SHA-256 {meta['data_sha256'][:12]}...)",
+                           f"{cfg.data} (SHA-256 {data_sha256[:12]}...)")
     if changed and not cfg.allow_config_change:
         flags = ", ".join(f"--{k.replace('_', '-')}" for k in changed)
         raise CheckpointError(
             f"checkpoint in {Path(cfg.checkpoint_dir).absolute()} was written with a different "
             f"training config ({flags}; checkpoint vs now: {changed}); resuming would not "
-            "reproduce the interrupted run. Use the same flags, or pass --allow-config-change "
-            "to continue anyway")
+            "reproduce the interrupted run. Use the same flags (or leave them out: --resume "
+            "takes them from the checkpoint), or pass --allow-config-change to continue anyway")
     return changed
 
 
+def _check_steps_left(meta: dict, cfg: TrainConfig) -> None:
+    step = int(meta["step"])
+    if step >= cfg.steps:
+        raise CheckpointError(
+            f"the checkpoint in {Path(cfg.checkpoint_dir).absolute()} is at step {step}, and "
+            f"--steps is {cfg.steps}: nothing left to train. Pass a larger --steps to train "
+            "further, or sample from it with `python -m dilax.sample --checkpoint-dir "
+            f"{cfg.checkpoint_dir} --prompt TEXT`")
+
+
 def restore_checkpoint(directory: str | Path, model: nnx.Module, optimizer: nnx.Optimizer,
-                       model_cfg: ModelConfig, step: int | None = None) -> tuple[int, dict]:
+                       model_cfg: ModelConfig, step: int | None = None, *,
+                       allow_config_change: bool = False) -> tuple[int, dict]:
     """Restores the latest (or given) checkpoint into ``model`` and ``optimizer`` in place.
 
     Raises:
@@ -152,7 +192,7 @@ def restore_checkpoint(directory: str | Path, model: nnx.Module, optimizer: nnx.
 
     directory = Path(directory).absolute()
     step, meta = read_checkpoint_meta(directory, step)
-    _check_model_config(meta, model_cfg, directory / str(step))
+    _check_model_config(meta, model_cfg, directory / str(step), allow_config_change)
     # Restore to host (NumPy) and put back with jnp.asarray: the arrays are then placed like
     # freshly initialized ones (uncommitted), so an already compiled train step is reused.
     target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), _state_tree(model, optimizer))
@@ -175,11 +215,67 @@ def restore_checkpoint(directory: str | Path, model: nnx.Module, optimizer: nnx.
     return step, meta
 
 
-def check_before_run(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """What :func:`load_model` returns: the model, its tokenizer and configs, and where from."""
+
+    model: LongNetLM
+    tokenizer: CharTokenizer
+    model_config: ModelConfig
+    train_config: TrainConfig
+    step: int
+    path: Path
+
+
+def load_model(directory: str | Path, step: int | None = None) -> LoadedModel:
+    """Restores only the model of the latest (or given) checkpoint: no optimizer is built and
+    the optimizer state is not read. The model config and the tokenizer (the vocabulary) come
+    from the checkpoint's meta.
+
+    Example::
+
+        m = load_model("checkpoints/run")
+        print(sample_text(m, "Once upon a time", 200, temperature=0.8, top_k=20, seed=0))
+
+    Raises:
+      CheckpointError: no checkpoint, unreadable files, or a model whose bytes do not match
+        the checksum recorded when it was saved.
+    """
+    import orbax.checkpoint as ocp
+
+    from dilax.train.steps import make_model
+
+    directory = Path(directory).absolute()
+    step, meta = read_checkpoint_meta(directory, step)
+    where = directory / str(step)
+    model_cfg = ModelConfig.from_json(meta["model_config"])
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make_model(model_cfg, 0)))
+    target = {"model": jax.tree.map(lambda x: np.zeros(x.shape, x.dtype),
+                                    nnx.to_pure_dict(abstract))}
+    try:
+        tree = ocp.PyTreeCheckpointer().restore(where / "state", args=ocp.args.PyTreeRestore(
+            target, restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+                                              target),
+            partial_restore=True))["model"]
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {where} is corrupt or incomplete: cannot read its "
+                              f"model ({type(e).__name__}: {e})") from e
+    # checkpoints written before the model had its own checksum are read unverified
+    if "model_checksum" in meta and state_checksum(tree) != meta["model_checksum"]:
+        raise CheckpointError(f"checkpoint {where} is corrupt: the model's SHA-256 does not "
+                              "match the one recorded when it was saved")
+    nnx.replace_by_pure_dict(abstract, jax.tree.map(jnp.asarray, tree))
+    return LoadedModel(nnx.merge(graphdef, abstract), CharTokenizer(model_cfg.vocab), model_cfg,
+                       TrainConfig.from_json(meta.get("train_config") or {}), step, where)
+
+
+def check_before_run(cfg: TrainConfig, model_cfg: ModelConfig,
+                     data_sha256: str | None = None) -> None:
     """Fails fast, before anything is built or trained.
 
-    With ``cfg.resume``: the latest checkpoint must be readable and written for ``model_cfg``
-    and (unless ``cfg.allow_config_change``) the same training trajectory. Without: a
+    With ``cfg.resume``: the latest checkpoint must be readable, written for ``model_cfg`` and
+    (unless ``cfg.allow_config_change``) the same training trajectory and data
+    (``data_sha256``), and before ``cfg.steps``. Without: a
     ``cfg.checkpoint_dir`` must not already hold checkpoints (that run would be overwritten).
 
     Raises:
@@ -187,8 +283,9 @@ def check_before_run(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
     """
     if cfg.resume:
         _, meta = read_checkpoint_meta(cfg.checkpoint_dir)
-        _check_model_config(meta, model_cfg, cfg.checkpoint_dir)
-        _check_train_config_unchanged(meta, cfg)
+        _check_model_config(meta, model_cfg, cfg.checkpoint_dir, cfg.allow_config_change)
+        _check_train_config_unchanged(meta, cfg, data_sha256)
+        _check_steps_left(meta, cfg)
     elif cfg.checkpoint_dir:
         existing = _existing_steps(cfg.checkpoint_dir)
         if existing:
@@ -199,17 +296,23 @@ def check_before_run(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
 
 
 def resume(cfg: TrainConfig, model: nnx.Module, optimizer: nnx.Optimizer,
-           model_cfg: ModelConfig, log: Callable[[str], None]) -> int:
+           model_cfg: ModelConfig, log: Callable[[str], None],
+           data_sha256: str | None = None) -> int:
     """Restores the latest checkpoint of ``cfg.checkpoint_dir`` into ``model`` and
     ``optimizer``; returns its step. Logs a warning when the training flags differ from the
     checkpoint's (allowed by ``cfg.allow_config_change``)."""
-    start, meta = restore_checkpoint(cfg.checkpoint_dir, model, optimizer, model_cfg)
+    start, meta = restore_checkpoint(cfg.checkpoint_dir, model, optimizer, model_cfg,
+                                     allow_config_change=cfg.allow_config_change)
     if int(optimizer.step[...]) != start:
         raise CheckpointError(f"checkpoint step {start} disagrees with the optimizer step "
                               f"{int(optimizer.step[...])} stored in it")
-    changed = _check_train_config_unchanged(meta, cfg)
+    changed = _check_train_config_unchanged(meta, cfg, data_sha256)
     if changed:
         log(f"warning: training config differs from the checkpoint's {changed}; the run "
             "will not reproduce an uninterrupted one")
+    saved_steps = (meta.get("train_config") or {}).get("steps")
+    if saved_steps is not None and saved_steps != cfg.steps:
+        log(f"note: --steps {cfg.steps} (the checkpoint's run had {saved_steps}): the "
+            f"learning-rate schedule now decays over {cfg.steps} steps")
     log(f"resumed from {Path(cfg.checkpoint_dir).absolute() / str(start)} (step {start})")
     return start

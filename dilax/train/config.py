@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,9 +50,12 @@ class TrainConfig:
     ``steps`` is the length of the whole run (it sets the learning-rate schedule);
     ``stop_after`` ends this invocation early, as if interrupted, after checkpointing;
     ``resume`` continues from the latest checkpoint in ``checkpoint_dir``. ``eval_every=0``
-    disables evaluation, ``sample_tokens=0`` the final sample.
+    disables evaluation, ``sample_tokens=0`` the final sample. ``data`` is the path of the
+    UTF-8 training text (``None``: the shipped corpus); it is recorded in the checkpoint, so a
+    resume reads the same file.
     """
 
+    data: str | None = None
     steps: int = 500
     batch_size: int = 16
     seq_len: int = 128
@@ -71,6 +75,21 @@ class TrainConfig:
     sample_tokens: int = 300
     temperature: float = 0.6
     prompt: str = "Once upon a time there was"
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TrainConfig:
+        """From a checkpoint's ``train_config``; fields this version does not know are
+        dropped, missing ones take their defaults."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+# Model fields that change neither the parameters nor the function computed: they may differ
+# from a checkpoint's freely (``remat`` only trades memory for recomputation).
+MODEL_FREE_FIELDS = ("remat",)
+# Model fields that change training but not the parameters: they may differ from a
+# checkpoint's with ``--allow-config-change``.
+MODEL_TRAINING_FIELDS = ("dropout", "dtype")
 
 
 # ----------------------------------------------------------------------------- checks
@@ -182,6 +201,53 @@ def validate(cfg: TrainConfig, model_cfg: ModelConfig, n_train: int, n_val: int)
 
 
 # ----------------------------------------------------------------------------- data
+
+
+def read_text_file(path: str | Path, flag: str = "--data") -> str:
+    """The UTF-8 text of ``path`` (a leading byte-order mark dropped).
+
+    Raises:
+      ValueError: naming ``flag`` when the file is missing, not a regular file, empty, or not
+        UTF-8 text (a NUL byte or an invalid UTF-8 sequence: a binary file).
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{flag} {path}: no such file")
+    if not p.is_file():
+        raise ValueError(f"{flag} {path}: not a regular file")
+    raw = p.read_bytes()
+    if not raw:
+        raise ValueError(f"{flag} {path}: the file is empty")
+    if b"\0" in raw[:1 << 20]:
+        raise ValueError(f"{flag} {path}: a binary file (it contains NUL bytes); "
+                         "expected UTF-8 text")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} {path}: not UTF-8 text (invalid byte 0x{raw[e.start]:02x} "
+                         f"at offset {e.start}; a binary file or another encoding); convert "
+                         "it with e.g. `iconv -t UTF-8`") from None
+    text = text.removeprefix("\ufeff")
+    if not text.strip():
+        raise ValueError(f"{flag} {path}: the file holds only whitespace")
+    return text
+
+
+def check_text_length(text: str, seq_len: int, where: str) -> None:
+    """Raises ``ValueError`` naming ``where`` (e.g. ``--data my.txt``) when ``text`` is too
+    short to hold a training and an evaluation window of ``seq_len + 1`` characters."""
+    def fits(n: int) -> bool:
+        cut = int(n * 0.9)  # split_corpus's cut
+        return seq_len + 1 < min(cut, n - cut)
+
+    if not fits(len(text)):
+        need = max(1, math.floor((seq_len + 2) / 0.1) - 20)
+        while not fits(need):
+            need += 1
+        raise ValueError(f"{where} is too short: {len(text):,} characters, but --seq-len "
+                         f"{seq_len} needs at least {need:,} (the last 10% is held out for "
+                         "evaluation and each split must hold a window of seq_len + 1); use a "
+                         "longer text or a smaller --seq-len")
 
 
 class CharTokenizer:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+import signal
+import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -19,7 +23,9 @@ from dilax.train.config import (
     CharTokenizer,
     ModelConfig,
     TrainConfig,
+    check_text_length,
     eval_batches,
+    read_text_file,
     split_corpus,
     train_batch,
     unigram_entropy,
@@ -44,6 +50,8 @@ class TrainResult:
     num_params: int
     model: LongNetLM
     optimizer: nnx.Optimizer
+    interrupted: int | None = None  # the signal (SIGINT, SIGTERM) that stopped the run early
+    checkpoint: str | None = None  # the last checkpoint written, if any
 
     @property
     def final_eval_loss(self) -> float | None:
@@ -76,6 +84,45 @@ class _Progress:
             self.bar.close()
 
 
+class _StopRequest:
+    """SIGINT (Ctrl-C) and SIGTERM while training: the first asks the loop to stop after the
+    current step (it then checkpoints); the second quits at once without saving, through the
+    signal's default action (``hard=True``, the CLI) or a ``KeyboardInterrupt``.
+
+    Signal handlers can only be set from the main thread; elsewhere this does nothing.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, enabled: bool, hard: bool):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.hard = hard
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> _StopRequest:
+        if self.enabled:
+            self._previous = {s: signal.getsignal(s) for s in self.SIGNALS}
+            for s in self.SIGNALS:
+                signal.signal(s, self._first)
+        return self
+
+    def _first(self, signum, frame) -> None:
+        self.signum = signum
+        for s in self.SIGNALS:
+            signal.signal(s, signal.SIG_DFL if self.hard else self._second)
+        print(f"\n{signal.Signals(signum).name}: finishing the current step, then saving a "
+              "checkpoint (interrupt again to quit at once without saving)",
+              file=sys.stderr, flush=True)
+
+    def _second(self, signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
 @dataclasses.dataclass
 class _Run:
     """What one invocation trains: the model and optimizer, the data, steps ``start+1..end``."""
@@ -88,6 +135,7 @@ class _Run:
     evals: list
     start: int
     end: int
+    data_sha256: str | None = None
 
 
 def _evaluate(run: _Run) -> float:
@@ -95,12 +143,25 @@ def _evaluate(run: _Run) -> float:
     return float(total) / len(run.evals)
 
 
-def _run_steps(run: _Run, progress: bool, log: Callable[[str], None]
-               ) -> tuple[dict[int, float], dict[int, float], float, float]:
+@dataclasses.dataclass
+class _Steps:
+    """What :func:`_run_steps` returns."""
+
+    losses: dict[int, float]
+    eval_losses: dict[int, float]
+    tokens_per_s: float
+    elapsed_s: float
+    last_step: int
+    interrupted: int | None
+    checkpoint: str | None
+
+
+def _run_steps(run: _Run, progress: bool, log: Callable[[str], None],
+               stop: _StopRequest) -> _Steps:
     """Trains steps ``run.start + 1 .. run.end``, evaluating every ``eval_every`` steps and
     checkpointing every ``checkpoint_every`` steps (both also at ``end``); evaluates first
-    at step 0 on a fresh run. Returns ``(losses, eval_losses, tokens_per_s, elapsed_s)``,
-    the throughput measured after the first (compiling) step."""
+    at step 0 on a fresh run. A signal (``stop``) ends the loop after the current step, which
+    is then checkpointed. The throughput is measured after the first (compiling) step."""
     cfg, start, end = run.cfg, run.start, run.end
     losses: dict[int, float] = {}
     eval_losses: dict[int, float] = {}
@@ -111,6 +172,8 @@ def _run_steps(run: _Run, progress: bool, log: Callable[[str], None]
     tokens_per_step = cfg.batch_size * cfg.seq_len
     t0 = time.perf_counter()
     t_first = None
+    step, saved, saved_step = start, None, None
+    extra = {"data_sha256": run.data_sha256} if run.data_sha256 else None
     try:
         for step in range(start + 1, end + 1):
             x, y = train_batch(run.train_data, cfg.seed, step, cfg.batch_size, cfg.seq_len)
@@ -123,20 +186,30 @@ def _run_steps(run: _Run, progress: bool, log: Callable[[str], None]
             done = step - start - 1
             rate = done * tokens_per_step / (now - t_first) if done else float("nan")
             bar.update(step, loss=f"{losses[step]:.4f}", tok_s=f"{rate:,.0f}")
+            if stop.signum is not None:
+                break
             if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == end):
                 eval_losses[step] = _evaluate(run)
                 bar.write(f"step {step}: train loss {losses[step]:.4f}, eval loss "
                           f"{eval_losses[step]:.4f} nats/char")
             if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or step == end):
-                path = save_checkpoint(cfg.checkpoint_dir, step, run.model, run.optimizer,
-                                       run.model_cfg, cfg, cfg.keep_checkpoints)
-                bar.write(f"checkpoint saved: step {step} ({path})")
+                saved = str(save_checkpoint(cfg.checkpoint_dir, step, run.model, run.optimizer,
+                                            run.model_cfg, cfg, cfg.keep_checkpoints, extra))
+                saved_step = step
+                bar.write(f"checkpoint saved: step {step} ({saved})")
+            if stop.signum is not None:  # arrived during eval or the checkpoint
+                break
+        if (stop.signum is not None and cfg.checkpoint_dir and step > start
+                and saved_step != step):
+            saved = str(save_checkpoint(cfg.checkpoint_dir, step, run.model, run.optimizer,
+                                        run.model_cfg, cfg, cfg.keep_checkpoints, extra))
+            bar.write(f"checkpoint saved: step {step} ({saved})")
     finally:
         bar.close()
     elapsed = time.perf_counter() - t0
-    tps = ((end - start - 1) * tokens_per_step / (time.perf_counter() - t_first)
-           if end - start > 1 and t_first is not None else float("nan"))
-    return losses, eval_losses, tps, elapsed
+    tps = ((step - start - 1) * tokens_per_step / (time.perf_counter() - t_first)
+           if step - start > 1 and t_first is not None else float("nan"))
+    return _Steps(losses, eval_losses, tps, elapsed, step, stop.signum, saved)
 
 
 def _nats_and_bits(nats: float) -> str:
@@ -144,60 +217,95 @@ def _nats_and_bits(nats: float) -> str:
 
 
 def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, *, text: str | None = None,
-          progress: bool = True, log: Callable[[str], None] = print) -> TrainResult:
+          progress: bool = True, log: Callable[[str], None] = print,
+          interrupt: str = "stop") -> TrainResult:
     """Trains (or resumes) a character LM; see the :mod:`dilax.train` docstring.
 
     Args:
       cfg: the training configuration.
       model_cfg: the model; default ``ModelConfig(vocab=<characters of the corpus>)``.
-      text: the corpus; default the shipped one (:func:`dilax.data.load_corpus`).
+      text: the corpus; default the file ``cfg.data``, else the shipped corpus
+        (:func:`dilax.data.load_corpus`). Every character must be in ``model_cfg.vocab``.
       progress: show a tqdm progress bar (plain log lines otherwise).
       log: where messages go (default ``print``).
+      interrupt: what SIGINT (Ctrl-C, a notebook's interrupt) and SIGTERM do during the
+        steps. ``"stop"``: the first ends the run after the current step, which is
+        checkpointed (with ``cfg.checkpoint_dir``), and :func:`train` returns normally with
+        ``result.interrupted`` set; a second raises ``KeyboardInterrupt``. ``"exit"``: the
+        same, but a second signal terminates the process at once (the CLI). ``"off"``: the
+        handlers are left alone.
 
     Returns:
       :class:`TrainResult` with the per-step losses of this invocation, eval losses, the
-      trained model and optimizer, and the sample (when the run reached ``cfg.steps``).
+      trained model and optimizer, and the sample (when the run reached ``cfg.steps``
+      uninterrupted).
 
     Raises:
       ValueError: non-positive sizes, ``seq_len`` too long for the corpus, ``resume`` without
-        ``checkpoint_dir``, ``stop_after`` outside ``[1, steps]``, ``model_cfg.vocab`` that is
-        not the corpus's.
+        ``checkpoint_dir``, ``stop_after`` outside ``[1, steps]``, a ``cfg.data`` file that is
+        missing, empty, binary or too short, text characters outside ``model_cfg.vocab``.
       CheckpointError: ``resume`` with a missing, corrupt or other-config checkpoint, or a
         fresh run into a ``checkpoint_dir`` that already holds checkpoints.
     """
-    text = load_corpus() if text is None else text
-    tok = CharTokenizer.from_text(text)
-    model_cfg = ModelConfig(vocab=tok.vocab) if model_cfg is None else model_cfg
-    if model_cfg.vocab != tok.vocab:
-        raise ValueError("model_cfg.vocab does not match the corpus characters")
+    if text is None:
+        text = read_text_file(cfg.data) if cfg.data else load_corpus()
+    where = f"--data {cfg.data}" if cfg.data else "the training text"
+    model_cfg = (ModelConfig(vocab=CharTokenizer.from_text(text).vocab) if model_cfg is None
+                 else model_cfg)
+    missing = sorted(set(text) - set(model_cfg.vocab))
+    if missing:
+        raise ValueError(f"{where} has characters outside the model's vocabulary "
+                         f"(model_cfg.vocab, the checkpoint's tokenizer on --resume): "
+                         f"{missing[:20]}")
+    tok = CharTokenizer(model_cfg.vocab)
     tokens = tok.encode(text)
+    check_text_length(text, cfg.seq_len, where)
     train_data, val_data = split_corpus(tokens)
     validate(cfg, model_cfg, len(train_data), len(val_data))
     entropy = unigram_entropy(tokens)
-    check_before_run(cfg, model_cfg)  # missing, unreadable, other config: before building
+    data_sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    # missing, unreadable, other config: before building
+    check_before_run(cfg, model_cfg, data_sha256)
 
     model = make_model(model_cfg, cfg.seed)
     optimizer = make_optimizer(model, cfg)
     num_params = count_params(model)
-    start = resume(cfg, model, optimizer, model_cfg, log) if cfg.resume else 0
+    start = (resume(cfg, model, optimizer, model_cfg, log, data_sha256) if cfg.resume
+             else 0)
     log(f"LongNetLM: {num_params:,} parameters; corpus {len(tokens):,} characters, vocabulary "
         f"{len(tok.vocab)}; unigram entropy {_nats_and_bits(entropy)}")
 
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
     run = _Run(cfg, model_cfg, model, optimizer, train_data,
-               eval_batches(val_data, cfg.eval_batches, cfg.batch_size, cfg.seq_len), start, end)
-    losses, eval_losses, tps, elapsed = _run_steps(run, progress, log)
+               eval_batches(val_data, cfg.eval_batches, cfg.batch_size, cfg.seq_len), start, end,
+               data_sha256)
+    with _StopRequest(interrupt != "off", hard=interrupt == "exit") as stop:
+        r = _run_steps(run, progress, log, stop)
     text_out = None
-    if cfg.sample_tokens > 0 and end == cfg.steps:
+    if cfg.sample_tokens > 0 and r.last_step == cfg.steps and r.interrupted is None:
         text_out = sample(model, tok, cfg.prompt, cfg.sample_tokens, cfg.seq_len,
                           cfg.temperature,  # the key of step 0, which never trains
                           jax.random.fold_in(jax.random.key(cfg.seed), 0))
-    result = TrainResult(losses, eval_losses, entropy, start, end, tps, elapsed, text_out,
-                         num_params, model, optimizer)
+    result = TrainResult(r.losses, r.eval_losses, entropy, start, r.last_step, r.tokens_per_s,
+                         r.elapsed_s, text_out, num_params, model, optimizer, r.interrupted,
+                         r.checkpoint)
     if result.final_eval_loss is not None:
-        log(f"final eval loss {_nats_and_bits(result.final_eval_loss)} vs unigram entropy "
+        what = ("final eval loss" if r.interrupted is None
+                else f"last eval loss (step {max(result.eval_losses)})")
+        log(f"{what} {_nats_and_bits(result.final_eval_loss)} vs unigram entropy "
             f"{_nats_and_bits(entropy)}")
-    log(f"{end - start} steps in {elapsed:.1f} s, {tps:,.0f} tokens/s after compilation")
+    rate = (f", {r.tokens_per_s:,.0f} tokens/s after compilation"
+            if math.isfinite(r.tokens_per_s) else "")
+    log(f"{r.last_step - start} steps in {r.elapsed_s:.1f} s{rate}")
+    if r.interrupted is not None:
+        name = signal.Signals(r.interrupted).name
+        if r.checkpoint:
+            log(f"{name}: stopped after step {r.last_step} of {cfg.steps}; checkpoint saved in "
+                f"{r.checkpoint}\nresume with: python -m dilax.train --resume --checkpoint-dir "
+                f"{cfg.checkpoint_dir}")
+        else:
+            log(f"{name}: stopped after step {r.last_step} of {cfg.steps}; nothing saved "
+                "(no checkpoint_dir)")
     if text_out is not None:
         log("sample:\n" + text_out)
     return result
