@@ -1,9 +1,11 @@
 """``python -m benchmarks``: speed, memory, max-seq and scaling of dilax vs dense (and torch).
 
 Every figure that a speed or memory target refers to comes from here, measured in one run:
-throughput is reported next to a same-run fp32 matmul's GFLOP/s, and dilax next to the same-run
-PyTorch implementation of the grouped algorithm (``--compare-torch``). Results go to
-``benchmarks/results/<command>.{json,md}`` and ``*.png`` plots.
+throughput is reported next to an fp32 matmul's GFLOP/s timed interleaved with each row, and
+dilax next to the same-run PyTorch implementation of the grouped algorithm (``--compare-torch``).
+Results (``<command>.{json,md}`` and ``*.png`` plots) go to a new git-ignored folder
+``benchmarks/runs/<date>-<time>-<command>/``; ``--out benchmarks/results`` updates the
+committed ones.
 """
 
 from __future__ import annotations
@@ -133,8 +135,9 @@ def measure_rows(rows: Sequence[str], ns: Sequence[int], cfg: dict[str, Any], *,
                         cfg["dilation_rates"], cfg["causal"])
                     fn = fwd_t if pas == "fwd" else fb_t
                     if run:
-                        rec["matmul_gflops"] = probe.gflops()
-                        rec.update(_timing_fields(common.time_fn(fn, repeats), flops, b * n))
+                        seconds, rec["matmul_gflops"] = common.time_interleaved(fn, probe,
+                                                                                repeats)
+                        rec.update(_timing_fields(seconds, flops, b * n))
                         if pas == "fwd" and dilax_grouped_out is not None:
                             rec["max_abs_diff_vs_dilax"] = float(
                                 np.abs(out_np() - dilax_grouped_out).max())
@@ -157,9 +160,9 @@ def measure_rows(rows: Sequence[str], ns: Sequence[int], cfg: dict[str, Any], *,
                     rec["skipped"] = (f"needs {format_bytes(mem.peak_bytes)} > "
                                       f"{format_bytes(limit)} available")
                 elif run:
-                    rec["matmul_gflops"] = probe.gflops()
-                    rec.update(_timing_fields(
-                        common.time_fn(lambda j=jitted, a=(q, k, v): j(*a), repeats), flops, b * n))
+                    seconds, rec["matmul_gflops"] = common.time_interleaved(
+                        lambda j=jitted, a=(q, k, v): j(*a), probe, repeats)
+                    rec.update(_timing_fields(seconds, flops, b * n))
                     if row == "grouped" and pas == "fwd":
                         dilax_grouped_out = np.asarray(jitted(q, k, v))
                 results.append(rec)
@@ -374,16 +377,44 @@ COMMANDS = {
     "demo": cmd_demo, "all": cmd_all, "block-sparse": cmd_block_sparse, "ring": cmd_ring,
 }
 
+# Per-command defaults (shown by ``python -m benchmarks <command> --help``).
 PRESETS = {
     "speed": dict(n=[8192, 16384, 32768]),
     "memory": dict(n=[8192, 16384, 32768, 65536]),
     "scaling": dict(n=[8192, 16384, 32768, 65536]),
     "max-seq": dict(n=[65536, 131072, 262144, 524288, 1048576, 2097152]),
-    "demo": dict(n=[4096, 8192], repeats=3),
+    # the quick look (make demo): under a minute of measuring on 2 cores, so smaller n and
+    # segment lengths scaled with them (the n = 8192 dense rows alone took minutes)
+    "demo": dict(n=[2048, 4096], repeats=3, segment_lengths=[512, 1024, 2048]),
     "all": dict(n=[8192, 16384, 32768]),
     "block-sparse": dict(n=[16384], repeats=3),
     "ring": dict(n=[16384], repeats=3),
 }
+
+HELP = {
+    "speed": "time dense vs dilax rows, forward (and --backward), next to a matmul probe",
+    "memory": "XLA memory_analysis of forward and forward+backward (nothing is run)",
+    "scaling": "forward time of mixture and grouped as n grows",
+    "max-seq": "double n until XLA's memory estimate exceeds the machine or a run fails",
+    "demo": "the quick look (make demo): dense, mixture, grouped; fwd and fwd+bwd",
+    "all": "speed, memory and scaling in one go",
+    "block-sparse": "block-sparse attention at several densities (time and memory)",
+    "ring": "ring attention on 8 fake host devices (memory per device, permute bytes)",
+}
+
+# which optional flags each command reads (the others take the values in _FIXED)
+_EXTRA = {
+    "speed": ("rows", "backward", "compare_torch"),
+    "memory": ("rows",),
+    "scaling": (),
+    "max-seq": ("mode", "timeout"),
+    "demo": ("compare_torch",),
+    "all": ("rows", "backward", "compare_torch"),
+    "block-sparse": (),
+    "ring": ("timeout",),
+}
+_FIXED = dict(rows=list(DEFAULT_ROWS), backward=False, compare_torch=False, mode="mixture",
+              timeout=1800)
 
 
 def _ints(text: str) -> list[int]:
@@ -393,46 +424,102 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=sorted(COMMANDS), help="what to measure")
-    p.add_argument("--n", type=_ints, default=None, help="sequence lengths, e.g. 8192,16384")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=None, help="GQA kv heads (default: heads)")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--segment-lengths", type=_ints, default=[2048, 4096, 8192])
-    p.add_argument("--dilation-rates", type=_ints, default=[1, 2, 4])
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--mode", default="mixture", choices=["mixture", "grouped"],
-                   help="mode for max-seq")
-    p.add_argument("--implementation", default=None, help="dilax implementation (default: best)")
-    p.add_argument("--rows", type=lambda s: s.split(","), default=list(DEFAULT_ROWS),
-                   help="comma-separated rows: dense,mixture,grouped")
-    p.add_argument("--backward", action="store_true", help="also time forward+backward")
-    p.add_argument("--compare-torch", action="store_true",
-                   help="also time our PyTorch grouped implementation (needs torch)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--timeout", type=int, default=1800, help="max-seq: seconds per attempt")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+def _csv(values) -> str:
+    return ",".join(map(str, values))
+
+
+def default_out(command: str) -> str:
+    """``benchmarks/runs/<date>-<time>-<command>``: a fresh, git-ignored folder per run."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return os.path.join(os.path.dirname(__file__), "runs", f"{stamp}-{command}")
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every flag's help ends with its default, unless the help already states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if "default:" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def _add_command(sub, name: str) -> None:
+    preset = PRESETS[name]
+    seg = preset.get("segment_lengths", [2048, 4096, 8192])
+    p = sub.add_parser(name, help=HELP[name], description=HELP[name],
+                       formatter_class=_Formatter)
+    p.add_argument("--n", type=_ints, default=preset["n"], metavar="N,N,...",
+                   help=f"sequence lengths (default: {_csv(preset['n'])})")
+    p.add_argument("--batch", type=int, default=1, help="batch size b")
+    p.add_argument("--heads", type=int, default=8, help="query heads h")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="GQA key/value heads (default: --heads)")
+    p.add_argument("--head-dim", type=int, default=64, help="head dimension d")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="q, k, v dtype")
+    p.add_argument("--segment-lengths", type=_ints, default=seg, metavar="W,W,...",
+                   help=f"dilated attention segment lengths (default: {_csv(seg)})")
+    p.add_argument("--dilation-rates", type=_ints, default=[1, 2, 4], metavar="R,R,...",
+                   help="one dilation rate per segment length (default: 1,2,4)")
+    p.add_argument("--causal", action="store_true", help="causal attention")
+    p.add_argument("--implementation", default=None,
+                   help="dilax implementation: xla, pallas, cudnn, reference "
+                        "(default: the best available)")
+    if name != "memory":
+        p.add_argument("--repeats", type=int, default=preset.get("repeats", 5),
+                       help="timed calls per row (after one warmup call); the median is reported")
+    extra = _EXTRA[name]
+    if "rows" in extra:
+        p.add_argument("--rows", type=lambda s: s.split(","), default=list(DEFAULT_ROWS),
+                       metavar="ROW,...", help=f"rows to measure (default: "
+                       f"{_csv(DEFAULT_ROWS)})")
+    if "backward" in extra:
+        p.add_argument("--backward", action="store_true", help="also time forward+backward")
+    if "compare_torch" in extra:
+        p.add_argument("--compare-torch", action="store_true",
+                       help="also time our PyTorch grouped implementation (needs torch)")
+    if "mode" in extra:
+        p.add_argument("--mode", default="mixture", choices=["mixture", "grouped"],
+                       help="dilax mode to push to its longest n")
+    if "timeout" in extra:
+        p.add_argument("--timeout", type=int, default=1800,
+                       help="seconds per attempt (a subprocess each)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="where the JSON, Markdown table and plots go (default: a new "
+                        "benchmarks/runs/<date>-<time>-<command>/; pass --out "
+                        "benchmarks/results to update the committed results)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(**{k: v for k, v in _FIXED.items() if k not in extra},
+                   **({"repeats": 0} if name == "memory" else {}))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=__doc__, formatter_class=_Formatter,
+        epilog="`python -m benchmarks <command> --help` lists a command's flags and defaults.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="command",
+                           title="commands")
+    for name in COMMANDS:
+        _add_command(sub, name)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for key, value in PRESETS[args.command].items():
-        if getattr(args, key) is None or (key == "repeats" and args.repeats == 5):
-            setattr(args, key, value)
     if len(args.segment_lengths) != len(args.dilation_rates):
         raise SystemExit("--segment-lengths and --dilation-rates need the same number of values")
+    if args.out is None:
+        args.out = default_out(args.command)
     t0 = time.time()
     result = COMMANDS[args.command](args)
     result["machine"] = common.machine_description()
+    result["probe"] = "interleaved"
     result["wall_seconds"] = time.time() - t0
     paths = write_outputs(result, args.out, args.command)
     print(paths["markdown_text"])
-    print("\nwrote " + ", ".join(p for k, p in paths.items() if k != "markdown_text"))
+    out = os.path.relpath(args.out) if not os.path.relpath(args.out).startswith("..") else args.out
+    print(f"results in {out}/:")
+    for key, path in paths.items():
+        if key != "markdown_text":
+            print(f"  {key + ':':10s} {os.path.relpath(path) if out != args.out else path}")
     return 0

@@ -59,8 +59,10 @@ def time_fn(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]
 class MatmulProbe:
     """Same-run fp32 matmul throughput, the yardstick for % of machine peak.
 
-    The machine is noisy, so it is re-measured next to every row and the row is compared with
-    the probe taken beside it.
+    The machine is noisy (other processes, frequency scaling), so the probe is not taken once
+    but interleaved with each row's timed calls (:func:`time_interleaved`): the row and its
+    probe see the same machine, and "% matmul" cannot exceed 100 because the probe happened to
+    run at a busier moment than the row.
     """
 
     def __init__(self, n: int = MATMUL_N, dtype=jnp.float32):
@@ -69,9 +71,42 @@ class MatmulProbe:
         self.fn = jax.jit(lambda a: a @ a)
         block(self.fn(self.a))
 
+    @property
+    def flops(self) -> float:
+        return 2 * self.n**3
+
+    def call(self):
+        return self.fn(self.a)
+
     def gflops(self, repeats: int = 5) -> float:
-        t = statistics.median(time_fn(lambda: self.fn(self.a), repeats, warmup=1))
-        return 2 * self.n**3 / t / 1e9
+        t = statistics.median(time_fn(self.call, repeats, warmup=1))
+        return self.flops / t / 1e9
+
+
+def time_interleaved(fn: Callable[[], Any], probe: MatmulProbe, repeats: int,
+                     warmup: int = 1) -> tuple[list[float], float]:
+    """``(seconds of each of fn's repeats, the probe's GFLOP/s)``.
+
+    One probe call is timed before each call of ``fn`` and one after the last (after
+    ``warmup`` calls of both), so the probe samples the same stretch of time as ``fn``. The
+    probe's figure is its best call: a busy moment can then only lower a row's "% matmul",
+    never raise it above what the machine's matmul does.
+    """
+    for _ in range(warmup):
+        block(probe.call())
+        block(fn())
+    times, probe_times = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        block(probe.call())
+        t1 = time.perf_counter()
+        block(fn())
+        times.append(time.perf_counter() - t1)
+        probe_times.append(t1 - t0)
+    t0 = time.perf_counter()
+    block(probe.call())
+    probe_times.append(time.perf_counter() - t0)
+    return times, probe.flops / min(probe_times) / 1e9
 
 
 @dataclasses.dataclass

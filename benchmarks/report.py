@@ -63,8 +63,11 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", "Summary: `" + json.dumps(summary) + "`"]
     mm = [r["matmul_gflops"] for r in rows if r.get("matmul_gflops")]
     if mm:
+        how = ("timed interleaved with its calls, best call" if result.get("probe") ==
+               "interleaved"
+               else "taken beside it")  # results from before the interleaved probe
         lines += ["", f"Same-run fp32 2048² matmul: {min(mm):.0f}–{max(mm):.0f} GFLOP/s "
-                  "(% matmul compares each row with the probe taken beside it). "
+                  f"(% matmul compares each row with the probe {how}). "
                   "FLOPs: 4·d per attended (query, key) pair forward, 14·d forward+backward."]
     return "\n".join(lines) + "\n"
 
