@@ -77,8 +77,11 @@ def kernels_available() -> dict[str, str]:
     }
 
 
-def describe(file: TextIO | None = None) -> str:
-    """Prints (and returns) backend, devices and available kernels."""
+def describe(file: TextIO | None = None) -> None:
+    """Prints the backend, devices and available kernels (to ``file``, default stdout).
+
+    Returns ``None``, like :func:`help`, so a REPL or notebook shows the text once.
+    """
     from dilax import __version__
 
     lines = [
@@ -89,6 +92,4 @@ def describe(file: TextIO | None = None) -> str:
         "kernels:",
     ]
     lines += [f"  {name:10s} {status}" for name, status in kernels_available().items()]
-    text = "\n".join(lines)
-    print(text, file=file or sys.stdout)
-    return text
+    print("\n".join(lines), file=file or sys.stdout)

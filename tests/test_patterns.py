@@ -196,6 +196,22 @@ def test_show_text_and_plot_png(tmp_path, capsys):
     fig = P.random(64, 8, 0.3, num_heads=2).plot(str(path), is_causal=True)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(fig.axes) == 2
+    # the figure is pyplot's current one: plt.savefig writes it, not a blank page
+    import matplotlib.pyplot as plt
+
+    assert plt.gcf() is fig
+    plt.savefig(tmp_path / "via_pyplot.png")
+    img = plt.imread(tmp_path / "via_pyplot.png")
+    assert (img[..., :3] < 0.5).mean() > 0.01  # the black blocks are there
+    # and every label lies inside the figure ("query block" was clipped)
+    renderer = fig.canvas.get_renderer()
+    box = fig.bbox
+    for ax in fig.axes:
+        for label in (ax.xaxis.label, ax.yaxis.label, ax.title):
+            b = label.get_window_extent(renderer)
+            assert box.x0 <= b.x0 and b.x1 <= box.x1 and box.y0 <= b.y0 and b.y1 <= box.y1, (
+                label.get_text(), b, box)
+    plt.close(fig)
 
 
 @pytest.mark.parametrize("call,fragment", [

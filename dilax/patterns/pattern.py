@@ -213,9 +213,11 @@ class BlockSparsePattern:
           is_causal: draw the mask after the causal cut.
           ax: an existing matplotlib ``Axes`` to draw one head into.
         Returns:
-          The matplotlib ``Figure``.
+          The matplotlib ``Figure``: a new pyplot figure (the current one, so
+          ``plt.savefig(...)`` and ``plt.show()`` work; close it with ``plt.close(fig)``), or
+          ``ax``'s figure.
         """
-        from matplotlib.figure import Figure  # lazy: matplotlib is a dev extra
+        import matplotlib.pyplot as plt  # lazy: matplotlib is an extra
 
         mask = self.causal_mask() if is_causal else self.block_mask
         heads = range(min(self.num_heads, 8)) if head is None else [V.static_int(head, "head")]
@@ -227,7 +229,8 @@ class BlockSparsePattern:
             axes = [ax]
             fig = ax.figure
         else:
-            fig = Figure(figsize=(3.2 * len(heads), 3.4))
+            # constrained layout: the axis labels and the title fit inside the figure
+            fig = plt.figure(figsize=(3.2 * len(heads), 3.4), layout="constrained")
             axes = fig.subplots(1, len(heads), squeeze=False)[0]
         for a, hd in zip(axes, heads, strict=False):
             a.imshow(mask[hd], cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
