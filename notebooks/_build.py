@@ -1,8 +1,10 @@
-"""Writes the notebooks of this directory (without outputs) from the cell lists below.
+"""Writes the notebooks of this directory from the cell lists below, executed.
 
-Edit the cells here, then run ``python notebooks/_build.py``; commit the script and the
-``.ipynb`` files together. ``tests/test_notebooks.py`` executes every notebook and checks that
-the committed files equal what this script writes (so the two never drift apart).
+Edit the cells here, then run ``python notebooks/_build.py`` (it executes every notebook in a
+fresh kernel, a minute or two, and writes it with its outputs and plots, so a code host shows
+them); commit the script and the ``.ipynb`` files together. ``--no-execute`` writes them
+without outputs. ``tests/test_notebooks.py`` checks that the committed cells equal what this
+script writes (so the two never drift apart) and re-executes every notebook.
 """
 
 from __future__ import annotations
@@ -395,10 +397,10 @@ TRAIN = [
 # Training a tiny LongNet language model
 
 `python -m dilax.train` trains a character-level `dilax.models.LongNetLM` (decoder-only,
-dilated causal self-attention) on the fables corpus shipped with dilax, with Orbax checkpoints
-and exact resume. Here we use its Python API, `dilax.train.train`, at a tiny scale (about 30 s
-on a CPU): train 30 steps and "stop", resume to 50 steps from the checkpoint, plot the loss
-curve, and sample text from the restored checkpoint.
+dilated causal self-attention) on a UTF-8 text of yours (`--data`) or the fables corpus shipped
+with dilax, with Orbax checkpoints and exact resume. Here we use its Python API,
+`dilax.train.train`, at a tiny scale (about 30 s on a CPU): train 30 steps and "stop", resume
+to 50 steps from the checkpoint, plot the loss curve, and sample text from the checkpoint.
 """),
     ("code", """
 %matplotlib inline
@@ -409,7 +411,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import jax
 import matplotlib.pyplot as plt
 
 from dilax import train as T
@@ -461,31 +462,31 @@ plt.show()
 assert evals[50] < first.unigram_entropy  # it learned more than character frequencies
 """),
     ("md", """
-## Restore the checkpoint into a fresh model and sample
+## Load the model from the checkpoint and sample
 
-`restore_checkpoint` checks the model configuration and a SHA-256 of the stored state.
+`load_model` restores only the model (no optimizer is built, the optimizer state is not read),
+with the tokenizer and configs saved in the checkpoint, and checks a SHA-256 of the model.
+`sample_text` continues a prompt (`temperature`, `top_k`, `seed`).
 """),
     ("code", """
-model = T.make_model(model_cfg, seed=123)  # different init, overwritten by the restore
-optimizer = T.make_optimizer(model, train_cfg)
-step, meta = T.restore_checkpoint(ckpt_dir, model, optimizer, model_cfg)
-print("restored step", step)
-print(T.sample(model, tok, "Once upon a time", num_tokens=120, seq_len=train_cfg.seq_len,
-               temperature=0.6, key=jax.random.key(0)))
+m = T.load_model(ckpt_dir)
+print("restored step", m.step, "- vocabulary of", len(m.tokenizer.vocab))
+print(T.sample_text(m, "Once upon a time", 120, temperature=0.6, top_k=10, seed=0))
 """),
     ("md", """
 ## The same from the command line
 
 ```bash
-python -m dilax.train --steps 50 --stop-after 30 --checkpoint-dir ckpt \\
-    --d-model 64 --num-layers 1 --dim-feedforward 128 --segment-lengths 16,32,64 \\
-    --batch-size 8 --seq-len 64 --lr 5e-3 --warmup 5
-python -m dilax.train --steps 50 --checkpoint-dir ckpt --resume \\
-    --d-model 64 --num-layers 1 --dim-feedforward 128 --segment-lengths 16,32,64 \\
-    --batch-size 8 --seq-len 64 --lr 5e-3 --warmup 5
+python -m dilax.train --data my.txt --steps 300 --checkpoint-dir ckpt   # your own UTF-8 text
+# Ctrl-C finishes the current step, saves a checkpoint and prints how to resume:
+python -m dilax.train --resume --checkpoint-dir ckpt --steps 600        # model, data, settings
+python -m dilax.sample --checkpoint-dir ckpt --prompt "Once upon" --tokens 200 --top-k 10
 ```
 
-The defaults (`python -m dilax.train` with no flags) train for 500 steps. All flags:
+Without `--data` it trains on the fables corpus; without `--checkpoint-dir` the checkpoints go
+to a new `checkpoints/<date>-<time>/`. `--resume` takes the model, the tokenizer, the data file
+and the training settings from the checkpoint: pass only what changes. All flags, with their
+defaults:
 """),
     ("code", """
 print(subprocess.run([sys.executable, "-m", "dilax.train", "--help"], capture_output=True,
@@ -502,14 +503,30 @@ NOTEBOOKS = {
 
 
 def build() -> dict[str, str]:
-    """Returns ``{file name: notebook JSON text}``."""
+    """Returns ``{file name: notebook JSON text}``, without outputs."""
     return {name: nbformat.writes(notebook(cells)) + "\n" for name, cells in NOTEBOOKS.items()}
 
 
-def main() -> int:
+def execute(nb: nbformat.NotebookNode, timeout: int = 300) -> nbformat.NotebookNode:
+    """Runs ``nb`` in a fresh ``python3`` kernel in this directory; returns it with outputs.
+
+    No timing metadata is recorded, so re-executing changes only what the cells print.
+    """
+    from nbclient import NotebookClient
+
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
+                   resources={"metadata": {"path": str(HERE)}}).execute()
+    return nb
+
+
+def main(argv: list[str] | None = None) -> int:
+    run = "--no-execute" not in (sys.argv[1:] if argv is None else argv)
     for name, text in build().items():
+        if run:
+            nb = execute(nbformat.reads(text, as_version=4))
+            text = nbformat.writes(nb) + "\n"
         (HERE / name).write_text(text)
-        print("wrote", HERE / name)
+        print("wrote", HERE / name, "(executed)" if run else "(no outputs)")
     return 0
 
 
