@@ -247,6 +247,8 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, *, text: str |
       CheckpointError: ``resume`` with a missing, corrupt or other-config checkpoint, or a
         fresh run into a ``checkpoint_dir`` that already holds checkpoints.
     """
+    if interrupt not in ("stop", "exit", "off"):
+        raise ValueError(f"interrupt must be 'stop', 'exit' or 'off', got {interrupt!r}")
     if text is None:
         text = read_text_file(cfg.data) if cfg.data else load_corpus()
     where = f"--data {cfg.data}" if cfg.data else "the training text"
