@@ -155,10 +155,12 @@ def test_bash_blocks_run(tmp_path):
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, (f"README line {b.line}:\n{b.code}\n"
                                       f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-        if "dilax.train" in b.code:  # stopped at 20, resumed, sampled
+        if "dilax.train" in b.code:  # stopped at 20, resumed, sampled with dilax.sample
             assert "resumed from" in proc.stdout and "(step 20)" in proc.stdout, proc.stdout
-            assert "sample:" in proc.stdout, proc.stdout
             assert sorted(p.name for p in (work / "ckpt").iterdir()) == ["20", "30"]
+            sampled = proc.stdout.rsplit("--tokens 200\n", 1)[1]  # after the last hint
+            assert sampled.startswith("Привет"), proc.stdout
+            assert len(sampled) == len("Привет") + 40 + 1, proc.stdout  # + the newline
 
 
 # ------------------------------------------------------------------------- benchmark table
