@@ -183,3 +183,13 @@ def test_generate_greedy_equals_full_recomputation():
     sampled = generate(model, prompt, NEW, prompt_lengths=lengths, temperature=0.7, top_k=1,
                        key=jax.random.PRNGKey(0))
     np.testing.assert_array_equal(np.asarray(sampled), want)
+
+
+def test_attention_fn_decode_true_says_why_and_where_to_go():
+    from flax import nnx
+
+    mha = nnx.MultiHeadAttention(2, 16, decode=True, rngs=nnx.Rngs(0),
+                                 attention_fn=dilax.attention_fn(WS, RS, is_causal=True))
+    mha.init_cache((1, 8, 16))
+    with pytest.raises(ValueError, match=r"decode=True.*MultiheadDilatedAttention\.init_cache"):
+        mha(jnp.ones((1, 1, 16)))
