@@ -369,9 +369,45 @@ def cmd_ring(args) -> dict[str, Any]:
     return dict(command="ring", config=config, rows=rows, summary=summary)
 
 
+def cmd_decode(args) -> dict[str, Any]:
+    """Decode: ms per token against the context for dilax decode, dense KV-cache attention
+    and full recomputation, interleaved in one run (:mod:`benchmarks.decode`)."""
+    from benchmarks import decode as D
+
+    cfg = dict(_config(args), causal=True, mode=args.mode)
+    shape = dict(b=args.batch, h=args.heads, hk=cfg["kv_heads"], d=args.head_dim,
+                 dtype=args.dtype, ws=tuple(args.segment_lengths),
+                 rs=tuple(args.dilation_rates), mode=args.mode)
+    log = (lambda *_: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    rows, notes = D.rows(args.n, rounds=args.repeats, memory_limit=_memory_limit(), log=log,
+                         **shape)
+    acc = D.acceptance(**shape)
+    by = {(r["row"], r["n"]): r for r in rows}
+    for r in rows:
+        base = by.get((D.ROW_DILAX, r["n"]))
+        if base is not None and r["row"] != D.ROW_DILAX:
+            r["vs_dilax"] = r["ms_median"] / base["ms_median"]
+    dil = {r["n"]: r["ms_median"] for r in rows if r["row"] == D.ROW_DILAX}
+    den = {r["n"]: r["ms_median"] for r in rows if r["row"] == D.ROW_DENSE}
+    lo, hi = min(dil), max(dil)
+    summary = {
+        "acceptance: dilax step ms at n_large / n_small (same run, alternated)": round(
+            acc["ratio"], 3),
+        "acceptance detail": {k: (round(v, 3) if isinstance(v, float) else v)
+                              for k, v in acc.items()},
+        f"dilax ms/token at n={hi:,} / at n={lo:,}": round(dil[hi] / dil[lo], 3),
+        f"dense ms/token at n={hi:,} / at n={lo:,}": round(den[hi] / den[lo], 3),
+        "context ratio": hi // lo,
+        f"dense / dilax ms/token at the largest context n={hi:,}": round(den[hi] / dil[hi], 2),
+        **notes,
+    }
+    return dict(command="decode", config=cfg, rows=rows, summary=summary)
+
+
 COMMANDS = {
     "speed": cmd_speed, "memory": cmd_memory, "scaling": cmd_scaling, "max-seq": cmd_max_seq,
     "demo": cmd_demo, "all": cmd_all, "block-sparse": cmd_block_sparse, "ring": cmd_ring,
+    "decode": cmd_decode,
 }
 
 PRESETS = {
@@ -383,6 +419,7 @@ PRESETS = {
     "all": dict(n=[8192, 16384, 32768]),
     "block-sparse": dict(n=[16384], repeats=3),
     "ring": dict(n=[16384], repeats=3),
+    "decode": dict(n=[2**i for i in range(12, 21)], segment_lengths=[1024, 2048, 4096]),
 }
 
 
@@ -403,7 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, default=None, help="GQA kv heads (default: heads)")
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--segment-lengths", type=_ints, default=[2048, 4096, 8192])
+    p.add_argument("--segment-lengths", type=_ints, default=None,
+                   help="default 2048,4096,8192 (decode: 1024,2048,4096)")
     p.add_argument("--dilation-rates", type=_ints, default=[1, 2, 4])
     p.add_argument("--causal", action="store_true")
     p.add_argument("--mode", default="mixture", choices=["mixture", "grouped"],
@@ -426,6 +464,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for key, value in PRESETS[args.command].items():
         if getattr(args, key) is None or (key == "repeats" and args.repeats == 5):
             setattr(args, key, value)
+    if args.segment_lengths is None:
+        args.segment_lengths = [2048, 4096, 8192]
     if len(args.segment_lengths) != len(args.dilation_rates):
         raise SystemExit("--segment-lengths and --dilation-rates need the same number of values")
     t0 = time.time()
