@@ -92,7 +92,10 @@ class _Branch:
     offsets: tuple[int, ...]
 
 
-def _branches(h, ws, rs, mode, local_window) -> tuple[_Branch, ...]:
+def _branches(h, ws, rs, mode, local_window, max_len) -> tuple[_Branch, ...]:
+    # A segment longer than the cache is one segment: cap w as dilated_attention caps it at n
+    # (same segments for every position < max_len), so no window outgrows the cache.
+    ws = tuple(min(w, -(-max_len // r) * r) for w, r in zip(ws, rs))
     if mode == "mixture":
         out = [_Branch(w, r, w // r, tuple(range(h)), tuple(j % r for j in range(h)))
                for w, r in zip(ws, rs)]
@@ -333,5 +336,5 @@ def dilated_attention_decode(
             f"'xla'): a decode step gathers at most w/r keys per branch, got "
             f"implementation={implementation!r}")
     cache = _check_cache(cache, k)
-    branches = _branches(q.shape[2], ws, rs, mode, local_window)
+    branches = _branches(q.shape[2], ws, rs, mode, local_window, cache.max_len)
     return _decode(q, k, v, cache, branches, mode, scale)
