@@ -99,7 +99,8 @@ def plots(result: dict[str, Any], out_dir: str, name: str) -> list[str]:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for (row, pas), pts in sorted(series.items()):
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{row} {pas}")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                    label=row if pas == "decode" else f"{row} {pas}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("context length n" if result.get("command") == "decode"

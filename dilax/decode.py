@@ -38,7 +38,7 @@ __all__ = ["KVCache", "dilated_attention_decode"]
 _F32 = jnp.float32
 # Per-query windows gather ``rows x window`` keys at once; above this many (kv rows), the
 # queries are processed in blocks so the gathered windows stay small (chunked prefill).
-_MAX_GATHERED_ROWS = 1 << 16
+_MAX_GATHERED_ROWS = 1 << 14
 
 
 @jax.tree_util.register_dataclass

@@ -78,7 +78,10 @@ def _local_window_counts(n, h, window):
     return counts + band[None]
 
 
-def test_decode_local_window_matches_mask_oracle():
+def test_decode_local_window_matches_mask_oracle(monkeypatch):
+    # Tiny gather budget: chunks go through per-query windows in blocks (lax.map), as long
+    # prefills do.
+    monkeypatch.setattr("dilax.decode._MAX_GATHERED_ROWS", 8)
     q, k, v = _inputs(seed=1)
     window = 3
     want = attention_oracle(q, k, v, _local_window_counts(N, H, window)[None],
@@ -136,27 +139,26 @@ def _lm(num_encoder_layers):
 
     cfg = LongNetConfig(16, 2, 32, (4, 8), (1, 2), num_kv_heads=1)
     return LongNetLM(VOCAB, config=cfg, num_encoder_layers=num_encoder_layers,
-                     num_decoder_layers=2, rngs=nnx.Rngs(0))
+                     num_decoder_layers=1, rngs=nnx.Rngs(0))
 
 
 def test_longnet_lm_decode_equals_full_logits():
-    """Prefill chunk, single steps, a chunk: the logits of model(tokens) at those positions.
-    Encoder-decoder, so every cache kind (encoder, decoder self- and cross-attention) is used;
-    the decoder-only model is checked through generate below."""
+    """Token by token: the logits of model(tokens) at every position. Encoder-decoder, so
+    every cache kind (encoder, decoder self- and cross-attention) is used; chunks through the
+    model (the prefill) are checked by the generate test below."""
     from flax import nnx
 
     model = _lm(1)
     n = PROMPT + NEW
     toks = jax.random.randint(jax.random.PRNGKey(1), (B, n), 0, VOCAB)
-    want = np.asarray(model(toks))
+    want = np.asarray(nnx.jit(lambda m, t: m(t))(model, toks))
     decode = nnx.jit(lambda m, t, c: m.decode(t, c))
     cache = model.init_cache(B, n)
     got = []
-    for a, z in [(0, PROMPT)] + [(i, i + 1) for i in range(PROMPT, n - PROMPT)] \
-            + [(n - PROMPT, n)]:
-        logits, cache = decode(model, toks[:, a:z], cache)
+    for i in range(n):
+        logits, cache = decode(model, toks[:, i:i + 1], cache)
         got.append(np.asarray(logits))
-    assert_scaled_close(np.concatenate(got, axis=1), want, FP32, depth=3)
+    assert_scaled_close(np.concatenate(got, axis=1), want, FP32, depth=2)
 
 
 def test_generate_greedy_equals_full_recomputation():

@@ -40,7 +40,9 @@ def generate(
       max_new_tokens: number of tokens to generate (static int >= 0).
       temperature: ``0`` (default): greedy (argmax); ``> 0``: sample from
         ``softmax(logits / temperature)``.
-      top_k: sample only among the ``top_k`` most likely tokens (``temperature > 0``).
+      top_k: sample only among the ``top_k`` most likely tokens (``temperature > 0``; tokens
+        tied with the ``top_k``-th logit are kept too). temperature and top_k are traced:
+        changing them does not recompile.
       key: PRNG key, required when ``temperature > 0`` (step ``i`` uses
         ``fold_in(key, i)``).
       prompt_lengths: ``(b,)`` ints in ``[1, p]``: row ``i``'s prompt is
@@ -64,12 +66,11 @@ def generate(
     temperature = V.check_real(temperature, "temperature")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    greedy = temperature == 0.0
     if top_k is not None:
         top_k = V.static_int(top_k, "top_k")
         if not 1 <= top_k <= model.num_tokens:
             raise ValueError(f"top_k must be in [1, num_tokens={model.num_tokens}], got {top_k}")
-    if not greedy and key is None:
+    if temperature > 0 and key is None:
         raise ValueError("key must be given when temperature > 0 (sampling)")
     if prompt_lengths is None:
         lengths = jnp.full((b,), p, jnp.int32)
@@ -85,13 +86,14 @@ def generate(
     if key is None:
         key = jax.random.PRNGKey(0)  # unused when greedy
     graphdef, state = nnx.split(model)
+    # temperature and top_k are traced: one compile serves every sampling setting
     return _generate(graphdef, state, prompt.astype(jnp.int32), lengths, key,
-                     jnp.float32(temperature if not greedy else 1.0), max_new_tokens, greedy,
-                     top_k)
+                     jnp.float32(temperature), jnp.int32(top_k or model.num_tokens),
+                     max_new_tokens)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8))
-def _generate(graphdef, state, prompt, lengths, key, temperature, max_new, greedy, top_k):
+@functools.partial(jax.jit, static_argnums=(0, 7))
+def _generate(graphdef, state, prompt, lengths, key, temperature, top_k, max_new):
     model = nnx.merge(graphdef, state)
     b, p = prompt.shape
     max_len = p + max_new
@@ -107,13 +109,12 @@ def _generate(graphdef, state, prompt, lengths, key, temperature, max_new, greed
     last = logits[rows, lengths - 1].astype(jnp.float32)
 
     def choose(logits, i):
-        if greedy:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        logits = logits / temperature
-        if top_k is not None:
-            kth = lax.top_k(logits, top_k)[0][:, -1:]
-            logits = jnp.where(logits < kth, -jnp.inf, logits)
-        return jax.random.categorical(jax.random.fold_in(key, i), logits).astype(jnp.int32)
+        greedy = jnp.argmax(logits, axis=-1)
+        kth = jnp.sort(logits, axis=-1)[:, -top_k][:, None]  # the top_k-th largest logit
+        scaled = jnp.where(logits < kth, -jnp.inf, logits / jnp.where(temperature > 0,
+                                                                      temperature, 1.0))
+        sampled = jax.random.categorical(jax.random.fold_in(key, i), scaled)
+        return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
 
     def step(i, carry):
         cache, out, last = carry
