@@ -372,9 +372,45 @@ def cmd_ring(args) -> dict[str, Any]:
     return dict(command="ring", config=config, rows=rows, summary=summary)
 
 
+def cmd_decode(args) -> dict[str, Any]:
+    """Decode: ms per token against the context for dilax decode, dense KV-cache attention
+    and full recomputation, interleaved in one run (:mod:`benchmarks.decode`)."""
+    from benchmarks import decode as D
+
+    cfg = dict(_config(args), causal=True, mode=args.mode)
+    shape = dict(b=args.batch, h=args.heads, hk=cfg["kv_heads"], d=args.head_dim,
+                 dtype=args.dtype, ws=tuple(args.segment_lengths),
+                 rs=tuple(args.dilation_rates), mode=args.mode)
+    log = (lambda *_: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    rows, notes = D.rows(args.n, rounds=args.repeats, memory_limit=_memory_limit(), log=log,
+                         **shape)
+    acc = D.acceptance(**shape)
+    by = {(r["row"], r["n"]): r for r in rows}
+    for r in rows:
+        base = by.get((D.ROW_DILAX, r["n"]))
+        if base is not None and r["row"] != D.ROW_DILAX:
+            r["vs_dilax"] = r["ms_median"] / base["ms_median"]
+    dil = {r["n"]: r["ms_median"] for r in rows if r["row"] == D.ROW_DILAX}
+    den = {r["n"]: r["ms_median"] for r in rows if r["row"] == D.ROW_DENSE}
+    lo, hi = min(dil), max(dil)
+    summary = {
+        "acceptance: dilax step ms at n_large / n_small (same run, alternated)": round(
+            acc["ratio"], 3),
+        "acceptance detail": {k: (round(v, 3) if isinstance(v, float) else v)
+                              for k, v in acc.items()},
+        f"dilax ms/token at n={hi:,} / at n={lo:,}": round(dil[hi] / dil[lo], 3),
+        f"dense ms/token at n={hi:,} / at n={lo:,}": round(den[hi] / den[lo], 3),
+        "context ratio": hi // lo,
+        f"dense / dilax ms/token at the largest context n={hi:,}": round(den[hi] / dil[hi], 2),
+        **notes,
+    }
+    return dict(command="decode", config=cfg, rows=rows, summary=summary)
+
+
 COMMANDS = {
     "speed": cmd_speed, "memory": cmd_memory, "scaling": cmd_scaling, "max-seq": cmd_max_seq,
     "demo": cmd_demo, "all": cmd_all, "block-sparse": cmd_block_sparse, "ring": cmd_ring,
+    "decode": cmd_decode,
 }
 
 # Per-command defaults (shown by ``python -m benchmarks <command> --help``).
@@ -389,6 +425,7 @@ PRESETS = {
     "all": dict(n=[8192, 16384, 32768]),
     "block-sparse": dict(n=[16384], repeats=3),
     "ring": dict(n=[16384], repeats=3),
+    "decode": dict(n=[2**i for i in range(12, 21)], segment_lengths=[1024, 2048, 4096]),
 }
 
 HELP = {
@@ -400,6 +437,8 @@ HELP = {
     "all": "speed, memory and scaling in one go",
     "block-sparse": "block-sparse attention at several densities (time and memory)",
     "ring": "ring attention on 8 fake host devices (memory per device, permute bytes)",
+    "decode": "ms per generated token vs context: dilax KV-cache decode, dense KV-cache "
+              "attention, full recomputation",
 }
 
 # which optional flags each command reads (the others take the values in _FIXED)
@@ -412,6 +451,7 @@ _EXTRA = {
     "all": ("rows", "backward", "compare_torch"),
     "block-sparse": (),
     "ring": ("timeout",),
+    "decode": ("mode",),
 }
 _FIXED = dict(rows=list(DEFAULT_ROWS), backward=False, compare_torch=False, mode="mixture",
               timeout=1800)

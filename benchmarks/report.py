@@ -27,7 +27,14 @@ def markdown(result: dict[str, Any]) -> str:
         "",
     ]
     rows = result.get("rows", [])
-    if result["command"] == "max-seq":
+    if result["command"] == "decode":
+        lines += ["| row | context n | ms per token, median (min–max) | tokens/s | × dilax |",
+                  "|---|---:|---:|---:|---:|"]
+        for r in rows:
+            lines.append(f"| {r['row']} | {r['n']:,} | {r['ms_median']:.2f} "
+                         f"({r['ms_min']:.2f}–{r['ms_max']:.2f}) | {r['tokens_per_s']:,.1f} | "
+                         f"{_fmt(r.get('vs_dilax'), '.1f')} |")
+    elif result["command"] == "max-seq":
         lines += ["| row | n | pass | status | memory (XLA) | seconds |",
                   "|---|---:|---|---|---:|---:|"]
         for r in rows:
@@ -95,12 +102,15 @@ def plots(result: dict[str, Any], out_dir: str, name: str) -> list[str]:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for (row, pas), pts in sorted(series.items()):
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{row} {pas}")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                    label=row if pas == "decode" else f"{row} {pas}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("sequence length n")
+        ax.set_xlabel("context length n" if result.get("command") == "decode"
+                      else "sequence length n")
         ax.set_ylabel(ylabel)
-        ax.set_title(f"dilax {name}: {ylabel} vs n")
+        ax.set_title(f"dilax {name}: {ylabel} vs n" if name != "decode"
+                     else "one decode step (ms per token) vs context")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()

@@ -13,6 +13,7 @@ from dilax.backend import describe
 from dilax.block_sparse import block_sparse_attention
 from dilax.content_adaptive import content_adaptive_attention
 from dilax.core import BlockSizes, attention_core, merge_attention_states
+from dilax.decode import KVCache, dilated_attention_decode
 from dilax.dilated import dilated_attention
 from dilax.reference import dilated_counts
 from dilax.sp import (
@@ -43,6 +44,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "BlockSizes",
+    "KVCache",
     "SequenceParallel",
     "attention_core",
     "attention_fn",
@@ -51,6 +53,7 @@ __all__ = [
     "create_attention",
     "describe",
     "dilated_attention",
+    "dilated_attention_decode",
     "dilated_counts",
     "memory",
     "merge_attention_states",

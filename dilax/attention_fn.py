@@ -22,6 +22,17 @@ from dilax.dilated import dilated_attention
 
 _OPTIONS = ("mode", "is_causal", "scale", "implementation", "block_sizes")
 
+_DECODE_MESSAGE = (
+    "dilax.attention_fn got {q} query position(s) against {k} keys, which is what "
+    "nnx.MultiHeadAttention(decode=True) passes: its whole KV cache with a dense mask, and not "
+    "the position of the query. Dilated attention cannot be computed exactly from that (the "
+    "position would have to be guessed from a mask that may hold the caller's own masking "
+    "too), so attention_fn does not support decode=True. Decode with dilax's own cache "
+    "instead: dilax.nn.MultiheadDilatedAttention.init_cache(batch, max_len) and "
+    ".decode(x, cache) (dilax.KVCache, dilax.dilated_attention_decode), or "
+    "dilax.models.generate for a LongNetLM; a step there reads at most w/r keys per branch."
+)
+
 
 def check_options(
     segment_lengths: Any, dilation_rates: Any, *, mode: Any = "mixture", is_causal: Any = False,
@@ -69,8 +80,11 @@ def attention_fn(
     ``ValueError``, what dilated attention cannot honour: a dense ``mask`` or ``bias``,
     attention-weight dropout (``dropout_rate > 0`` with ``deterministic=False``), sowing
     attention weights (``module`` given, i.e. ``sow_weights=True``) and keys of another length
-    than the queries (e.g. ``decode=True`` with a KV cache). ``precision`` is accepted and has
-    no effect: the core always keeps logits and softmax statistics in float32.
+    than the queries. ``decode=True`` (flax's KV cache) is refused with a message that says
+    why and points to :meth:`dilax.nn.MultiheadDilatedAttention.decode`: flax passes the whole
+    cache and a dense mask but not the query's position, so the result could not be exact.
+    ``precision`` is accepted and has no effect: the core always keeps logits and softmax
+    statistics in float32.
 
     Raises:
       TypeError: an unknown option.
@@ -101,6 +115,9 @@ def attention_fn(
         is_causal: bool = False,
     ) -> jax.Array:
         del broadcast_dropout, dropout_rng, precision  # see the docstring
+        if (getattr(query, "ndim", 0) >= 3 and getattr(key, "ndim", 0) == query.ndim
+                and key.shape[-3] != query.shape[-3]):
+            raise ValueError(_DECODE_MESSAGE.format(q=query.shape[-3], k=key.shape[-3]))
         if mask is not None:
             raise ValueError(
                 "dilax.attention_fn does not support a dense `mask`: dilated attention has a "
@@ -124,12 +141,6 @@ def attention_fn(
             raise ValueError(
                 "query, key and value must have layout (..., seq_len, heads, head_dim) with the "
                 f"same rank, got query {query.shape}, key {key.shape}, value {value.shape}"
-            )
-        if key.shape[-3] != query.shape[-3]:
-            raise ValueError(
-                "dilax.attention_fn needs keys of the same length as the queries (got query "
-                f"length {query.shape[-3]}, key length {key.shape[-3]}); autoregressive "
-                "decoding with a KV cache (decode=True) is not supported"
             )
         if promote_dtype is not None:
             query, key, value = promote_dtype((query, key, value), dtype=dtype)

@@ -110,10 +110,12 @@ def test_sample_from_the_interrupted_checkpoint(interrupted, capsys):
 
 
 def test_top_k_draws_only_among_the_k_largest_logits():
-    logits = jnp.asarray([0.0, 3.0, 1.0, 2.9, -1.0])
-    drawn = {T.pick_token(logits, 1.0, jax.random.key(i), top_k=2) for i in range(64)}
-    assert drawn == {1, 3}
-    assert T.pick_token(logits, 0.0, jax.random.key(0), top_k=2) == 1  # greedy
+    from dilax.models.generate import pick_tokens
+
+    logits = jnp.tile(jnp.asarray([[0.0, 3.0, 1.0, 2.9, -1.0]]), (64, 1))
+    drawn = pick_tokens(logits, jax.random.key(0), 1.0, 2)  # 64 rows, 64 independent draws
+    assert set(np.asarray(drawn).tolist()) == {1, 3}
+    assert set(np.asarray(pick_tokens(logits, jax.random.key(0), 0.0, 2)).tolist()) == {1}
 
 
 def test_resume_with_only_checkpoint_dir_and_steps_continues_the_same_model(interrupted,

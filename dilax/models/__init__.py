@@ -6,11 +6,13 @@ from dilax.models.config import (
     LongNetConfig,
     LongNetOptions,
 )
+from dilax.models.generate import generate
 from dilax.models.longnet import (
     XPOS,
     DilatedTransformerDecoderLayer,
     DilatedTransformerEncoderLayer,
     LongNet,
+    LongNetCache,
     LongNetLM,
     magneto_gammas,
     xpos,
@@ -23,9 +25,11 @@ __all__ = [
     "DilatedTransformerDecoderLayer",
     "DilatedTransformerEncoderLayer",
     "LongNet",
+    "LongNetCache",
     "LongNetConfig",
     "LongNetLM",
     "LongNetOptions",
+    "generate",
     "magneto_gammas",
     "xpos",
 ]

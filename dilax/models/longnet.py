@@ -11,6 +11,7 @@ The attention is :class:`dilax.nn.MultiheadDilatedAttention` (and so
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from dilax import _validation as V
+from dilax.decode import KVCache
 from dilax.models.config import (
     DEFAULT_DILATION_RATES,
     PAPER_SEGMENT_LENGTHS,
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_DILATION_RATES", "PAPER_SEGMENT_LENGTHS", "XPOS",
            "DilatedTransformerDecoderLayer", "DilatedTransformerEncoderLayer", "LongNet",
-           "LongNetConfig", "LongNetLM", "LongNetOptions", "magneto_gammas", "xpos"]
+           "LongNetCache", "LongNetConfig", "LongNetLM", "LongNetOptions", "magneto_gammas", "xpos"]
 
 
 def magneto_gammas(
@@ -93,9 +95,14 @@ def xpos(
         raise ValueError(f"xpos needs an even feature dimension, got x.shape {x.shape}")
     offset = V.static_int(offset, "offset")
     cos, sin = _xpos_tables(n, d, offset, bool(downscale), float(scale_base))
-    pairs = x.reshape(*x.shape[:-1], d // 2, 2)
+    return _rotate(x, jnp.asarray(cos), jnp.asarray(sin))
+
+
+def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """``x * cos + rotate_pairs(x) * sin`` (the XPOS arithmetic, tables broadcast to ``x``)."""
+    pairs = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
     rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
-    return (x * jnp.asarray(cos, x.dtype) + rotated * jnp.asarray(sin, x.dtype)).astype(x.dtype)
+    return (x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)).astype(x.dtype)
 
 
 class XPOS(nnx.Module):
@@ -176,6 +183,13 @@ class _Layer(nnx.Module):
     def _feed_forward_block(self, x: jax.Array, norm: nnx.LayerNorm, kw: dict) -> jax.Array:
         return self._residual(x, self.ffn(norm(x), **kw), kw)
 
+    # KV-cache decoding (inference: no dropout)
+    _DECODE = dict(deterministic=True, rngs=None)
+
+    def _self_attention_decode(self, x: jax.Array, cache: KVCache):
+        y, cache = self.self_attn.decode(self.norm1(x), cache)
+        return x + y, cache
+
 
 class DilatedTransformerEncoderLayer(_Layer):
     """MAGNETO encoder layer with dilated self-attention.
@@ -231,6 +245,12 @@ class DilatedTransformerEncoderLayer(_Layer):
         kw = dict(deterministic=deterministic, rngs=rngs)
         x = self._self_attention_block(x, is_causal, kw)
         return self._feed_forward_block(x, self.norm2, kw)
+
+    def decode(self, x: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """The next ``t`` positions ``x (b, t, d_model)`` of a causal pass, with the
+        self-attention's KV cache: ``(y (b, t, d_model), cache)``."""
+        x, cache = self._self_attention_decode(x, cache)
+        return self._feed_forward_block(x, self.norm2, self._DECODE), cache
 
 
 class DilatedTransformerDecoderLayer(_Layer):
@@ -298,6 +318,20 @@ class DilatedTransformerDecoderLayer(_Layer):
             raise ValueError("memory was given to a decoder layer built with "
                              "cross_attention=False")
         return self._feed_forward_block(x, self.norm3, kw)
+
+    def decode(self, x: jax.Array, cache: tuple, memory: jax.Array | None = None):
+        """The next ``t`` positions of a causal pass (``is_causal=memory_is_causal=True``):
+        ``x (b, t, d_model)`` and, with cross-attention, the encoder output ``memory`` at the
+        same positions. ``cache = (self_attention_cache, cross_attention_cache or None)``.
+        Returns ``(y (b, t, d_model), cache)``."""
+        self_cache, cross_cache = cache
+        x, self_cache = self._self_attention_decode(x, self_cache)
+        if self.cross_attn is not None:
+            if memory is None:
+                raise ValueError("memory must be given to a decoder layer with cross_attention")
+            y, cross_cache = self.cross_attn.decode(self.norm2(x), cross_cache, memory)
+            x = x + y
+        return self._feed_forward_block(x, self.norm3, self._DECODE), (self_cache, cross_cache)
 
 
 class LongNet(nnx.Module):
@@ -396,6 +430,62 @@ class LongNet(nnx.Module):
             tgt = self._layer(layer, tgt, memory, rngs, **kw)
         return tgt
 
+    # --- KV-cache decoding -------------------------------------------------------------
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> tuple:
+        """Empty KV caches of every attention for :meth:`decode`: a tuple with one
+        :class:`dilax.KVCache` per encoder layer, then one ``(self, cross or None)`` pair per
+        decoder layer."""
+        enc = tuple(layer.self_attn.init_cache(batch, max_len, dtype) for layer in self.encoder)
+        dec = tuple((layer.self_attn.init_cache(batch, max_len, dtype),
+                     None if layer.cross_attn is None
+                     else layer.cross_attn.init_cache(batch, max_len, dtype))
+                    for layer in self.decoder)
+        return enc + dec
+
+    def decode(self, x: jax.Array, caches: tuple) -> tuple[jax.Array, tuple]:
+        """The next ``t`` positions ``x (b, t, d_model)`` of the causal model
+        (``is_causal=True``) with the caches of :meth:`init_cache`: returns the rows of
+        ``self(x_all)`` at those positions and the updated caches (inference: no dropout)."""
+        n_enc = len(self.encoder)
+        enc, dec = list(caches[:n_enc]), list(caches[n_enc:])
+        tgt = x
+        for i, layer in enumerate(self.encoder):
+            x, enc[i] = layer.decode(x, enc[i])
+        if len(self.decoder) == 0:
+            return x, tuple(enc)
+        memory = x if n_enc else None
+        for i, layer in enumerate(self.decoder):
+            tgt, dec[i] = layer.decode(tgt, dec[i], memory)
+        return tgt, tuple(enc) + tuple(dec)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LongNetCache:
+    """Decoding state of a :class:`LongNetLM` (a pytree): the KV caches of every attention
+    (:meth:`LongNet.init_cache`) and the XPOS rows ``(max_len, d_model)`` of the
+    ``max_len`` window, so positions come from the cache lengths."""
+
+    layers: tuple
+    xpos_cos: jax.Array
+    xpos_sin: jax.Array
+
+    @property
+    def lengths(self) -> jax.Array:
+        """``(b,)`` int32: positions written per row."""
+        return jax.tree.leaves(self.layers, is_leaf=lambda x: isinstance(x, KVCache))[0].lengths
+
+    @property
+    def max_len(self) -> int:
+        return self.xpos_cos.shape[0]
+
+    def with_lengths(self, lengths: jax.Array) -> LongNetCache:
+        """Every layer's cache with ``lengths`` (see :meth:`dilax.KVCache.with_lengths`)."""
+        layers = jax.tree.map(lambda c: c.with_lengths(lengths) if isinstance(c, KVCache)
+                              else c, self.layers, is_leaf=lambda x: isinstance(x, KVCache))
+        return dataclasses.replace(self, layers=layers)
+
 
 class LongNetLM(nnx.Module):
     """Language model: token embedding + XPOS, :class:`LongNet`, final LayerNorm, LM head.
@@ -465,12 +555,49 @@ class LongNetLM(nnx.Module):
         deterministic: bool | None = None,
         rngs: nnx.Rngs | None = None,
     ) -> jax.Array:
-        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(
-                f"tokens must be an integer array of shape (batch, seq_len), got "
-                f"{tokens.dtype}{tuple(tokens.shape)}"
-            )
+        _check_tokens(tokens)
         x = self.token_embedding(tokens)
         x = x + self.pos_embedding(x)
         x = self.long_net(x, is_causal=is_causal, deterministic=deterministic, rngs=rngs)
         return self.out(self.norm(x))
+
+    # --- KV-cache decoding -------------------------------------------------------------
+
+    def init_cache(self, batch: int, max_len: int) -> LongNetCache:
+        """An empty :class:`LongNetCache` for :meth:`decode` (lengths 0).
+
+        Positions are those of the model applied to a ``max_len`` window: XPOS centres its
+        scale on the window, so :meth:`decode` gives the logits of ``self(tokens)`` with
+        ``tokens`` right-padded to ``max_len`` (causal: the padding never matters)."""
+        max_len = V.static_int(max_len, "max_len")
+        if max_len <= 0:
+            raise ValueError(f"max_len must be positive, got {max_len}")
+        cos, sin = _xpos_tables(max_len, self.config.d_model, 0, False,
+                                self.pos_embedding.scale_base)
+        return LongNetCache(self.long_net.init_cache(batch, max_len, self.config.dtype),
+                            jnp.asarray(cos), jnp.asarray(sin))
+
+    def decode(self, tokens: jax.Array, cache: LongNetCache) -> tuple[jax.Array, LongNetCache]:
+        """Logits of the next ``t`` tokens of every row with a cache (inference: no dropout).
+
+        ``tokens (b, t)`` int are the tokens at positions ``cache.lengths[i] ..
+        cache.lengths[i] + t - 1``; returns ``(logits (b, t, num_tokens), cache)``, the
+        rows of ``self(all_tokens)`` at those positions (see :meth:`init_cache`). ``t > 1``
+        is a chunk of prefill. Cost per token does not grow with the context
+        (:func:`dilax.dilated_attention_decode`); jit it with the cache donated to update it
+        in place, or use :func:`dilax.models.generate`."""
+        _check_tokens(tokens)
+        pos = jnp.clip(cache.lengths[:, None] + jnp.arange(tokens.shape[1]), 0,
+                       cache.max_len - 1)
+        x = self.token_embedding(tokens)
+        x = x + _rotate(x, cache.xpos_cos[pos], cache.xpos_sin[pos])
+        x, layers = self.long_net.decode(x, cache.layers)
+        return self.out(self.norm(x)), dataclasses.replace(cache, layers=layers)
+
+
+def _check_tokens(tokens: jax.Array) -> None:
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(
+            f"tokens must be an integer array of shape (batch, seq_len), got "
+            f"{tokens.dtype}{tuple(tokens.shape)}"
+        )

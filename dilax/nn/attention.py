@@ -17,6 +17,7 @@ from flax import nnx
 from dilax import _validation as V
 from dilax.attention_fn import check_options
 from dilax.core import BlockSizes
+from dilax.decode import KVCache, dilated_attention_decode
 from dilax.dilated import dilated_attention
 from dilax.nn._heads import (
     check_dropout_and_gain,
@@ -92,6 +93,23 @@ class DilatedAttention(nnx.Module):
             scale=self.scale, mode=self.mode, implementation=self.implementation,
             block_sizes=self.block_sizes,
         )
+
+    # --- KV-cache decoding -------------------------------------------------------------
+
+    def decode(self, q: jax.Array, k: jax.Array, v: jax.Array,
+               cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Causal attention of the next ``t`` positions with a KV cache
+        (:func:`dilax.dilated_attention_decode` with this module's configuration).
+
+        ``q (b, t, h, d)``, ``k, v (b, t, hk, d)`` -> ``(out (b, t, h, d), cache)``. Runs on
+        the XLA core whatever ``implementation`` is (a step reads at most ``w / r`` keys per
+        branch); not with ``sequence_parallel``."""
+        if self.sequence_parallel is not None:
+            raise ValueError("KV-cache decoding runs on one device; this DilatedAttention "
+                             "has sequence_parallel set")
+        return dilated_attention_decode(
+            q, k, v, cache, self.segment_lengths, self.dilation_rates, mode=self.mode,
+            scale=self.scale, local_window=getattr(self, "local_window", None))
 
 
 class MultiheadDilatedAttention(nnx.Module):
@@ -171,3 +189,33 @@ class MultiheadDilatedAttention(nnx.Module):
         q, k, v = project_qkv(self, query, key, value)
         x = self.attention(q, k, v, is_causal=is_causal).reshape(query.shape)
         return output_projection(self, self.dropout(x, deterministic=deterministic, rngs=rngs))
+
+    # --- KV-cache decoding -------------------------------------------------------------
+
+    def init_cache(self, batch: int, max_len: int, dtype: Dtype | None = None) -> KVCache:
+        """An empty :class:`dilax.KVCache` for :meth:`decode`: ``(batch, max_len,
+        num_kv_heads, head_dim)`` in ``dtype`` (default: the dtype of the projected keys,
+        i.e. the compute ``dtype`` or else ``param_dtype``)."""
+        if dtype is None:
+            dtype = self.k_proj.dtype if self.k_proj.dtype is not None \
+                else self.k_proj.param_dtype
+        return KVCache.init(batch, max_len, self.num_kv_heads, self.head_dim, dtype)
+
+    def decode(
+        self,
+        query: jax.Array,
+        cache: KVCache,
+        key: jax.Array | None = None,
+        value: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        """Causal attention of the next ``t`` positions with a KV cache (inference: no
+        dropout).
+
+        ``query (b, t, E)`` (and ``key``/``value (b, t, E)`` at the same positions, default
+        ``query``) -> ``(y (b, t, E), cache)``: ``y`` equals the rows of
+        ``self(query_all, key_all, value_all, is_causal=True)`` at those positions, where
+        ``*_all`` is everything written to ``cache`` so far. See
+        :func:`dilax.dilated_attention_decode` (cost, in-place update under ``jax.jit``)."""
+        q, k, v = project_qkv(self, query, key, value)
+        out, cache = self.attention.decode(q, k, v, cache)
+        return output_projection(self, out.reshape(query.shape)), cache

@@ -53,7 +53,7 @@ from dilax.train.config import (
     unigram_entropy,
 )
 from dilax.train.loop import TrainResult, train
-from dilax.train.sampling import pick_token, sample, sample_text
+from dilax.train.sampling import sample, sample_text
 from dilax.train.steps import eval_step, lm_loss, make_model, make_optimizer, make_tx, train_step
 
 __all__ = [
@@ -77,7 +77,6 @@ __all__ = [
     "make_model",
     "make_optimizer",
     "make_tx",
-    "pick_token",
     "read_checkpoint_meta",
     "read_text_file",
     "restore_checkpoint",

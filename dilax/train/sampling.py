@@ -1,50 +1,45 @@
-"""Sampling text from a trained character LM."""
+"""Sampling text from a trained character LM (with :func:`dilax.models.generate`)."""
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from dilax.models import LongNetLM
+from dilax.models import LongNetLM, generate
 from dilax.train.config import CharTokenizer
-
-
-@nnx.jit
-def _next_logits(model: LongNetLM, window: jax.Array, index: jax.Array) -> jax.Array:
-    return model(window, deterministic=True)[0, index].astype(jnp.float32)
-
-
-def pick_token(logits: jax.Array, temperature: float, key: jax.Array,
-               top_k: int | None = None) -> int:
-    """The next id from float32 ``logits (vocab,)``: argmax at ``temperature <= 0``, else a
-    draw from ``softmax(logits / temperature)`` restricted to the ``top_k`` largest logits
-    (all of them when ``top_k`` is ``None``)."""
-    if temperature <= 0:
-        return int(jnp.argmax(logits))
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, top_k)[0][-1]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    return int(jax.random.categorical(key, logits / temperature))
 
 
 def sample(model: LongNetLM, tok: CharTokenizer, prompt: str, num_tokens: int, seq_len: int,
            temperature: float, key: jax.Array, top_k: int | None = None) -> str:
-    """Samples ``num_tokens`` characters after ``prompt`` with a sliding ``seq_len`` window.
+    """Samples ``num_tokens`` characters after ``prompt`` in windows of ``seq_len`` (the
+    training length), with a KV cache (:func:`dilax.models.generate`).
 
-    The window is right-padded while shorter than ``seq_len``; the model is causal, so the
-    padding never affects the logits that are read. ``top_k``: see :func:`pick_token`.
+    Every window is a ``seq_len`` window as in training (XPOS positions included): the model
+    sees the window's tokens so far, exactly as if it ran on it right-padded to ``seq_len``
+    (causal: the padding never matters). The first window holds the last ``seq_len - 1``
+    characters of the prompt; when it is full, the next one starts from the last
+    ``seq_len // 2`` characters, so every token sees at least that much context.
+    ``temperature <= 0`` is greedy; ``top_k`` restricts draws to the ``top_k`` most likely
+    characters (:func:`dilax.models.generate`); window ``i`` samples with ``fold_in(key, i)``.
     """
     ids = list(tok.encode(prompt))
     if not ids:
         raise ValueError("prompt must not be empty")
-    for i in range(num_tokens):
-        ctx = ids[-seq_len:]
-        window = np.zeros((1, seq_len), np.int32)
-        window[0, : len(ctx)] = ctx
-        logits = _next_logits(model, jnp.asarray(window), jnp.asarray(len(ctx) - 1))
-        ids.append(pick_token(logits, temperature, jax.random.fold_in(key, i), top_k))
+    if top_k is not None:
+        top_k = min(top_k, model.num_tokens)  # larger means all of them
+    target = len(ids) + num_tokens
+    keep, window = max(1, seq_len - 1), 0
+    while len(ids) < target:
+        ctx = ids[-keep:]
+        new = min(target - len(ids), seq_len - len(ctx))
+        # pad the prompt so that the cache window (prompt + new) is exactly seq_len long
+        padded = np.zeros((1, seq_len - new), np.int32)
+        padded[0, : len(ctx)] = ctx
+        out = generate(model, padded, new, temperature=max(float(temperature), 0.0),
+                       key=jax.random.fold_in(key, window), top_k=top_k,
+                       prompt_lengths=[len(ctx)])
+        ids += np.asarray(out)[0, len(ctx): len(ctx) + new].tolist()
+        keep, window = max(1, seq_len // 2), window + 1
     return tok.decode(ids)
 
 

@@ -1,0 +1,197 @@
+"""KV-cache decoding (SPEC.md, "Decoding with a KV cache"): a chunked prefill, single steps and
+another chunk equal the rows of causal dilated attention over the whole sequence so far."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from oracle import attention as attention_oracle
+from tolerance import FP32, assert_scaled_close
+
+import dilax
+from dilax import KVCache, dilated_attention_decode
+
+B, N, H, HK, D = 2, 64, 4, 2, 8  # GQA: two query heads per kv head
+WS, RS = (8, 16, 32), (1, 2, 4)
+# Row 1 is rewound after the prefill, so the rows differ in length from then on.
+# The prefill and the last chunk share t (one compile) and take both paths: per-query windows
+# (branch (32, 4): 7 <= 2 segments * 4) and whole segments (the others).
+PREFILL, REWIND, STEPS, CHUNK = 7, 3, 28, 7
+
+
+def _inputs(seed=0):
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return (jax.random.normal(k1, (B, N, H, D)), jax.random.normal(k2, (B, N, HK, D)),
+            jax.random.normal(k3, (B, N, HK, D)))
+
+
+def _decode_all(q, k, v, **cfg):
+    """Runs the schedule under jit (cache donated); returns ``[(row, start, out_rows)]``."""
+    step = jax.jit(functools.partial(dilated_attention_decode, segment_lengths=WS,
+                                     dilation_rates=RS, **cfg), donate_argnums=3)
+    cache = KVCache.init(B, N, HK, D)
+    lengths = np.zeros(B, int)
+    got = []
+    q, k, v = (np.asarray(x) for x in (q, k, v))  # slice on the host: no eager dispatches
+
+    def run(t):
+        nonlocal cache, lengths
+        take = lambda x: np.stack([x[i, lengths[i]:lengths[i] + t] for i in range(B)])
+        out, cache = step(take(q), take(k), take(v), cache)
+        got.extend((i, int(lengths[i]), np.asarray(out[i])) for i in range(B))
+        lengths = lengths + t
+
+    run(PREFILL)
+    lengths = np.array([PREFILL, REWIND])
+    cache = cache.with_lengths(lengths)
+    for _ in range(STEPS):
+        run(1)
+    run(CHUNK)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
+    return got
+
+
+@pytest.mark.parametrize("mode", ["mixture", "grouped"])
+def test_decode_equals_causal_dilated_rows(mode):
+    q, k, v = _inputs()
+    want = np.asarray(dilax.dilated_attention(q, k, v, WS, RS, is_causal=True, mode=mode))
+    for row, start, out in _decode_all(q, k, v, mode=mode):
+        assert_scaled_close(out, want[row, start:start + out.shape[0]], FP32,
+                            err_msg=f"{mode} row {row} positions {start}..")
+
+
+def _local_window_counts(n, h, window):
+    """The count matrix of SPEC.md: every dilated branch, plus one for ``|p - t| <= W``,
+    causal."""
+    pos = np.arange(n)
+    counts = np.zeros((h, n, n))
+    for j in range(h):
+        for w, r in zip(WS, RS):
+            sel = pos % r == j % r
+            counts[j] += (sel[:, None] & sel[None, :] & (pos[:, None] // w == pos[None, :] // w)
+                          & (pos[None, :] <= pos[:, None]))
+    band = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] <= window)
+    return counts + band[None]
+
+
+def test_decode_local_window_matches_mask_oracle(monkeypatch):
+    # Tiny gather budget: chunks go through per-query windows in blocks (lax.map), as long
+    # prefills do.
+    monkeypatch.setattr("dilax.decode._MAX_GATHERED_ROWS", 8)
+    q, k, v = _inputs(seed=1)
+    window = 3
+    want = attention_oracle(q, k, v, _local_window_counts(N, H, window)[None],
+                            1.0 / np.sqrt(D)).out
+    for row, start, out in _decode_all(q, k, v, local_window=window):
+        assert_scaled_close(out, want[row, start:start + out.shape[0]], FP32,
+                            err_msg=f"row {row} positions {start}..")
+
+
+def test_decode_step_cost_does_not_grow_with_max_len():
+    """One donated step: the cache is updated in place (aliased) and the step's working memory
+    is the same for a cache 16x longer (nothing proportional to max_len is built)."""
+    step = jax.jit(functools.partial(dilated_attention_decode, segment_lengths=WS,
+                                     dilation_rates=RS), donate_argnums=3)
+    x = jnp.zeros((1, 1, H, D))
+    kv = jnp.zeros((1, 1, HK, D))
+    temps = []
+    for max_len in (256, 4096):
+        cache = jax.eval_shape(lambda m=max_len: KVCache.init(1, m, HK, D))
+        mem = step.lower(x, kv, kv, cache).compile().memory_analysis()
+        assert mem.alias_size_in_bytes >= 2 * max_len * HK * D * 4  # k and v in place
+        temps.append(mem.temp_size_in_bytes)
+    assert temps[0] == temps[1], temps
+
+
+def test_decode_errors():
+    q, k, v = (x[:, :2] for x in _inputs())
+    cache = KVCache.init(B, 4, HK, D)
+    call = functools.partial(dilated_attention_decode, segment_lengths=WS, dilation_rates=RS)
+    with pytest.raises(ValueError, match="t \\(axis 1 of q\\) must be >= 1"):
+        call(q[:, :0], k[:, :0], v[:, :0], cache)
+    with pytest.raises(ValueError, match="max_len=1"):
+        call(q, k, v, KVCache.init(B, 1, HK, D))
+    with pytest.raises(ValueError, match="overflows max_len=4"):
+        call(q, k, v, cache.with_lengths([3, 0]))
+    with pytest.raises(TypeError, match="cache dtype"):
+        call(q, k, v, KVCache.init(B, 4, HK, D, jnp.bfloat16))
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        call(q, k, v, KVCache.init(B, 4, 1, D))
+    with pytest.raises(ValueError, match="head_dim"):
+        call(q, k, v, KVCache.init(B, 4, HK, 2 * D))
+    with pytest.raises(ValueError, match="grouped"):
+        call(q, k, v, cache, mode="grouped", local_window=2)
+
+
+# --- models: LongNetLM.decode and generate -----------------------------------------------
+
+VOCAB, PROMPT, NEW = 32, 5, 12  # 17 positions: crosses the segment boundaries 4, 8 and 16
+
+
+def _lm(num_encoder_layers):
+    from flax import nnx
+
+    from dilax.models import LongNetConfig, LongNetLM
+
+    cfg = LongNetConfig(16, 2, 32, (4, 8), (1, 2), num_kv_heads=1)
+    return LongNetLM(VOCAB, config=cfg, num_encoder_layers=num_encoder_layers,
+                     num_decoder_layers=1, rngs=nnx.Rngs(0))
+
+
+def test_longnet_lm_decode_equals_full_logits():
+    """Token by token: the logits of model(tokens) at every position. Encoder-decoder, so
+    every cache kind (encoder, decoder self- and cross-attention) is used; chunks through the
+    model (the prefill) are checked by the generate test below."""
+    from flax import nnx
+
+    model = _lm(1)
+    n = PROMPT + NEW
+    toks = jax.random.randint(jax.random.PRNGKey(1), (B, n), 0, VOCAB)
+    want = np.asarray(nnx.jit(lambda m, t: m(t))(model, toks))
+    decode = nnx.jit(lambda m, t, c: m.decode(t, c))
+    cache = model.init_cache(B, n)
+    got = []
+    for i in range(n):
+        logits, cache = decode(model, toks[:, i:i + 1], cache)
+        got.append(np.asarray(logits))
+    assert_scaled_close(np.concatenate(got, axis=1), want, FP32, depth=2)
+
+
+def test_generate_greedy_equals_full_recomputation():
+    """Acceptance: greedy generate gives the tokens of the greedy loop that recomputes the
+    whole window for every token; rows of different prompt lengths. And top_k=1 sampling is
+    greedy too."""
+    from flax import nnx
+
+    from dilax.models import generate
+
+    model = _lm(0)
+    n = PROMPT + NEW
+    prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(2), (B, PROMPT), 0, VOCAB))
+    lengths = np.array([PROMPT, PROMPT - 2])
+    got = np.asarray(generate(model, prompt, NEW, prompt_lengths=lengths))
+
+    full = nnx.jit(lambda m, t: m(t))
+    want = np.zeros((B, n), np.int32)
+    want[:, :PROMPT] = np.where(np.arange(PROMPT) < lengths[:, None], prompt, 0)
+    for i in range(NEW):
+        logits = np.asarray(full(model, jnp.asarray(want)))
+        want[np.arange(B), lengths + i] = logits[np.arange(B), lengths + i - 1].argmax(-1)
+    np.testing.assert_array_equal(got, want)
+    sampled = generate(model, prompt, NEW, prompt_lengths=lengths, temperature=0.7, top_k=1,
+                       key=jax.random.PRNGKey(0))
+    np.testing.assert_array_equal(np.asarray(sampled), want)
+
+
+def test_attention_fn_decode_true_says_why_and_where_to_go():
+    from flax import nnx
+
+    mha = nnx.MultiHeadAttention(2, 16, decode=True, rngs=nnx.Rngs(0),
+                                 attention_fn=dilax.attention_fn(WS, RS, is_causal=True))
+    mha.init_cache((1, 8, 16))
+    with pytest.raises(ValueError, match=r"decode=True.*MultiheadDilatedAttention\.init_cache"):
+        mha(jnp.ones((1, 1, 16)))
