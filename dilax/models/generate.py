@@ -92,7 +92,6 @@ def generate(
                      max_new_tokens)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 7))
 def pick_tokens(logits: jax.Array, key: jax.Array, temperature: jax.Array | float,
                 top_k: jax.Array | int) -> jax.Array:
     """Next ids ``(b,)`` int32 from float32 ``logits (b, vocab)``.
@@ -108,6 +107,7 @@ def pick_tokens(logits: jax.Array, key: jax.Array, temperature: jax.Array | floa
     return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 7))
 def _generate(graphdef, state, prompt, lengths, key, temperature, top_k, max_new):
     model = nnx.merge(graphdef, state)
     b, p = prompt.shape
