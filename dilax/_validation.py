@@ -275,3 +275,17 @@ def check_local_window(local_window: Any, mode: str) -> int | None:
         raise ValueError(f"local_window is a branch of the mixture: it needs mode='mixture', "
                          f"got mode={mode!r}")
     return w
+
+
+def check_key_padding_mask(mask: Any, batch: int, n: int) -> jax.Array | None:
+    """``key_padding_mask``: ``None`` or a bool array ``(b, n)`` (True = valid key)."""
+    if mask is None:
+        return None
+    arr = mask if _is_traced(mask) or isinstance(mask, jax.Array) else np.asarray(mask)
+    if arr.dtype != np.bool_:
+        raise TypeError(f"key_padding_mask must be a bool array (True = valid key), got dtype "
+                        f"{arr.dtype}")
+    if tuple(arr.shape) != (batch, n):
+        raise ValueError(f"key_padding_mask must have shape (b, n) = ({batch}, {n}), got "
+                         f"{tuple(arr.shape)}")
+    return jnp.asarray(arr)

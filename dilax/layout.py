@@ -233,19 +233,31 @@ def dilated_lengths(lengths: jax.Array, plan: BranchPlan, first: jax.Array | int
     return rows.reshape(-1, len(plan.kv_slots))
 
 
+def dilated_key_valid(key_valid: jax.Array, plan: BranchPlan) -> jax.Array:
+    """Per-key validity ``(b, n)`` bool -> ``(b*S, U, w/r)``: the keys of each segment and
+    virtual kv head of ``plan`` (positions past ``n`` are invalid)."""
+    b, n = key_valid.shape
+    S, w, r = plan.num_segments, plan.w, plan.r
+    x = jnp.pad(key_valid, ((0, 0), (0, S * w - n))) if S * w != n else key_valid
+    x = static_take(x.reshape(b * S, w // r, r), plan.kv_slots, axis=2)
+    return jnp.swapaxes(x, 1, 2)
+
+
 def branch_io(q: jax.Array, k: jax.Array, v: jax.Array, plan: BranchPlan, is_causal: bool,
-              lengths: tuple[jax.Array | None, jax.Array | None] | None = None):
+              lengths: tuple[jax.Array | None, ...] | None = None):
     """One branch's core call: slot-layout ``(q, k, v)``, its :class:`SlotView` and
     :class:`~dilax.core.Mask` (ragged segments' key lengths, causality, the plan's window).
 
-    ``lengths``: optional ``(q_len, kv_len)``, each ``None`` or int ``(b,)`` valid lengths of
-    the full sequence (already in ``[0, n]``); ``None`` builds exactly the mask without them."""
+    ``lengths``: optional ``(q_len, kv_len[, key_valid])``: ``None`` or int ``(b,)`` valid
+    lengths of the full sequence (already in ``[0, n]``), and ``None`` or a bool ``(b, n)``
+    per-key validity; ``None`` builds exactly the mask without them."""
     view = slot_view(plan, q.shape[2], k.shape[2])
-    q_len, kv_len = lengths if lengths is not None else (None, None)
+    q_len, kv_len, key_valid = (tuple(lengths) + (None,) * 3)[:3] if lengths else (None,) * 3
     mask = Mask(
         kv_len=(plan_kv_len(plan, q.shape[0]) if kv_len is None
                 else dilated_lengths(kv_len, plan)),  # <= the ragged tail's bound (lengths <= n)
         is_causal=is_causal,
         q_len=None if q_len is None else dilated_lengths(q_len, plan),
-        window=plan.window)
+        window=plan.window,
+        kv_valid=None if key_valid is None else dilated_key_valid(key_valid, plan))
     return (slot_layout(q, plan), slot_layout(k, plan), slot_layout(v, plan)), view, mask

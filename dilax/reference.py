@@ -42,10 +42,12 @@ def window_mask(n: int, window: int, is_causal: bool) -> np.ndarray:
     return mask
 
 
-def length_mask(n: int, query_seq_lengths=None, key_value_seq_lengths=None):
+def length_mask(n: int, query_seq_lengths=None, key_value_seq_lengths=None,
+                key_padding_mask=None):
     """``(b, 1, n, n)`` float32 validity of (query, key) pairs, or ``None`` without lengths:
-    query ``p < query_seq_lengths[i]`` and key ``t < key_value_seq_lengths[i]``."""
-    if query_seq_lengths is None and key_value_seq_lengths is None:
+    query ``p < query_seq_lengths[i]``, key ``t < key_value_seq_lengths[i]`` and
+    ``key_padding_mask[i, t]``."""
+    if query_seq_lengths is None and key_value_seq_lengths is None and key_padding_mask is None:
         return None
     pos = jnp.arange(n)
     valid = True
@@ -53,6 +55,8 @@ def length_mask(n: int, query_seq_lengths=None, key_value_seq_lengths=None):
         valid = valid & (pos[None, :, None] < jnp.asarray(query_seq_lengths)[:, None, None])
     if key_value_seq_lengths is not None:
         valid = valid & (pos[None, None, :] < jnp.asarray(key_value_seq_lengths)[:, None, None])
+    if key_padding_mask is not None:
+        valid = valid & jnp.asarray(key_padding_mask, bool)[:, None, :]
     return jnp.broadcast_to(valid, (valid.shape[0], n, n))[:, None].astype(jnp.float32)
 
 
@@ -152,12 +156,13 @@ def dilated_attention_reference(
     query_seq_lengths: jax.Array | None = None,
     key_value_seq_lengths: jax.Array | None = None,
     local_window: int | None = None,
+    key_padding_mask: jax.Array | None = None,
 ) -> jax.Array:
     """Dilated attention from the explicit mask (docs/semantics.md). Arguments must be
     validated; lengths ``(b,)`` in ``[0, n]`` zero the count of invalid (query, key) pairs."""
     n, h = q.shape[1], q.shape[2]
     counts = dilated_counts(n, h, segment_lengths, dilation_rates, mode, is_causal, local_window)
-    valid = length_mask(n, query_seq_lengths, key_value_seq_lengths)
+    valid = length_mask(n, query_seq_lengths, key_value_seq_lengths, key_padding_mask)
     if valid is not None:
         counts = jnp.asarray(counts)[None] * valid
     out = masked_attention(q, k, v, counts, scale)

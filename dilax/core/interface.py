@@ -129,7 +129,7 @@ class PallasCore:
     ``interpret``: run the kernels in the Pallas interpreter (CPU tests). Query lengths are
     applied to the kernels' results (rows past them: ``out = 0``, ``lse = -inf``, so the
     backward kernels recompute ``p = 0`` there); a local ``window`` (a narrow band the flash
-    kernels have no mask for) runs on the XLA core."""
+    kernels have no mask for) and a per-key ``kv_valid`` run on the XLA core."""
 
     interpret: bool = False
     name: ClassVar[str] = "pallas"
@@ -146,7 +146,7 @@ class PallasCore:
     def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):
         from pallas_kernels.flash_attention import flash_forward
 
-        if mask.window is not None:
+        if mask.window is not None or mask.kv_valid is not None:
             return XLA.forward(q, k, v, view=view, mask=mask, scale=scale,
                                block_sizes=None, out_dtype=out_dtype)
         out, lse = flash_forward(view.gather_q(q), view.gather_kv(k), view.gather_kv(v),
@@ -159,7 +159,7 @@ class PallasCore:
                  grad_dtype=None, acc=None):
         from pallas_kernels.flash_attention import flash_backward
 
-        if mask.window is not None:
+        if mask.window is not None or mask.kv_valid is not None:
             return XLA.backward(q, k, v, view=view, mask=mask, scale=scale, lse=lse,
                                 dout=dout, delta=delta, grad_dtype=grad_dtype, acc=acc)
 
@@ -180,14 +180,14 @@ class CudnnCore:
     is the blockwise XLA one, recomputed from that log-sum-exp: exact also when the lse
     carries a cotangent (the mixture merge of dilated branches). Offsets are not supported
     (cuDNN's causal mask is aligned at 0). Per-head key lengths are served by folding the kv
-    heads into the batch; query lengths are applied to the result (as for Pallas) and a local
-    ``window`` runs on the XLA core."""
+    heads into the batch; query lengths are applied to the result (as for Pallas); a local
+    ``window`` and a per-key ``kv_valid`` run on the XLA core."""
 
     name: ClassVar[str] = "cudnn"
 
     def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):
         del block_sizes
-        if mask.window is not None:
+        if mask.window is not None or mask.kv_valid is not None:
             return XLA.forward(q, k, v, view=view, mask=mask, scale=scale,
                                out_dtype=out_dtype)
         if not (isinstance(mask.q_offset, int) and isinstance(mask.k_offset, int)

@@ -46,9 +46,10 @@ def _pad_axis(x, axis, size):
     return jnp.pad(x, widths)
 
 
-def _mask(k_start, block_k, kv_len, q_pos, k_offset, is_causal, q_valid=None, window=None):
+def _mask(k_start, block_k, kv_len, q_pos, k_offset, is_causal, q_valid=None, window=None,
+          k_valid=None):
     """Allowed ``(U or 1, 1, bq or 1, bk)`` mask of one block pair, or None when nothing is
-    masked (``kv_len``, ``q_valid (U, bq)`` and ``window`` may be None)."""
+    masked (``kv_len``, ``q_valid (U, bq)``, ``window`` and ``k_valid (U, bk)`` may be None)."""
     k_idx = k_start + lax.iota(jnp.int32, block_k)
     mask = None
 
@@ -59,6 +60,8 @@ def _mask(k_start, block_k, kv_len, q_pos, k_offset, is_causal, q_valid=None, wi
         mask = add((k_idx[None, :] < kv_len[:, None])[:, None, None, :])
     if q_valid is not None:
         mask = add(q_valid[:, None, :, None])
+    if k_valid is not None:
+        mask = add(k_valid[:, None, None, :])
     if is_causal:
         mask = add(((k_offset + k_idx)[None, :] <= q_pos[:, None])[None, None])
     if window is not None:
@@ -78,12 +81,24 @@ def _block_floor(x, block, limit):
     return jnp.clip(jnp.where(x >= 0, x // block, 0), 0, limit)
 
 
-def _zero_invalid_keys(x, k_start, kv_len):
-    """Zeroes rows of ``x: (U, bk, d)`` at or beyond ``kv_len`` (NaN padding never leaks)."""
-    if kv_len is None:
+def _zero_invalid_keys(x, k_start, kv_len, k_valid=None):
+    """Zeroes rows of ``x: (U, bk, d)`` at or beyond ``kv_len`` or not ``k_valid (U, bk)``
+    (NaN padding never leaks)."""
+    if kv_len is None and k_valid is None:
         return x
-    valid = (k_start + lax.iota(jnp.int32, x.shape[1]))[None, :] < kv_len[:, None]
+    valid = True
+    if kv_len is not None:
+        valid = (k_start + lax.iota(jnp.int32, x.shape[1]))[None, :] < kv_len[:, None]
+    if k_valid is not None:
+        valid = valid & k_valid
     return jnp.where(valid[..., None], x, jnp.zeros((), x.dtype))
+
+
+def _key_valid_block(kv_valid, b, u0, u1, k_start, block_k):
+    """``kv_valid[b, u0:u1, k_start:k_start+block_k]`` (padded: ``(B, U, nk*bk)``) or None."""
+    if kv_valid is None:
+        return None
+    return lax.dynamic_slice(kv_valid, (b, u0, k_start), (1, u1 - u0, block_k))[0]
 
 
 def _varying_axes(*refs) -> tuple:
@@ -130,7 +145,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
     (:meth:`Mask.resolve`) and ``block_sizes`` clipped (:meth:`BlockSizes.clipped`)."""
     kv_len, q_offset, k_offset, is_causal = mask.kv_len, mask.q_offset, mask.k_offset, \
         mask.is_causal
-    q_len, window = mask.q_len, mask.window
+    q_len, window, kv_valid = mask.q_len, mask.window, mask.kv_valid
     block_q, block_k = block_sizes.block_q, block_sizes.block_k
     heads_per_step = block_sizes.heads_per_step
     B, Lq = q.shape[:2]
@@ -142,6 +157,8 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
     vp = _pad_axis(v, 1, nk * block_k)
     if kv_len is None and nk * block_k != Lk:
         kv_len = jnp.full((B, U), Lk, jnp.int32)
+    if kv_valid is not None:
+        kv_valid = _pad_axis(kv_valid, 2, nk * block_k)
     axes = _varying_axes(q, k, v, kv_len, q_offset, k_offset, q_len)
 
     groups = _head_groups(U, G, heads_per_step)
@@ -189,11 +206,12 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
                 kb = view.select_kv(_slice_rows(kp, bi, k0, block_k))  # (U, bk, d)
                 vb = view.select_kv(_slice_rows(vp, bi, k0, block_k))
                 s = jnp.einsum("hgqd,hkd->hgqk", qb, kb, preferred_element_type=_F32)
+                kvb = _key_valid_block(kv_valid, bi, u0, u1, k0, block_k)
                 mask = _mask(k0, block_k, kl, q_pos, k_offset, causal_block and is_causal,
-                             q_valid, window if causal_block else None)
+                             q_valid, window if causal_block else None, kvb)
                 if mask is not None:
                     s = jnp.where(mask, s, -jnp.inf)
-                    vb = _zero_invalid_keys(vb, k0, kl)
+                    vb = _zero_invalid_keys(vb, k0, kl, kvb)
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
                 m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                 p = jnp.exp(s - m_safe[..., None])
@@ -235,7 +253,7 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
     without buffers of their own."""
     kv_len, q_offset, k_offset, is_causal = mask.kv_len, mask.q_offset, mask.k_offset, \
         mask.is_causal
-    q_len, window = mask.q_len, mask.window
+    q_len, window, kv_valid = mask.q_len, mask.window, mask.kv_valid
     block_q, block_k = block_sizes.backward
     B, Lq = q.shape[:2]
     Lk, d = k.shape[1], k.shape[-1]
@@ -248,6 +266,8 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
     vp = _pad_axis(v, 1, nk * block_k)
     if kv_len is None and nk * block_k != Lk:
         kv_len = jnp.full((B, U), Lk, jnp.int32)
+    if kv_valid is not None:
+        kv_valid = _pad_axis(kv_valid, 2, nk * block_k)
     axes = _varying_axes(q, k, v, kv_len, q_offset, k_offset, dout, delta, q_len)
     out_view = view.output_view()  # reads dout, lse, delta (output layout) per block
 
@@ -269,8 +289,9 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
         bi, kj = idx // nk, idx % nk
         k0 = kj * block_k
         kl = None if kv_len is None else kv_len[bi]
-        kb = _zero_invalid_keys(view.select_kv(_slice_rows(kp, bi, k0, block_k)), k0, kl)
-        vb = _zero_invalid_keys(view.select_kv(_slice_rows(vp, bi, k0, block_k)), k0, kl)
+        kvb = _key_valid_block(kv_valid, bi, 0, U, k0, block_k)
+        kb = _zero_invalid_keys(view.select_kv(_slice_rows(kp, bi, k0, block_k)), k0, kl, kvb)
+        vb = _zero_invalid_keys(view.select_kv(_slice_rows(vp, bi, k0, block_k)), k0, kl, kvb)
         ql = None if q_len is None else q_len[bi]
         hi = nq if kl is None else jnp.where(k0 < jnp.max(kl), nq, 0)
         if ql is not None:  # query blocks wholly past the valid rows are skipped
@@ -299,7 +320,7 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
                 s = jnp.einsum("hgqd,hkd->hgqk", qb, kb, preferred_element_type=_F32)
                 q_pos = q_offset + q0 + lax.iota(jnp.int32, block_q)
                 mask = _mask(k0, block_k, kl, q_pos, k_offset, causal_block and is_causal,
-                             _q_valid(q0, block_q, ql), window if causal_block else None)
+                             _q_valid(q0, block_q, ql), window if causal_block else None, kvb)
                 if mask is not None:
                     s = jnp.where(mask, s, -jnp.inf)
                 p = jnp.exp(s - lse_b[..., None])  # (U, G, bq, bk); masked -> 0
