@@ -298,6 +298,7 @@ def attention_core(
     q_offset: jax.Array | int = 0,
     k_offset: jax.Array | int = 0,
     block_sizes: BlockSizes | None = None,
+    q_len: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Blockwise exact attention in the grouped layout, returning ``(out, lse)``.
 
@@ -313,6 +314,8 @@ def attention_core(
         ``None`` (default) means all ``Lk`` keys are valid and skips the mask entirely.
       q_offset, k_offset: global positions of index 0 (int scalars, may be traced).
       block_sizes: static block sizes; default :func:`dilax.core.default_block_sizes`.
+      q_len: int, broadcastable to ``(B, Hk)``, or None: query rows at index ``>= q_len``
+        see no key (``out = 0``, ``lse = -inf``).
 
     Returns:
       ``out: (B, Lq, Hk, G, d)`` in ``q.dtype`` and ``lse: (B, Lq, Hk, G)`` float32. A query
@@ -320,6 +323,6 @@ def attention_core(
     """
     B, Lq, Hk, G, d = q.shape
     out, lse = attention(q.reshape(B, Lq, Hk * G, d), k, v, view=identity_view(Hk, G),
-                         scale=scale, mask=Mask(kv_len, q_offset, k_offset, bool(is_causal)),
+                         scale=scale, mask=Mask(kv_len, q_offset, k_offset, bool(is_causal), q_len),
                          block_sizes=block_sizes)
     return out.reshape(B, Lq, Hk, G, d), lse.reshape(B, Lq, Hk, G)
