@@ -33,6 +33,7 @@ FWD_FLOPS_PER_PAIR = 4  # x head_dim: QK^T and PV, 2 FLOPs per multiply-add
 FWD_BWD_FLOPS_PER_PAIR = 14
 
 DEFAULT_ROWS = ("dense", "mixture", "grouped")
+EXTRA_ROWS = ("mixture-padded", "mixture-window")  # opt-in: --rows mixture,mixture-padded
 
 
 def _progress(total: int, desc: str, quiet: bool):
@@ -60,7 +61,7 @@ def _config(args) -> dict[str, Any]:
         batch=args.batch, heads=args.heads, kv_heads=args.kv_heads or args.heads,
         head_dim=args.head_dim, dtype=args.dtype, segment_lengths=args.segment_lengths,
         dilation_rates=args.dilation_rates, causal=args.causal,
-        implementation=args.implementation,
+        implementation=args.implementation, local_window=args.local_window,
     )
 
 
@@ -73,7 +74,18 @@ def _make_row_fn(row: str, cfg: dict[str, Any]) -> Callable[..., jax.Array]:
         return lambda q, k, v: dilax.dilated_attention(
             q, k, v, ws, rs, is_causal=causal, mode=row, implementation=impl
         )
-    raise ValueError(f"unknown row {row!r}; choose from {DEFAULT_ROWS}")
+    if row == "mixture-padded":  # every row's second half padded (queries and keys)
+        def padded(q, k, v):
+            half = jnp.full((q.shape[0],), q.shape[1] // 2, jnp.int32)
+            return dilax.dilated_attention(q, k, v, ws, rs, is_causal=causal,
+                                           implementation=impl, query_seq_lengths=half,
+                                           key_value_seq_lengths=half)
+        return padded
+    if row == "mixture-window":
+        return lambda q, k, v: dilax.dilated_attention(
+            q, k, v, ws, rs, is_causal=causal, implementation=impl,
+            local_window=cfg["local_window"])
+    raise ValueError(f"unknown row {row!r}; choose from {DEFAULT_ROWS + EXTRA_ROWS}")
 
 
 def _pairs(row: str, n: int, cfg: dict[str, Any]) -> int:
@@ -409,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default="mixture", choices=["mixture", "grouped"],
                    help="mode for max-seq")
     p.add_argument("--implementation", default=None, help="dilax implementation (default: best)")
+    p.add_argument("--local-window", type=int, default=256,
+                   help="W of the mixture-window row (opt-in rows: mixture-padded, "
+                        "mixture-window)")
     p.add_argument("--rows", type=lambda s: s.split(","), default=list(DEFAULT_ROWS),
                    help="comma-separated rows: dense,mixture,grouped")
     p.add_argument("--backward", action="store_true", help="also time forward+backward")

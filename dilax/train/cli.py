@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dropout", type=float, default=m.dropout)
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default=m.dtype)
     g.add_argument("--remat", action="store_true", help="activation checkpointing per layer")
+    g.add_argument("--local-window", type=int, default=m.local_window,
+                   help="add a local-window branch: every query also attends the W tokens "
+                        "before it (mixture mode); fixes the loss spike at segment starts")
     return p
 
 

@@ -20,6 +20,7 @@ def make_model(cfg: ModelConfig, seed: int) -> LongNetLM:
         cfg.segment_lengths, cfg.dilation_rates, num_kv_heads=cfg.num_kv_heads,
         dropout=cfg.dropout, mode=cfg.mode, remat=cfg.remat, dtype=jnp.dtype(cfg.dtype),
         param_dtype=jnp.float32, keep_rngs=False, rngs=nnx.Rngs(params=seed),
+        **({} if cfg.local_window is None else dict(local_window=cfg.local_window)),
     )
 
 
@@ -73,3 +74,10 @@ def train_step(model: LongNetLM, optimizer: nnx.Optimizer, x: jax.Array, y: jax.
 def eval_step(model: LongNetLM, x: jax.Array, y: jax.Array) -> jax.Array:
     """Mean loss on ``x, y (b, n)`` without dropout."""
     return lm_loss(model, x, y, None, True)
+
+
+@nnx.jit
+def eval_positions(model: LongNetLM, x: jax.Array, y: jax.Array) -> jax.Array:
+    """Loss per position ``(n,)`` (mean over the batch) on ``x, y (b, n)`` without dropout."""
+    logits = model(x, deterministic=True).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(axis=0)
