@@ -55,10 +55,19 @@ def make_optimizer(model: LongNetLM, cfg: TrainConfig) -> nnx.Optimizer:
 
 
 def lm_loss(model: LongNetLM, x: jax.Array, y: jax.Array, rngs: nnx.Rngs | None,
-            deterministic: bool) -> jax.Array:
-    """Mean next-character cross-entropy (nats), logits in float32."""
-    logits = model(x, deterministic=deterministic, rngs=rngs).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+            deterministic: bool, lengths: jax.Array | None = None) -> jax.Array:
+    """Mean next-character cross-entropy (nats), logits in float32.
+
+    ``lengths``: optional int ``(b,)`` valid tokens per row of a padded batch: the model gets
+    them as ``seq_lengths`` and the mean runs over the valid positions only."""
+    if lengths is None:
+        logits = model(x, deterministic=deterministic, rngs=rngs).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    logits = model(x, deterministic=deterministic, rngs=rngs,
+                   seq_lengths=lengths).astype(jnp.float32)
+    valid = jnp.arange(x.shape[1])[None, :] < lengths[:, None]
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    return jnp.sum(jnp.where(valid, losses, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
 
 
 @nnx.jit(donate_argnums=(0, 1))
