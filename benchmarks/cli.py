@@ -35,6 +35,7 @@ FWD_FLOPS_PER_PAIR = 4  # x head_dim: QK^T and PV, 2 FLOPs per multiply-add
 FWD_BWD_FLOPS_PER_PAIR = 14
 
 DEFAULT_ROWS = ("dense", "mixture", "grouped")
+EXTRA_ROWS = ("mixture-padded", "mixture-window")  # opt-in: --rows mixture,mixture-padded
 
 
 def _progress(total: int, desc: str, quiet: bool):
@@ -62,7 +63,7 @@ def _config(args) -> dict[str, Any]:
         batch=args.batch, heads=args.heads, kv_heads=args.kv_heads or args.heads,
         head_dim=args.head_dim, dtype=args.dtype, segment_lengths=args.segment_lengths,
         dilation_rates=args.dilation_rates, causal=args.causal,
-        implementation=args.implementation,
+        implementation=args.implementation, local_window=args.local_window,
     )
 
 
@@ -75,7 +76,18 @@ def _make_row_fn(row: str, cfg: dict[str, Any]) -> Callable[..., jax.Array]:
         return lambda q, k, v: dilax.dilated_attention(
             q, k, v, ws, rs, is_causal=causal, mode=row, implementation=impl
         )
-    raise ValueError(f"unknown row {row!r}; choose from {DEFAULT_ROWS}")
+    if row == "mixture-padded":  # every row's second half padded (queries and keys)
+        def padded(q, k, v):
+            half = jnp.full((q.shape[0],), q.shape[1] // 2, jnp.int32)
+            return dilax.dilated_attention(q, k, v, ws, rs, is_causal=causal,
+                                           implementation=impl, query_seq_lengths=half,
+                                           key_value_seq_lengths=half)
+        return padded
+    if row == "mixture-window":
+        return lambda q, k, v: dilax.dilated_attention(
+            q, k, v, ws, rs, is_causal=causal, implementation=impl,
+            local_window=cfg["local_window"])
+    raise ValueError(f"unknown row {row!r}; choose from {DEFAULT_ROWS + EXTRA_ROWS}")
 
 
 def _pairs(row: str, n: int, cfg: dict[str, Any]) -> int:
@@ -454,7 +466,7 @@ _EXTRA = {
     "decode": ("mode",),
 }
 _FIXED = dict(rows=list(DEFAULT_ROWS), backward=False, compare_torch=False, mode="mixture",
-              timeout=1800)
+              timeout=1800, local_window=256)
 
 
 def _ints(text: str) -> list[int]:
@@ -512,7 +524,9 @@ def _add_command(sub, name: str) -> None:
     if "rows" in extra:
         p.add_argument("--rows", type=lambda s: s.split(","), default=list(DEFAULT_ROWS),
                        metavar="ROW,...", help=f"rows to measure (default: "
-                       f"{_csv(DEFAULT_ROWS)})")
+                       f"{_csv(DEFAULT_ROWS)}; opt-in: {_csv(EXTRA_ROWS)})")
+        p.add_argument("--local-window", type=int, default=256,
+                       help="W of the mixture-window row")
     if "backward" in extra:
         p.add_argument("--backward", action="store_true", help="also time forward+backward")
     if "compare_torch" in extra:

@@ -237,3 +237,55 @@ def check_memory(q: Any, k: Any, *, num_branches: int = 1, dense: bool = False,
              "(dilax.sharded_dilated_attention)"
              + (", or implementation='xla'" if dense else ""),
     )
+
+
+def check_seq_lengths(lengths: Any, name: str, batch: int, n: int) -> jax.Array | None:
+    """``query_seq_lengths`` / ``key_value_seq_lengths``: ``None`` or an int array ``(b,)``.
+
+    Static (concrete) values must lie in ``[0, n]`` (``ValueError`` otherwise); traced values
+    cannot be checked and are clipped to ``[0, n]``. Returns int32 ``(b,)`` or ``None``.
+    """
+    if lengths is None:
+        return None
+    if isinstance(lengths, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int array of shape (b,), got {lengths!r}")
+    try:
+        arr = lengths if _is_traced(lengths) else np.asarray(lengths)
+    except Exception as e:  # pragma: no cover - odd objects
+        raise TypeError(f"{name} must be an int array of shape (b,), got {lengths!r}") from e
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must have an integer dtype, got {arr.dtype}")
+    if tuple(arr.shape) != (batch,):
+        raise ValueError(f"{name} must have shape (b,) = ({batch},), got {tuple(arr.shape)}")
+    if _is_traced(lengths):
+        return jnp.clip(lengths.astype(jnp.int32), 0, n)  # documented: traced -> clipped
+    if arr.size and (arr.min() < 0 or arr.max() > n):
+        raise ValueError(f"{name} must lie in [0, n={n}], got {arr.tolist()}")
+    return jnp.asarray(arr, jnp.int32)
+
+
+def check_local_window(local_window: Any, mode: str) -> int | None:
+    """``local_window``: ``None`` or a static int ``>= 0``; only with ``mode="mixture"``."""
+    if local_window is None:
+        return None
+    w = static_int(local_window, "local_window")
+    if w < 0:
+        raise ValueError(f"local_window must be >= 0 (or None), got {w}")
+    if mode != "mixture":
+        raise ValueError(f"local_window is a branch of the mixture: it needs mode='mixture', "
+                         f"got mode={mode!r}")
+    return w
+
+
+def check_key_padding_mask(mask: Any, batch: int, n: int) -> jax.Array | None:
+    """``key_padding_mask``: ``None`` or a bool array ``(b, n)`` (True = valid key)."""
+    if mask is None:
+        return None
+    arr = mask if _is_traced(mask) or isinstance(mask, jax.Array) else np.asarray(mask)
+    if arr.dtype != np.bool_:
+        raise TypeError(f"key_padding_mask must be a bool array (True = valid key), got dtype "
+                        f"{arr.dtype}")
+    if tuple(arr.shape) != (batch, n):
+        raise ValueError(f"key_padding_mask must have shape (b, n) = ({batch}, {n}), got "
+                         f"{tuple(arr.shape)}")
+    return jnp.asarray(arr)

@@ -76,8 +76,13 @@ def attention_fn(
     The returned function takes ``query (..., n, h, d)``, ``key``/``value (..., n, hk, d)``
     (any number of leading batch axes, including none) and returns ``(..., n, h, d)`` in the
     dtype of ``query`` (float32 softmax statistics inside for bf16/fp16).
-    It accepts every keyword ``nnx.MultiHeadAttention`` passes and refuses, with a
-    ``ValueError``, what dilated attention cannot honour: a dense ``mask`` or ``bias``,
+    It accepts every keyword ``nnx.MultiHeadAttention`` passes. A key-padding ``mask`` of shape
+    ``(..., 1, 1, n)`` (True = valid key; e.g.
+    ``nnx.make_attention_mask(jnp.ones((b, 1)), key_valid)`` with ``key_valid (b, n)``) is
+    applied exactly, for any pattern of valid keys, traced or not (it becomes the per-key
+    validity of :func:`dilax.dilated_attention`'s ``key_padding_mask``; key blocks past the
+    last valid key are skipped). It refuses, with a ``ValueError``, what dilated attention
+    cannot honour: any other ``mask`` (one that depends on the query) or a ``bias``,
     attention-weight dropout (``dropout_rate > 0`` with ``deterministic=False``), sowing
     attention weights (``module`` given, i.e. ``sow_weights=True``) and keys of another length
     than the queries. ``decode=True`` (flax's KV cache) is refused with a message that says
@@ -118,11 +123,14 @@ def attention_fn(
         if (getattr(query, "ndim", 0) >= 3 and getattr(key, "ndim", 0) == query.ndim
                 and key.shape[-3] != query.shape[-3]):
             raise ValueError(_DECODE_MESSAGE.format(q=query.shape[-3], k=key.shape[-3]))
-        if mask is not None:
+        if mask is not None and (jnp.ndim(mask) < 3 or tuple(jnp.shape(mask)[-3:-1]) != (1, 1)):
             raise ValueError(
-                "dilax.attention_fn does not support a dense `mask`: dilated attention has a "
-                "fixed sparsity pattern; use is_causal=True for causal masking and leave "
-                "mask=None"
+                "dilax.attention_fn supports only a key-padding `mask` of shape (..., 1, 1, n) "
+                "(True = valid key), e.g. nnx.make_attention_mask(jnp.ones((b, 1)), key_valid) "
+                f"with key_valid (b, n); got a mask of shape {jnp.shape(mask)}. Dilated attention "
+                "has a fixed sparsity pattern: use is_causal=True for causal masking, pass "
+                "padding as such a key mask (or call dilax.dilated_attention with "
+                "query_seq_lengths / key_value_seq_lengths), and leave other masks out"
             )
         if bias is not None:
             raise ValueError("dilax.attention_fn does not support an attention `bias`")
@@ -155,11 +163,23 @@ def attention_fn(
             )
         flat = math.prod(batch)
         q, k, v = (x.reshape((flat,) + x.shape[-3:]) for x in (query, key, value))
+        key_valid = None
+        if mask is not None:
+            n = key.shape[-3]
+            if jnp.shape(mask)[-1] != n:
+                raise ValueError(f"the key-padding mask's last axis must be the key length "
+                                 f"{n}, got a mask of shape {jnp.shape(mask)}")
+            try:
+                key_valid = jnp.broadcast_to(jnp.asarray(mask)[..., 0, 0, :], batch + (n,))
+            except ValueError:
+                raise ValueError(f"the key-padding mask of shape {jnp.shape(mask)} does not "
+                                 f"broadcast to the batch axes {batch}") from None
+            key_valid = key_valid.reshape(flat, n).astype(bool)
         out = dilated_attention(
             q, k, v, cfg["segment_lengths"], cfg["dilation_rates"],
             is_causal=cfg["is_causal"] or V.check_bool(is_causal, "is_causal"),
             scale=cfg["scale"], mode=cfg["mode"], implementation=cfg["implementation"],
-            block_sizes=cfg["block_sizes"],
+            block_sizes=cfg["block_sizes"], key_padding_mask=key_valid,
         )
         return out.reshape(batch + out.shape[1:])
 

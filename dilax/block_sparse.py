@@ -35,7 +35,7 @@ from dilax import _validation as V
 from dilax.backend import resolve_implementation
 from dilax.core import BlockSizes, attention_core, merge_attention_states
 from dilax.patterns import BlockSparsePattern, mask_tables
-from dilax.reference import masked_attention
+from dilax.reference import length_mask, masked_attention
 
 IMPLEMENTATIONS = V.BLOCK_SPARSE_IMPLEMENTATIONS
 
@@ -174,8 +174,8 @@ def _head_take(x: jax.Array, kvmap: tuple[int, ...]) -> jax.Array:
     return jnp.take(x, jnp.asarray(np.asarray(kvmap, np.int32)), axis=2)
 
 
-def _attend_rows(q, k, v, kd, vd, idx, kv_len, diag_len, *, bs, U, G, kvmap, shared, scale,
-                 block_k):
+def _attend_rows(q, k, v, kd, vd, idx, kv_len, diag_len, q_len=None, *, bs, U, G, kvmap,
+                 shared, scale, block_k):
     """One group of ``R`` query blocks.
 
     q: ``(b, R*B, h, d)``; k, v: all key blocks as laid out by :func:`_gather_source`;
@@ -186,19 +186,20 @@ def _attend_rows(q, k, v, kd, vd, idx, kv_len, diag_len, *, bs, U, G, kvmap, sha
     b, RB, h, d = q.shape
     R = RB // bs
     qr = q.reshape(b * R, bs, U, G, d)
+    q_len = None if q_len is None else _rows_kv_len(q_len, b, U)
     out = lse = None
     if idx is not None:
         kg = _gather_blocks(k, idx, kvmap, shared, bs)
         vg = _gather_blocks(v, idx, kvmap, shared, bs)
         bk = min(block_k, kg.shape[1])
         out, lse = attention_core(qr, kg, vg, scale=scale, kv_len=_rows_kv_len(kv_len, b, U),
-                                  block_sizes=BlockSizes(block_q=bs, block_k=bk))
+                                  block_sizes=BlockSizes(block_q=bs, block_k=bk), q_len=q_len)
     if diag_len is not None:
         kr = _head_take(kd, kvmap).reshape(b * R, bs, U, d)
         vr = _head_take(vd, kvmap).reshape(b * R, bs, U, d)
         o2, l2 = attention_core(qr, kr, vr, scale=scale, is_causal=True,
                                 kv_len=_rows_kv_len(diag_len, b, U),
-                                block_sizes=BlockSizes(block_q=bs, block_k=bs))
+                                block_sizes=BlockSizes(block_q=bs, block_k=bs), q_len=q_len)
         if out is None:
             out, lse = o2.astype(jnp.float32), l2
         else:
@@ -235,6 +236,7 @@ def sparse_attention_tables(
     kvmap: tuple[int, ...],
     scale: float,
     block_k: int | None = None,
+    q_len: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of every query block over table-selected key blocks (internal building block).
 
@@ -244,6 +246,7 @@ def sparse_attention_tables(
         (no gathered call); kv_len: ``(Bi, Ui, nq)`` valid gathered keys per row.
       diag_len: ``(Bi, Ui, nq)`` causal diagonal-block keys (``B`` or 0), or None (no diagonal
         call). Requires ``nq == nk``.
+      q_len: ``(Bi, 1, nq)`` valid query rows of each query block, or None (all valid).
     Returns:
       ``out (b, nq*B, h, d)`` float32 and ``lse (b, nq*B, h)`` float32.
     """
@@ -261,7 +264,7 @@ def sparse_attention_tables(
     causal = diag_len is not None
     if step == nq:
         return fn(q, ks, vs, k if causal else None, v if causal else None, idx, kv_len,
-                  diag_len)
+                  diag_len, q_len)
     steps = nq // step
 
     def split_rows(x, axis):  # (..., nq*stuff ...) -> (steps, ..., step*stuff, ...)
@@ -274,11 +277,11 @@ def sparse_attention_tables(
 
     xs = (split_rows(q, 1), split_rows(k, 1) if causal else None,
           split_rows(v, 1) if causal else None, split_rows(idx, 2), split_rows(kv_len, 2),
-          split_rows(diag_len, 2))
+          split_rows(diag_len, 2), split_rows(q_len, 2))
 
     def body(args):
-        qc, kc, vc, ic, lc, dc = args
-        return fn(qc, ks, vs, kc, vc, ic, lc, dc)
+        qc, kc, vc, ic, lc, dc, qlc = args
+        return fn(qc, ks, vs, kc, vc, ic, lc, dc, qlc)
 
     out, lse = lax.map(body, xs)
     out = jnp.moveaxis(out, 0, 1).reshape(b, nqb, h, d)
@@ -291,25 +294,60 @@ def pad_seq(x: jax.Array, size: int) -> jax.Array:
     return x if extra == 0 else jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))
 
 
+def table_lengths(idx, kv_len, diag_len, block_size: int, nq: int,
+                  query_seq_lengths=None, key_value_seq_lengths=None):
+    """Valid lengths ``(b,)`` of the sequence -> the tables' per-row lengths.
+
+    The active blocks of a row are gathered in ascending order, so the valid keys of the
+    gathered sequence are a prefix: ``kv_len`` becomes the number of gathered keys before
+    ``key_value_seq_lengths`` (slots past the row's count excluded); the causal diagonal's
+    ``diag_len`` is capped the same way, and ``q_len (b, 1, nq)`` counts each query block's
+    valid rows. Returns ``(kv_len, diag_len, q_len)`` (each None where not needed)."""
+    bs = block_size
+    first = jnp.arange(nq, dtype=jnp.int32) * bs  # (nq,) first position of each block
+    q_len = None
+    if query_seq_lengths is not None:
+        q_len = jnp.clip(query_seq_lengths[:, None, None] - first, 0, bs)  # (b, 1, nq)
+    if key_value_seq_lengths is None:
+        return kv_len, diag_len, q_len
+    L = key_value_seq_lengths[:, None, None]
+    if idx is not None:
+        idx = jnp.asarray(idx, jnp.int32)
+        slot = jnp.arange(idx.shape[-1], dtype=jnp.int32) * bs
+        used = slot < jnp.asarray(kv_len, jnp.int32)[..., None]  # slots before the count
+        valid = jnp.where(used, jnp.clip(L[..., None] - idx * bs, 0, bs), 0).sum(-1)
+        kv_len = jnp.minimum(jnp.asarray(kv_len, jnp.int32), valid.astype(jnp.int32))
+    if diag_len is not None:
+        diag_len = jnp.minimum(jnp.asarray(diag_len, jnp.int32), jnp.clip(L - first, 0, bs))
+    return kv_len, diag_len, q_len
+
+
 def attend_tables(q, k, v, idx, kv_len, diag_len, *, block_size: int, U: int, G: int,
-                  kvmap: tuple[int, ...], scale: float, block_k: int | None = None):
+                  kvmap: tuple[int, ...], scale: float, block_k: int | None = None,
+                  query_seq_lengths=None, key_value_seq_lengths=None):
     """:func:`sparse_attention_tables` on unpadded ``(b, n, ., d)`` inputs.
 
-    Pads the sequence to whole blocks, runs the tables, crops. Returns ``out (b, n, h, d)`` in
-    ``q.dtype`` and ``lse (b, n, h)`` float32.
+    Pads the sequence to whole blocks, runs the tables, crops. Optional valid lengths
+    ``(b,)`` (:func:`table_lengths`). Returns ``out (b, n, h, d)`` in ``q.dtype`` and
+    ``lse (b, n, h)`` float32.
     """
     n = q.shape[1]
     size = _cdiv(n, block_size) * block_size
+    kv_len, diag_len, q_len = table_lengths(idx, kv_len, diag_len, block_size,
+                                            size // block_size, query_seq_lengths,
+                                            key_value_seq_lengths)
     out, lse = sparse_attention_tables(
         pad_seq(q, size), pad_seq(k, size), pad_seq(v, size), idx, kv_len, diag_len,
         block_size=block_size, U=U, G=G, kvmap=kvmap, scale=scale, block_k=block_k,
+        q_len=q_len,
     )
     return out[:, :n].astype(q.dtype), lse[:, :n]
 
 
 def block_sparse_attention_xla(q, k, v, pattern: BlockSparsePattern, *, is_causal: bool,
                                scale: float, block_k: int | None = None,
-                               return_lse: bool = False):
+                               return_lse: bool = False, query_seq_lengths=None,
+                               key_value_seq_lengths=None):
     """XLA path. Arguments must be validated (see :func:`block_sparse_attention`)."""
     b, n, h, d = q.shape
     plan = plan_pattern(pattern, n, h, k.shape[2], is_causal)
@@ -322,16 +360,21 @@ def block_sparse_attention_xla(q, k, v, pattern: BlockSparsePattern, *, is_causa
         q, k, v, plan.idx if use_gather else None, plan.kv_len if use_gather else None,
         plan.diag_len if use_diag else None, block_size=pattern.block_size, U=plan.U,
         G=plan.G, kvmap=plan.kvmap, scale=scale, block_k=block_k,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
     )
     return (out, lse) if return_lse else out
 
 
 def block_sparse_attention_reference(q, k, v, pattern: BlockSparsePattern, *, is_causal: bool,
-                                     scale: float) -> jax.Array:
+                                     scale: float, query_seq_lengths=None,
+                                     key_value_seq_lengths=None) -> jax.Array:
     """Dense attention with the expanded token mask (small ``n`` only; the test oracle)."""
     n = q.shape[1]
-    mask = pattern.expanded_mask(n, is_causal)
-    return masked_attention(q, k, v, mask.astype(np.float32), scale)
+    mask = jnp.asarray(pattern.expanded_mask(n, is_causal).astype(np.float32))
+    valid = length_mask(n, query_seq_lengths, key_value_seq_lengths)
+    if valid is not None:
+        mask = mask[None] * valid
+    return masked_attention(q, k, v, mask, scale)
 
 
 def block_sparse_attention(
@@ -344,6 +387,8 @@ def block_sparse_attention(
     scale: float | None = None,
     implementation: str | None = None,
     interpret: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
 ) -> jax.Array:
     """Exact block-sparse attention (docs/semantics.md, "Block-sparse attention").
 
@@ -363,6 +408,12 @@ def block_sparse_attention(
         needs ``n % B == 0``) or ``"reference"`` (dense, explicit mask). ``None`` picks
         ``"pallas"`` on GPU and ``"xla"`` elsewhere.
       interpret: run the Pallas kernel in the interpreter (CPU testing).
+      query_seq_lengths, key_value_seq_lengths: optional int ``(b,)`` valid lengths
+        (padding), as in :func:`dilax.dilated_attention`: keys ``t >= kv_len[i]`` get no
+        weight, query rows ``p >= q_len[i]`` output 0 with zero gradient; static values
+        outside ``[0, n]`` raise, traced ones are clipped. The XLA path skips gathered key
+        blocks past the length; with lengths ``"pallas"`` runs the XLA path (the table-driven
+        kernel has no length mask).
 
     Returns:
       ``(b, n, h, d)`` in ``q.dtype``. Queries with no attended key get 0 (and 0 gradient).
@@ -383,19 +434,28 @@ def block_sparse_attention(
     implementation = resolve_implementation(implementation, interpret=interpret,
                                             allowed=IMPLEMENTATIONS)
     V.check_memory(q, k, dense=implementation == "reference", op="block_sparse_attention")
-    return _block_sparse_dispatch(q, k, v, pattern, is_causal, scale, implementation, interpret)
+    b, n = q.shape[:2]
+    q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n)
+    kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)
+    if implementation == "pallas" and (q_len is not None or kv_len is not None):
+        implementation = "xla"  # documented: the table-driven kernel has no length mask
+    return _block_sparse_dispatch(q, k, v, q_len, kv_len, pattern, is_causal, scale,
+                                  implementation, interpret)
 
 
 # One compiled program per static configuration: an eager call runs exactly the program a
 # jitted caller gets, so results are bitwise identical with and without jax.jit.
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7))
-def _block_sparse_dispatch(q, k, v, pattern, is_causal, scale, implementation, interpret):
+@functools.partial(jax.jit, static_argnums=(5, 6, 7, 8, 9))
+def _block_sparse_dispatch(q, k, v, q_len, kv_len, pattern, is_causal, scale, implementation,
+                           interpret):
+    lengths = dict(query_seq_lengths=q_len, key_value_seq_lengths=kv_len)
     if implementation == "reference":
         return block_sparse_attention_reference(q, k, v, pattern, is_causal=is_causal,
-                                                scale=scale)
+                                                scale=scale, **lengths)
     if implementation == "pallas":
         return _block_sparse_pallas(q, k, v, pattern, is_causal, scale, interpret)
-    return block_sparse_attention_xla(q, k, v, pattern, is_causal=is_causal, scale=scale)
+    return block_sparse_attention_xla(q, k, v, pattern, is_causal=is_causal, scale=scale,
+                                      **lengths)
 
 
 def _block_sparse_pallas(q, k, v, pattern, is_causal, scale, interpret):

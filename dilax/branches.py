@@ -34,26 +34,33 @@ class Branches:
     core: Core = XLA
 
 
-def run_branches(q: jax.Array, k: jax.Array, v: jax.Array, branches: Branches, fence=None):
+def run_branches(q: jax.Array, k: jax.Array, v: jax.Array, branches: Branches, fence=None,
+                 lengths: tuple[jax.Array | None, jax.Array | None] | None = None):
     """All ``branches.plans`` on ``q (b, n, h, d)``, ``k, v (b, n, hk, d)``.
+
+    ``lengths``: optional ``(query_seq_lengths, key_value_seq_lengths)``, each ``None`` or int
+    ``(b,)`` in ``[0, n]`` (:func:`dilax.layout.branch_io`): keys past a row's length get no
+    weight and query rows past it get ``out = 0``, ``lse = -inf`` in every branch.
 
     Returns ``(outs, lses)``: tuples with one float32 ``(b*S, w/r, H', d)`` and one
     ``(b*S, w/r, H')`` per plan, in the dilated layout (heads ascending;
     :func:`dilax.layout.expand_slots` gives full positions). ``fence``: start only once this
     boolean is known (:func:`dilax.core.fence_after`; ordering only)."""
-    return _run(q, k, v, fence, branches)
+    if lengths is not None and all(x is None for x in lengths):
+        lengths = None
+    return _run(q, k, v, fence, lengths, branches)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _run(q, k, v, fence, cfg: Branches):
-    return _run_fwd(q, k, v, fence, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _run(q, k, v, fence, lengths, cfg: Branches):
+    return _run_fwd(q, k, v, fence, lengths, cfg)[0]
 
 
-def _run_fwd(q, k, v, fence, cfg: Branches):
+def _run_fwd(q, k, v, fence, lengths, cfg: Branches):
     outs, lses = [], []
     for plan in cfg.plans:
         def run(q, k, v, plan=plan):
-            ops, view, mask = branch_io(q, k, v, plan, cfg.is_causal)
+            ops, view, mask = branch_io(q, k, v, plan, cfg.is_causal, lengths)
             # float32 branch outputs: merged (or divided by G) before one final rounding.
             return cfg.core.forward(*ops, view=view, mask=mask, scale=cfg.scale,
                                     block_sizes=cfg.block_sizes, out_dtype=jnp.float32)
@@ -62,18 +69,18 @@ def _run_fwd(q, k, v, fence, cfg: Branches):
         outs.append(out)
         lses.append(lse)
     outs, lses = tuple(outs), tuple(lses)
-    return (outs, lses), (q, k, v, outs, lses)
+    return (outs, lses), (q, k, v, lengths, outs, lses)
 
 
 def _run_bwd(cfg: Branches, res, cts):
-    q, k, v, outs, lses = res
+    q, k, v, lengths, outs, lses = res
     n = q.shape[1]
     # The outputs are only needed through rowsum(dO * O): reduce them first, so they can go.
     deltas = [output_delta(o, do, dl) for o, do, dl in zip(outs, *cts)]
     grads = ()
     for plan, delta, lse, dout in zip(cfg.plans, deltas, lses, cts[0]):
         def run(q, k, v, delta, lse, dout, *acc, plan=plan):
-            ops, view, mask = branch_io(q, k, v, plan, cfg.is_causal)
+            ops, view, mask = branch_io(q, k, v, plan, cfg.is_causal, lengths)
             acc = tuple(slot_layout(a, plan) for a in acc) or None
             g = cfg.core.backward(*ops, view=view, mask=mask, scale=cfg.scale, lse=lse,
                                   dout=dout, delta=delta, block_sizes=cfg.block_sizes,
@@ -86,7 +93,7 @@ def _run_bwd(cfg: Branches, res, cts):
         grads = when(fence_after(grads[0] if grads else deltas[-1]), run,
                      (q, k, v, delta, lse, dout) + grads)
     grads = tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
-    return (*sum_invariant_axes((q, k, v), grads), None)
+    return (*sum_invariant_axes((q, k, v), grads), None, None)
 
 
 _run.defvjp(_run_fwd, _run_bwd)

@@ -31,13 +31,20 @@ def _check_top_k(block_size, top_k, n) -> tuple[int, int]:
     return block_size, top_k
 
 
-def _block_means(x: jax.Array, bs: int) -> jax.Array:
-    """``(b, n, H, d)`` -> float32 ``(b, ceil(n/B), H, d)`` means over each block's tokens."""
+def _block_means(x: jax.Array, bs: int, lengths: jax.Array | None = None) -> jax.Array:
+    """``(b, n, H, d)`` -> float32 ``(b, ceil(n/B), H, d)`` means over each block's tokens
+    (only the tokens before ``lengths (b,)`` when given; 0 for a block without any)."""
     b, n, H, d = x.shape
     nb = _cdiv(n, bs)
-    sums = pad_seq(x.astype(jnp.float32), nb * bs).reshape(b, nb, bs, H, d).sum(axis=2)
-    sizes = np.minimum(bs, n - np.arange(nb) * bs).astype(np.float32)
-    return sums / jnp.asarray(sizes)[None, :, None, None]
+    x = x.astype(jnp.float32)
+    if lengths is None:
+        sizes = jnp.asarray(np.minimum(bs, n - np.arange(nb) * bs).astype(np.float32))[None]
+    else:
+        valid = jnp.arange(n)[None, :] < lengths[:, None]  # (b, n)
+        x = jnp.where(valid[:, :, None, None], x, 0.0)
+        sizes = jnp.clip(lengths[:, None] - jnp.arange(nb) * bs, 0, bs).astype(jnp.float32)
+    sums = pad_seq(x, nb * bs).reshape(b, nb, bs, H, d).sum(axis=2)
+    return sums / jnp.maximum(sizes, 1.0)[:, :, None, None]
 
 
 def content_adaptive_selection(
@@ -47,6 +54,8 @@ def content_adaptive_selection(
     top_k: int,
     *,
     is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Key blocks chosen by :func:`content_adaptive_attention`, in the table format.
 
@@ -55,6 +64,8 @@ def content_adaptive_selection(
     GQA group share one selection so K/V are gathered once per kv head). The diagonal block is
     always kept; with ``is_causal`` key blocks ``j > i`` are never chosen (rows ``i < top_k - 1``
     then hold ``i + 1`` blocks). The selection is discrete: no gradient flows through it.
+    With valid lengths ``(b,)`` the block means use only valid tokens and key blocks without a
+    valid key are never chosen (besides the diagonal).
 
     Returns:
       ``indices``: int32 ``(b, hk, nq, top_k)`` ascending, padded by repeating the last valid
@@ -66,10 +77,15 @@ def content_adaptive_selection(
     hk = k.shape[2]
     bs, top_k = _check_top_k(block_size, top_k, n)
     nb = _cdiv(n, bs)
-    qm = lax.stop_gradient(_block_means(q, bs)).reshape(b, nb, hk, h // hk, d)
-    km = lax.stop_gradient(_block_means(k, bs))
+    q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n)
+    kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)
+    qm = lax.stop_gradient(_block_means(q, bs, q_len)).reshape(b, nb, hk, h // hk, d)
+    km = lax.stop_gradient(_block_means(k, bs, kv_len))
     scores = jnp.einsum("bicgd,bjcd->bcij", qm, km, precision=lax.Precision.HIGHEST)
     rows = np.arange(nb)
+    if kv_len is not None:  # key blocks without a valid key are never worth a slot
+        empty = (jnp.arange(nb) * bs)[None, :] >= kv_len[:, None]  # (b, nb)
+        scores = jnp.where(empty[:, None, None, :], -jnp.inf, scores)
     scores = jnp.where(jnp.asarray(rows[:, None] == rows[None, :]), jnp.inf, scores)
     if is_causal:
         scores = jnp.where(jnp.asarray(rows[None, :] > rows[:, None]), -jnp.inf, scores)
@@ -91,6 +107,8 @@ def content_adaptive_attention(
     *,
     is_causal: bool = False,
     scale: float | None = None,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
 ) -> jax.Array:
     """Exact attention over the ``top_k`` key blocks each query block selects by content.
 
@@ -107,6 +125,9 @@ def content_adaptive_attention(
       top_k: key blocks per query block, ``1 <= top_k <= ceil(n / B)``.
       is_causal: restrict query ``p`` to keys ``t <= p``.
       scale: logit scale, default ``1 / sqrt(d)``.
+      query_seq_lengths, key_value_seq_lengths: optional int ``(b,)`` valid lengths
+        (padding), as in :func:`dilax.dilated_attention`; the selection then looks at valid
+        tokens only (:func:`content_adaptive_selection`).
 
     Returns:
       ``(b, n, h, d)`` in ``q.dtype``.
@@ -125,7 +146,11 @@ def content_adaptive_attention(
     bs, top_k = _check_top_k(block_size, top_k, n)
     V.check_memory(q, k, op="content_adaptive_attention")
     nb = _cdiv(n, bs)
-    idx, counts = content_adaptive_selection(q, k, bs, top_k, is_causal=is_causal)
+    q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n)
+    kv_len_seq = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)
+    idx, counts = content_adaptive_selection(q, k, bs, top_k, is_causal=is_causal,
+                                             query_seq_lengths=q_len,
+                                             key_value_seq_lengths=kv_len_seq)
     last = jnp.take_along_axis(idx, jnp.maximum(counts - 1, 0)[..., None], axis=-1)[..., 0]
     if is_causal:
         # The diagonal block is the last selected one; it goes through the causal call.
@@ -139,5 +164,6 @@ def content_adaptive_attention(
     out, _ = attend_tables(
         q, k, v, idx if gather else None, kv_len if gather else None, diag_len,
         block_size=bs, U=hk, G=h // hk, kvmap=tuple(range(hk)), scale=scale,
+        query_seq_lengths=q_len, key_value_seq_lengths=kv_len_seq,
     )
     return out

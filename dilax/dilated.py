@@ -11,24 +11,37 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from dilax import _validation as V
 from dilax.backend import resolve_core
 from dilax.branches import Branches, combine_branches, run_branches
 from dilax.core import XLA, BlockSizes, Core
-from dilax.layout import dilated_branches
+from dilax.layout import dilated_branches, window_plan
 from dilax.reference import dilated_attention_reference
 
 
 def dilated_attention_core(q, k, v, segment_lengths, dilation_rates, *, is_causal, scale, mode,
-                           core: Core = XLA, block_sizes=None, return_lse=False):
+                           core: Core = XLA, block_sizes=None, return_lse=False,
+                           query_seq_lengths=None, key_value_seq_lengths=None,
+                           local_window=None, key_padding_mask=None):
     """Dilated attention on validated arguments with the attention core ``core``.
+
+    ``query_seq_lengths``, ``key_value_seq_lengths``: ``None`` or int ``(b,)`` in ``[0, n]``;
+    ``local_window``: ``None`` or int ``>= 0`` (mixture only): one more branch, the band
+    ``|p - t| <= local_window``, merged into the same softmax. ``key_padding_mask``: ``None``
+    or bool ``(b, n)`` (True = valid key), with ``key_value_seq_lengths`` one past the last
+    valid key so that trailing padding blocks are skipped.
 
     Returns ``out (b, n, h, d)`` and, with ``return_lse``, ``lse (b, n, h)`` float32."""
     n, h = q.shape[1], q.shape[2]
     plans = tuple(dilated_branches(n, h, k.shape[2], segment_lengths, dilation_rates, mode))
+    if local_window is not None:
+        plans += (window_plan(n, h, k.shape[2], local_window),)
     outs, lses = run_branches(q, k, v, Branches(plans, float(scale), bool(is_causal),
-                                                block_sizes, core))
+                                                block_sizes, core),
+                              lengths=(query_seq_lengths, key_value_seq_lengths,
+                                       key_padding_mask))
     out, lse = combine_branches(outs, lses, plans, n, mode)
     out = out.astype(q.dtype)
     return (out, lse) if return_lse else out
@@ -47,6 +60,10 @@ def dilated_attention(
     implementation: str | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window: int | None = None,
+    key_padding_mask: jax.Array | None = None,
 ) -> jax.Array:
     """Dilated attention (LongNet), exactly as specified in docs/semantics.md.
 
@@ -68,9 +85,27 @@ def dilated_attention(
       block_sizes: optional :class:`dilax.core.BlockSizes` for the blockwise core.
       interpret: run the Pallas kernels in the interpreter (CPU testing); implies
         ``implementation="pallas"`` when ``implementation`` is None.
+      query_seq_lengths: optional int ``(b,)``: in batch row ``i`` query rows
+        ``p >= query_seq_lengths[i]`` output 0 with zero gradient (query blocks wholly past
+        it are not computed).
+      key_value_seq_lengths: optional int ``(b,)``: in batch row ``i`` keys
+        ``t >= key_value_seq_lengths[i]`` get no weight (key blocks wholly past it are not
+        read). Positions keep their index, so a padded row equals the unpadded sequence on its
+        valid prefix. Static values outside ``[0, n]`` raise ``ValueError``; traced values are
+        clipped to ``[0, n]``. ``None`` (default) compiles exactly the program without lengths.
+      local_window: optional int ``W >= 0`` (``mode="mixture"`` only): one more branch in
+        which query ``p`` attends keys ``|p - t| <= W`` (``t <= p`` when causal), merged into
+        the same softmax. It gives every query its immediate neighbours, which no dilated
+        branch does at segment starts; cost ``O(n * W)``. With ``implementation="pallas"`` or
+        ``"cudnn"`` this branch runs on the XLA core.
+      key_padding_mask: optional bool ``(b, n)``, True where a key is valid: an arbitrary
+        per-key validity (``flax.nnx.make_attention_mask`` style padding), combined with
+        ``key_value_seq_lengths``. Key blocks past the last valid key are skipped; runs on the
+        XLA core.
 
     Returns:
-      ``(b, n, h, d)`` in ``q.dtype``. Queries selected by no branch get 0.
+      ``(b, n, h, d)`` in ``q.dtype``. Queries selected by no branch (or past their row's
+      query length, or without a valid key) get 0.
 
     Raises:
       ValueError / TypeError at trace time for malformed inputs (see docs/semantics.md, "Errors").
@@ -79,17 +114,32 @@ def dilated_attention(
     ws, rs, mode, is_causal, scale, block_sizes = V.check_dilated_call(
         q, segment_lengths, dilation_rates, mode, is_causal, scale, block_sizes)
     interpret = V.check_bool(interpret, "interpret")
+    window = V.check_local_window(local_window, mode)
+    b, n = q.shape[:2]
+    q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n)
+    kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)
+    key_valid = V.check_key_padding_mask(key_padding_mask, b, n)
+    if key_valid is not None:  # one past the last valid key: trailing blocks are skipped
+        last = jnp.max(jnp.where(key_valid, jnp.arange(1, n + 1), 0), axis=1).astype(jnp.int32)
+        kv_len = last if kv_len is None else jnp.minimum(kv_len, last)
     core = resolve_core(implementation, interpret=interpret)
-    V.check_memory(q, k, num_branches=len(ws), dense=core is None, op="dilated_attention")
-    return _dilated_jit(q, k, v, ws, rs, is_causal, scale, mode, core, block_sizes)
+    V.check_memory(q, k, num_branches=len(ws) + (window is not None), dense=core is None,
+                   op="dilated_attention")
+    return _dilated_jit(q, k, v, q_len, kv_len, key_valid, ws, rs, is_causal, scale, mode,
+                        core, block_sizes, window)
 
 
 # One compiled program per static configuration: eager calls then give bitwise the same
 # result as calls under jax.jit (op-by-op dispatch would fuse, and round, differently).
-@functools.partial(jax.jit, static_argnums=tuple(range(3, 10)))
-def _dilated_jit(q, k, v, ws, rs, is_causal, scale, mode, core, block_sizes):
+@functools.partial(jax.jit, static_argnums=tuple(range(6, 14)))
+def _dilated_jit(q, k, v, q_len, kv_len, key_valid, ws, rs, is_causal, scale, mode, core,
+                 block_sizes, window):
     if core is None:
         return dilated_attention_reference(q, k, v, ws, rs, is_causal=is_causal, scale=scale,
-                                           mode=mode)
+                                           mode=mode, query_seq_lengths=q_len,
+                                           key_value_seq_lengths=kv_len, local_window=window,
+                                           key_padding_mask=key_valid)
     return dilated_attention_core(q, k, v, ws, rs, is_causal=is_causal, scale=scale, mode=mode,
-                                  core=core, block_sizes=block_sizes)
+                                  core=core, block_sizes=block_sizes, query_seq_lengths=q_len,
+                                  key_value_seq_lengths=kv_len, local_window=window,
+                                  key_padding_mask=key_valid)

@@ -40,6 +40,8 @@ class BranchPlan:
     kv_slots: tuple[int, ...]
     q_per_kv: int
     kv_len: tuple[tuple[int, ...], ...]  # (S, U) valid dilated keys per segment and kv head
+    # The local-window branch (:func:`window_plan`): one segment, r = 1, keys |p - t| <= window.
+    window: int | None = None
 
     @property
     def seg_len(self) -> int:
@@ -78,6 +80,16 @@ def plan_branch(
     )
     return BranchPlan(w_eff, r, num_segments, q_heads, q_slots, kv_heads, kv_slots, q_per_kv,
                       kv_len)
+
+
+@functools.lru_cache(maxsize=64)
+def window_plan(n: int, num_heads: int, num_kv_heads: int, window: int) -> BranchPlan:
+    """The local-window branch ``|p - t| <= window`` (docs: "Local window branch") as a plan:
+    the whole sequence as one segment, ``r = 1``, every head; its :class:`~dilax.core.Mask`
+    carries the band, so the core reads only the key blocks that meet it (O(n * window))."""
+    heads = tuple(range(num_heads))
+    plan = plan_branch(n, num_heads, num_kv_heads, n, 1, heads, (0,) * num_heads)
+    return dataclasses.replace(plan, window=int(window))
 
 
 def split_slots(x: jax.Array, plan: BranchPlan, heads: tuple[int, ...], slots: tuple[int, ...],
@@ -205,9 +217,47 @@ def gather_dilated(x: jax.Array, plan: BranchPlan, n: int) -> jax.Array:
 
 
 
-def branch_io(q: jax.Array, k: jax.Array, v: jax.Array, plan: BranchPlan, is_causal: bool):
+def dilated_lengths(lengths: jax.Array, plan: BranchPlan, first: jax.Array | int = 0
+                    ) -> jax.Array:
+    """Valid lengths ``(b,)`` of the full sequence -> ``(b*S, U)`` valid dilated rows of each
+    segment and virtual kv head of ``plan``.
+
+    Row ``t`` of segment ``s`` at slot ``o`` is position ``first + s*w + o + r*t``; it is valid
+    iff that position is ``< lengths[i]``, so the valid rows are a prefix of
+    ``clip(ceil((lengths - first - s*w - o) / r), 0, w/r)`` rows (``first``: the global
+    position of the sequence's index 0, e.g. a ring shard's start)."""
+    S, w, r = plan.num_segments, plan.w, plan.r
+    start = (np.arange(S)[:, None] * w + np.asarray(plan.kv_slots)[None, :]).astype(np.int32)
+    rest = jnp.asarray(lengths, jnp.int32)[:, None, None] - first - start[None]  # (b, S, U)
+    rows = jnp.clip(-(-rest // r), 0, plan.seg_len)
+    return rows.reshape(-1, len(plan.kv_slots))
+
+
+def dilated_key_valid(key_valid: jax.Array, plan: BranchPlan) -> jax.Array:
+    """Per-key validity ``(b, n)`` bool -> ``(b*S, U, w/r)``: the keys of each segment and
+    virtual kv head of ``plan`` (positions past ``n`` are invalid)."""
+    b, n = key_valid.shape
+    S, w, r = plan.num_segments, plan.w, plan.r
+    x = jnp.pad(key_valid, ((0, 0), (0, S * w - n))) if S * w != n else key_valid
+    x = static_take(x.reshape(b * S, w // r, r), plan.kv_slots, axis=2)
+    return jnp.swapaxes(x, 1, 2)
+
+
+def branch_io(q: jax.Array, k: jax.Array, v: jax.Array, plan: BranchPlan, is_causal: bool,
+              lengths: tuple[jax.Array | None, ...] | None = None):
     """One branch's core call: slot-layout ``(q, k, v)``, its :class:`SlotView` and
-    :class:`~dilax.core.Mask` (ragged segments' key lengths, causality)."""
+    :class:`~dilax.core.Mask` (ragged segments' key lengths, causality, the plan's window).
+
+    ``lengths``: optional ``(q_len, kv_len[, key_valid])``: ``None`` or int ``(b,)`` valid
+    lengths of the full sequence (already in ``[0, n]``), and ``None`` or a bool ``(b, n)``
+    per-key validity; ``None`` builds exactly the mask without them."""
     view = slot_view(plan, q.shape[2], k.shape[2])
-    mask = Mask(kv_len=plan_kv_len(plan, q.shape[0]), is_causal=is_causal)
+    q_len, kv_len, key_valid = (tuple(lengths) + (None,) * 3)[:3] if lengths else (None,) * 3
+    mask = Mask(
+        kv_len=(plan_kv_len(plan, q.shape[0]) if kv_len is None
+                else dilated_lengths(kv_len, plan)),  # <= the ragged tail's bound (lengths <= n)
+        is_causal=is_causal,
+        q_len=None if q_len is None else dilated_lengths(q_len, plan),
+        window=plan.window,
+        kv_valid=None if key_valid is None else dilated_key_valid(key_valid, plan))
     return (slot_layout(q, plan), slot_layout(k, plan), slot_layout(v, plan)), view, mask

@@ -32,13 +32,44 @@ def group_sizes(num_heads: int, num_groups: int) -> tuple[int, ...]:
     return tuple(base + (1 if i < extra else 0) for i in range(num_groups))
 
 
+def window_mask(n: int, window: int, is_causal: bool) -> np.ndarray:
+    """Boolean ``(n, n)`` mask of the local window branch: ``|p - t| <= window`` (and
+    ``t <= p`` when causal)."""
+    pos = np.arange(n)
+    mask = np.abs(pos[:, None] - pos[None, :]) <= window
+    if is_causal:
+        mask &= pos[None, :] <= pos[:, None]
+    return mask
+
+
+def length_mask(n: int, query_seq_lengths=None, key_value_seq_lengths=None,
+                key_padding_mask=None):
+    """``(b, 1, n, n)`` float32 validity of (query, key) pairs, or ``None`` without lengths:
+    query ``p < query_seq_lengths[i]``, key ``t < key_value_seq_lengths[i]`` and
+    ``key_padding_mask[i, t]``."""
+    if query_seq_lengths is None and key_value_seq_lengths is None and key_padding_mask is None:
+        return None
+    pos = jnp.arange(n)
+    valid = True
+    if query_seq_lengths is not None:
+        valid = valid & (pos[None, :, None] < jnp.asarray(query_seq_lengths)[:, None, None])
+    if key_value_seq_lengths is not None:
+        valid = valid & (pos[None, None, :] < jnp.asarray(key_value_seq_lengths)[:, None, None])
+    if key_padding_mask is not None:
+        valid = valid & jnp.asarray(key_padding_mask, bool)[:, None, :]
+    return jnp.broadcast_to(valid, (valid.shape[0], n, n))[:, None].astype(jnp.float32)
+
+
 @functools.lru_cache(maxsize=64)
-def _dilated_counts_cached(n, num_heads, segment_lengths, dilation_rates, mode, is_causal):
+def _dilated_counts_cached(n, num_heads, segment_lengths, dilation_rates, mode, is_causal,
+                           local_window=None):
     counts = np.zeros((num_heads, n, n), np.float32)
     if mode == "mixture":
         for j in range(num_heads):
             for w, r in zip(segment_lengths, dilation_rates):
                 counts[j] += branch_mask(n, w, r, j % r, is_causal)
+            if local_window is not None:
+                counts[j] += window_mask(n, local_window, is_causal)
     else:
         start = 0
         for i, (size, w, r) in enumerate(
@@ -58,14 +89,16 @@ def dilated_counts(
     dilation_rates: tuple[int, ...],
     mode: str = "mixture",
     is_causal: bool = False,
+    local_window: int | None = None,
 ) -> np.ndarray:
-    """``C[j, p, t]``: number of branches in which query ``p`` of head ``j`` may attend ``t``.
+    """``C[j, p, t]``: number of branches in which query ``p`` of head ``j`` may attend ``t``
+    (the local window, when given, is one more branch: ``+1`` where ``|p - t| <= W``).
 
     Returns a read-only float32 array of shape ``(h, n, n)``.
     """
     return _dilated_counts_cached(
         int(n), int(num_heads), tuple(segment_lengths), tuple(dilation_rates), mode,
-        bool(is_causal),
+        bool(is_causal), None if local_window is None else int(local_window),
     )
 
 
@@ -120,10 +153,18 @@ def dilated_attention_reference(
     is_causal: bool = False,
     scale: float,
     mode: str = "mixture",
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window: int | None = None,
+    key_padding_mask: jax.Array | None = None,
 ) -> jax.Array:
-    """Dilated attention from the explicit mask (docs/semantics.md). Arguments must be validated."""
+    """Dilated attention from the explicit mask (docs/semantics.md). Arguments must be
+    validated; lengths ``(b,)`` in ``[0, n]`` zero the count of invalid (query, key) pairs."""
     n, h = q.shape[1], q.shape[2]
-    counts = dilated_counts(n, h, segment_lengths, dilation_rates, mode, is_causal)
+    counts = dilated_counts(n, h, segment_lengths, dilation_rates, mode, is_causal, local_window)
+    valid = length_mask(n, query_seq_lengths, key_value_seq_lengths, key_padding_mask)
+    if valid is not None:
+        counts = jnp.asarray(counts)[None] * valid
     out = masked_attention(q, k, v, counts, scale)
     if mode == "grouped":
         out = (out.astype(jnp.float32) / len(segment_lengths)).astype(q.dtype)

@@ -349,7 +349,7 @@ def test_attention_fn_batch_axes_and_dtype():
 def test_attention_fn_refuses_what_it_cannot_do():
     fn = dilax.attention_fn(WS, RS)
     q = _x(0, (1, 16, 2, 8))
-    with pytest.raises(ValueError, match="dense `mask`"):
+    with pytest.raises(ValueError, match="supports only a key-padding `mask`"):
         fn(q, q, q, mask=jnp.ones((1, 2, 16, 16), bool))
     with pytest.raises(ValueError, match="bias"):
         fn(q, q, q, bias=jnp.zeros((1, 2, 16, 16)))
@@ -363,11 +363,11 @@ def test_attention_fn_refuses_what_it_cannot_do():
         dilax.attention_fn(WS, RS, causal=True)
     with pytest.raises(ValueError, match=r"segment_lengths\[0\]=6 must be divisible"):
         dilax.attention_fn((6,), (4,))
-    # through the flax module: a mask, sow_weights and attention dropout are refused
+    # through the flax module: a query-dependent mask, sow_weights and attention dropout are refused
     mha = _build(lambda: nnx.MultiHeadAttention(2, 16, decode=False, rngs=nnx.Rngs(0),
                                                 attention_fn=dilax.attention_fn(WS, RS)))
     x = _x(1, (1, 16, 16))
-    with pytest.raises(ValueError, match="dense `mask`"):
+    with pytest.raises(ValueError, match="supports only a key-padding `mask`"):
         mha(x, mask=jnp.ones((1, 2, 16, 16), bool))
     with pytest.raises(ValueError, match="sow attention weights"):
         mha(x, sow_weights=True)

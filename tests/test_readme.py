@@ -157,7 +157,9 @@ def test_bash_blocks_run(tmp_path):
                                       f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
         if "dilax.train" in b.code:  # stopped at 20, resumed, sampled with dilax.sample
             assert "resumed from" in proc.stdout and "(step 20)" in proc.stdout, proc.stdout
-            assert sorted(p.name for p in (work / "ckpt").iterdir()) == ["20", "30"]
+            names = sorted(p.name for p in (work / "ckpt").iterdir())
+            assert [x for x in names if x.isdigit()] == ["20", "30"]
+            assert "eval_positions.json" in names  # the per-position eval next to them
             sampled = proc.stdout.rsplit("--tokens 200\n", 1)[1]  # after the last hint
             assert sampled.startswith("Привет"), proc.stdout
             assert len(sampled) == len("Привет") + 40 + 1, proc.stdout  # + the newline

@@ -75,7 +75,7 @@ class XlaCore:
         B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
         if block_sizes is None:
             block_sizes = default_block_sizes(Lq, Lk, len(view.q_index), bool(mask.is_causal))
-        return mask.resolve(B, len(view.kv_index), Lk), block_sizes.clipped(Lq, Lk)
+        return mask.resolve(B, len(view.kv_index), Lk, Lq), block_sizes.clipped(Lq, Lk)
 
     def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):
         mask, blocks = self._resolve(q, k, view, mask, block_sizes)
@@ -107,11 +107,29 @@ def pallas_config(block_sizes: BlockSizes | None, len_q: int, len_k: int, head_d
             "must be powers of two (Triton tiles)") from e
 
 
+def _drop_invalid_rows(out, lse, view, mask, len_q):
+    """``out = 0``, ``lse = -inf`` on query rows at or past ``mask.q_len`` (output layout):
+    for kernels without a query-length mask. The backward then recomputes ``p = 0`` on those
+    rows from ``lse = -inf``, so their gradient is exactly 0 too."""
+    if mask.q_len is None:
+        return out, lse
+    B, U = out.shape[0], len(view.kv_index)
+    q_len = mask.resolve(B, U, len_q, len_q).q_len
+    valid = lax.iota(jnp.int32, out.shape[1])[None, :, None] < q_len[:, None, :]  # (B, L, U)
+    valid = view.ungather_out(
+        jnp.broadcast_to(valid[..., None], (*valid.shape, view.q_per_kv)))
+    return (jnp.where(valid[..., None], out, jnp.zeros((), out.dtype)),
+            jnp.where(valid, lse, -jnp.inf))
+
+
 @dataclasses.dataclass(frozen=True)
 class PallasCore:
     """The Pallas flash kernels (:mod:`pallas_kernels.flash_attention`) on gathered inputs.
 
-    ``interpret``: run the kernels in the Pallas interpreter (CPU tests)."""
+    ``interpret``: run the kernels in the Pallas interpreter (CPU tests). Query lengths are
+    applied to the kernels' results (rows past them: ``out = 0``, ``lse = -inf``, so the
+    backward kernels recompute ``p = 0`` there); a local ``window`` (a narrow band the flash
+    kernels have no mask for) and a per-key ``kv_valid`` run on the XLA core."""
 
     interpret: bool = False
     name: ClassVar[str] = "pallas"
@@ -128,13 +146,22 @@ class PallasCore:
     def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):
         from pallas_kernels.flash_attention import flash_forward
 
+        if mask.window is not None or mask.kv_valid is not None:
+            return XLA.forward(q, k, v, view=view, mask=mask, scale=scale,
+                               block_sizes=None, out_dtype=out_dtype)
         out, lse = flash_forward(view.gather_q(q), view.gather_kv(k), view.gather_kv(v),
                                  scale=float(scale), **self._args(q, k, view, mask, block_sizes))
-        return (view.ungather_out(out).astype(out_dtype or q.dtype), view.ungather_out(lse))
+        out, lse = view.ungather_out(out), view.ungather_out(lse)
+        out, lse = _drop_invalid_rows(out, lse, view, mask, q.shape[1])
+        return out.astype(out_dtype or q.dtype), lse
 
     def backward(self, q, k, v, *, view, mask, scale, lse, dout, delta, block_sizes=None,
                  grad_dtype=None, acc=None):
         from pallas_kernels.flash_attention import flash_backward
+
+        if mask.window is not None or mask.kv_valid is not None:
+            return XLA.backward(q, k, v, view=view, mask=mask, scale=scale, lse=lse,
+                                dout=dout, delta=delta, grad_dtype=grad_dtype, acc=acc)
 
         out_view = view.output_view()
         dq, dk, dv = flash_backward(
@@ -153,12 +180,16 @@ class CudnnCore:
     is the blockwise XLA one, recomputed from that log-sum-exp: exact also when the lse
     carries a cotangent (the mixture merge of dilated branches). Offsets are not supported
     (cuDNN's causal mask is aligned at 0). Per-head key lengths are served by folding the kv
-    heads into the batch."""
+    heads into the batch; query lengths are applied to the result (as for Pallas); a local
+    ``window`` and a per-key ``kv_valid`` run on the XLA core."""
 
     name: ClassVar[str] = "cudnn"
 
     def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):
         del block_sizes
+        if mask.window is not None or mask.kv_valid is not None:
+            return XLA.forward(q, k, v, view=view, mask=mask, scale=scale,
+                               out_dtype=out_dtype)
         if not (isinstance(mask.q_offset, int) and isinstance(mask.k_offset, int)
                 and mask.q_offset == mask.k_offset == 0):
             raise ValueError("implementation='cudnn' supports no query/key offsets; "
@@ -179,6 +210,7 @@ class CudnnCore:
             lse = jnp.moveaxis(lse.reshape(B, U, L, G), 1, 2)
         out = view.ungather_out(out.reshape(B, L, U, G, d))
         lse = view.ungather_out(lse.reshape(B, L, U, G).astype(_F32))
+        out, lse = _drop_invalid_rows(out, lse, view, mask, L)
         return out.astype(out_dtype or q.dtype), lse
 
     def backward(self, q, k, v, **kw):
@@ -266,6 +298,7 @@ def attention_core(
     q_offset: jax.Array | int = 0,
     k_offset: jax.Array | int = 0,
     block_sizes: BlockSizes | None = None,
+    q_len: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Blockwise exact attention in the grouped layout, returning ``(out, lse)``.
 
@@ -281,6 +314,8 @@ def attention_core(
         ``None`` (default) means all ``Lk`` keys are valid and skips the mask entirely.
       q_offset, k_offset: global positions of index 0 (int scalars, may be traced).
       block_sizes: static block sizes; default :func:`dilax.core.default_block_sizes`.
+      q_len: int, broadcastable to ``(B, Hk)``, or None: query rows at index ``>= q_len``
+        see no key (``out = 0``, ``lse = -inf``).
 
     Returns:
       ``out: (B, Lq, Hk, G, d)`` in ``q.dtype`` and ``lse: (B, Lq, Hk, G)`` float32. A query
@@ -288,6 +323,6 @@ def attention_core(
     """
     B, Lq, Hk, G, d = q.shape
     out, lse = attention(q.reshape(B, Lq, Hk * G, d), k, v, view=identity_view(Hk, G),
-                         scale=scale, mask=Mask(kv_len, q_offset, k_offset, bool(is_causal)),
+                         scale=scale, mask=Mask(kv_len, q_offset, k_offset, bool(is_causal), q_len),
                          block_sizes=block_sizes)
     return out.reshape(B, Lq, Hk, G, d), lse.reshape(B, Lq, Hk, G)

@@ -1,4 +1,4 @@
-"""Which keys a query may see: valid key lengths, global offsets and causality."""
+"""Which keys a query may see: valid lengths, global offsets, causality and a local window."""
 
 from __future__ import annotations
 
@@ -11,29 +11,53 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Mask:
-    """The mask description every core implementation takes (a pytree; ``is_causal`` static).
+    """The mask description every core implementation takes (a pytree; ``is_causal`` and
+    ``window`` static).
 
-    Query ``i`` (global position ``q_offset + i``) may attend key ``t`` (global position
-    ``k_offset + t``) of virtual kv head ``u`` in batch row ``b`` iff ``t < kv_len[b, u]`` and,
-    when ``is_causal``, ``k_offset + t <= q_offset + i``.
+    Query ``i`` (global position ``q_offset + i``) of virtual kv head ``u`` in batch row ``b``
+    may attend key ``t`` (global position ``k_offset + t``) iff ``t < kv_len[b, u]``,
+    ``kv_valid[b, u, t]``,
+    ``i < q_len[b, u]``, when ``is_causal`` ``k_offset + t <= q_offset + i``, and when
+    ``window`` is set ``|(k_offset + t) - (q_offset + i)| <= window``. A query with no key
+    gets ``out = 0``, ``lse = -inf`` and zero gradient.
 
     Fields:
       kv_len: int ``(B, U)`` (or broadcastable), or ``None``: all keys valid and no key mask
         is built at all.
       q_offset, k_offset: int scalars (may be traced), the global positions of index 0.
       is_causal: static bool.
+      q_len: int ``(B, U)`` (or broadcastable), or ``None``: all query rows valid. Rows at or
+        past ``q_len`` see no key (query blocks wholly past it are skipped).
+      window: static int ``>= 0`` or ``None``: the local band ``|p - t| <= window`` (key
+        blocks outside the band are skipped).
+      kv_valid: bool ``(B, U, Lk)`` (or broadcastable), or ``None``: an arbitrary per-key
+        validity (e.g. a key-padding mask); pair it with ``kv_len`` (one past the last valid
+        key) so that trailing invalid key blocks are skipped.
     """
 
     kv_len: jax.Array | None = None
     q_offset: jax.Array | int = 0
     k_offset: jax.Array | int = 0
     is_causal: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    q_len: jax.Array | None = None
+    window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    kv_valid: jax.Array | None = None
 
-    def resolve(self, batch: int, num_kv: int, len_k: int) -> Mask:
-        """int32 arrays: ``kv_len`` broadcast to ``(batch, num_kv)`` and capped at ``len_k``."""
-        kv_len = self.kv_len
+    def resolve(self, batch: int, num_kv: int, len_k: int, len_q: int | None = None) -> Mask:
+        """int32 arrays: ``kv_len`` (``q_len``) broadcast to ``(batch, num_kv)`` and capped at
+        ``len_k`` (``len_q``)."""
+        kv_len, q_len = self.kv_len, self.q_len
         if kv_len is not None:
             kv_len = jnp.minimum(
                 jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (batch, num_kv)), len_k)
+        if q_len is not None:
+            q_len = jnp.broadcast_to(jnp.asarray(q_len, jnp.int32), (batch, num_kv))
+            if len_q is not None:
+                q_len = jnp.minimum(q_len, len_q)
+        kv_valid = self.kv_valid
+        if kv_valid is not None:
+            kv_valid = jnp.broadcast_to(jnp.asarray(kv_valid, bool),
+                                        (batch, num_kv, kv_valid.shape[-1]))
         return Mask(kv_len, jnp.asarray(self.q_offset, jnp.int32),
-                    jnp.asarray(self.k_offset, jnp.int32), bool(self.is_causal))
+                    jnp.asarray(self.k_offset, jnp.int32), bool(self.is_causal), q_len,
+                    None if self.window is None else int(self.window), kv_valid)

@@ -46,24 +46,59 @@ def _pad_axis(x, axis, size):
     return jnp.pad(x, widths)
 
 
-def _mask(k_start, block_k, kv_len, q_pos, k_offset, is_causal):
-    """Allowed ``(U or 1, 1, bq or 1, bk)`` mask of one block pair (``kv_len`` may be None)."""
+def _mask(k_start, block_k, kv_len, q_pos, k_offset, is_causal, q_valid=None, window=None,
+          k_valid=None):
+    """Allowed ``(U or 1, 1, bq or 1, bk)`` mask of one block pair, or None when nothing is
+    masked (``kv_len``, ``q_valid (U, bq)``, ``window`` and ``k_valid (U, bk)`` may be None)."""
     k_idx = k_start + lax.iota(jnp.int32, block_k)
     mask = None
+
+    def add(m):
+        return m if mask is None else mask & m
+
     if kv_len is not None:
-        mask = (k_idx[None, :] < kv_len[:, None])[:, None, None, :]
+        mask = add((k_idx[None, :] < kv_len[:, None])[:, None, None, :])
+    if q_valid is not None:
+        mask = add(q_valid[:, None, :, None])
+    if k_valid is not None:
+        mask = add(k_valid[:, None, None, :])
     if is_causal:
-        c = ((k_offset + k_idx)[None, :] <= q_pos[:, None])[None, None]
-        mask = c if mask is None else mask & c
+        mask = add(((k_offset + k_idx)[None, :] <= q_pos[:, None])[None, None])
+    if window is not None:
+        mask = add((jnp.abs((k_offset + k_idx)[None, :] - q_pos[:, None]) <= window)[None, None])
     return mask
 
 
-def _zero_invalid_keys(x, k_start, kv_len):
-    """Zeroes rows of ``x: (U, bk, d)`` at or beyond ``kv_len`` (NaN padding never leaks)."""
-    if kv_len is None:
+def _q_valid(q_start, block_q, q_len):
+    """``(U, bq)``: which rows of the query block starting at ``q_start`` are valid."""
+    if q_len is None:
+        return None
+    return (q_start + lax.iota(jnp.int32, block_q))[None, :] < q_len[:, None]
+
+
+def _block_floor(x, block, limit):
+    """``clip(x // block, 0, limit)`` for a possibly negative traced ``x``."""
+    return jnp.clip(jnp.where(x >= 0, x // block, 0), 0, limit)
+
+
+def _zero_invalid_keys(x, k_start, kv_len, k_valid=None):
+    """Zeroes rows of ``x: (U, bk, d)`` at or beyond ``kv_len`` or not ``k_valid (U, bk)``
+    (NaN padding never leaks)."""
+    if kv_len is None and k_valid is None:
         return x
-    valid = (k_start + lax.iota(jnp.int32, x.shape[1]))[None, :] < kv_len[:, None]
+    valid = True
+    if kv_len is not None:
+        valid = (k_start + lax.iota(jnp.int32, x.shape[1]))[None, :] < kv_len[:, None]
+    if k_valid is not None:
+        valid = valid & k_valid
     return jnp.where(valid[..., None], x, jnp.zeros((), x.dtype))
+
+
+def _key_valid_block(kv_valid, b, u0, u1, k_start, block_k):
+    """``kv_valid[b, u0:u1, k_start:k_start+block_k]`` (padded: ``(B, U, nk*bk)``) or None."""
+    if kv_valid is None:
+        return None
+    return lax.dynamic_slice(kv_valid, (b, u0, k_start), (1, u1 - u0, block_k))[0]
 
 
 def _varying_axes(*refs) -> tuple:
@@ -110,6 +145,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
     (:meth:`Mask.resolve`) and ``block_sizes`` clipped (:meth:`BlockSizes.clipped`)."""
     kv_len, q_offset, k_offset, is_causal = mask.kv_len, mask.q_offset, mask.k_offset, \
         mask.is_causal
+    q_len, window, kv_valid = mask.q_len, mask.window, mask.kv_valid
     block_q, block_k = block_sizes.block_q, block_sizes.block_k
     heads_per_step = block_sizes.heads_per_step
     B, Lq = q.shape[:2]
@@ -121,7 +157,9 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
     vp = _pad_axis(v, 1, nk * block_k)
     if kv_len is None and nk * block_k != Lk:
         kv_len = jnp.full((B, U), Lk, jnp.int32)
-    axes = _varying_axes(q, k, v, kv_len, q_offset, k_offset)
+    if kv_valid is not None:
+        kv_valid = _pad_axis(kv_valid, 2, nk * block_k)
+    axes = _varying_axes(q, k, v, kv_len, q_offset, k_offset, q_len)
 
     groups = _head_groups(U, G, heads_per_step)
 
@@ -140,9 +178,14 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
         qb = view.select_q(_slice_rows(qp, bi, qi * block_q, block_q))  # (U, G, bq, d)
         qb = _scaled(qb, scale)
         kl = None if kv_len is None else kv_len[bi, u0:u1]
+        ql = None if q_len is None else q_len[bi, u0:u1]
+        q_valid = _q_valid(qi * block_q, block_q, ql)
         q_first = q_offset + qi * block_q
         q_pos = q_first + lax.iota(jnp.int32, block_q)
         hi = nk if kl is None else jnp.minimum(nk, _cdiv(jnp.max(kl), block_k))
+        if ql is not None:  # a query block wholly past the valid rows reads no key block
+            hi = jnp.where(qi * block_q < jnp.max(ql), hi, 0)
+        lo = 0
         if is_causal:
             last = q_first + block_q - 1 - k_offset
             hi = jnp.clip(jnp.where(last >= 0, last // block_k + 1, 0), 0, hi)
@@ -151,6 +194,10 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
                                       (q_first - k_offset + 1) // block_k, 0), 0, hi)
         else:
             full = hi
+        if window is not None:  # only the key blocks that meet the band, all masked
+            hi = jnp.minimum(hi, _block_floor(q_first + block_q - 1 + window - k_offset,
+                                              block_k, nk - 1) + 1)
+            lo = full = jnp.minimum(_block_floor(q_first - window - k_offset, block_k, nk), hi)
 
         def make_body(causal_block):
             def body(j, carry):
@@ -159,10 +206,12 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
                 kb = view.select_kv(_slice_rows(kp, bi, k0, block_k))  # (U, bk, d)
                 vb = view.select_kv(_slice_rows(vp, bi, k0, block_k))
                 s = jnp.einsum("hgqd,hkd->hgqk", qb, kb, preferred_element_type=_F32)
-                mask = _mask(k0, block_k, kl, q_pos, k_offset, causal_block)
+                kvb = _key_valid_block(kv_valid, bi, u0, u1, k0, block_k)
+                mask = _mask(k0, block_k, kl, q_pos, k_offset, causal_block and is_causal,
+                             q_valid, window if causal_block else None, kvb)
                 if mask is not None:
                     s = jnp.where(mask, s, -jnp.inf)
-                    vb = _zero_invalid_keys(vb, k0, kl)
+                    vb = _zero_invalid_keys(vb, k0, kl, kvb)
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
                 m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                 p = jnp.exp(s - m_safe[..., None])
@@ -180,8 +229,8 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
             jnp.zeros((U, G, block_q), _F32),
             jnp.zeros((U, G, block_q, d), _F32),
         )
-        carry = lax.fori_loop(0, full, make_body(False), carry)
-        if is_causal:
+        carry = lax.fori_loop(lo, full, make_body(False), carry)
+        if is_causal or window is not None:
             carry = lax.fori_loop(full, hi, make_body(True), carry)
         m, l, acc = carry
         has_key = l > 0
@@ -204,6 +253,7 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
     without buffers of their own."""
     kv_len, q_offset, k_offset, is_causal = mask.kv_len, mask.q_offset, mask.k_offset, \
         mask.is_causal
+    q_len, window, kv_valid = mask.q_len, mask.window, mask.kv_valid
     block_q, block_k = block_sizes.backward
     B, Lq = q.shape[:2]
     Lk, d = k.shape[1], k.shape[-1]
@@ -216,7 +266,9 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
     vp = _pad_axis(v, 1, nk * block_k)
     if kv_len is None and nk * block_k != Lk:
         kv_len = jnp.full((B, U), Lk, jnp.int32)
-    axes = _varying_axes(q, k, v, kv_len, q_offset, k_offset, dout, delta)
+    if kv_valid is not None:
+        kv_valid = _pad_axis(kv_valid, 2, nk * block_k)
+    axes = _varying_axes(q, k, v, kv_len, q_offset, k_offset, dout, delta, q_len)
     out_view = view.output_view()  # reads dout, lse, delta (output layout) per block
 
     # float32 accumulators in the input layouts, padded to whole blocks; ``acc`` (gradients
@@ -237,17 +289,25 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
         bi, kj = idx // nk, idx % nk
         k0 = kj * block_k
         kl = None if kv_len is None else kv_len[bi]
-        kb = _zero_invalid_keys(view.select_kv(_slice_rows(kp, bi, k0, block_k)), k0, kl)
-        vb = _zero_invalid_keys(view.select_kv(_slice_rows(vp, bi, k0, block_k)), k0, kl)
+        kvb = _key_valid_block(kv_valid, bi, 0, U, k0, block_k)
+        kb = _zero_invalid_keys(view.select_kv(_slice_rows(kp, bi, k0, block_k)), k0, kl, kvb)
+        vb = _zero_invalid_keys(view.select_kv(_slice_rows(vp, bi, k0, block_k)), k0, kl, kvb)
+        ql = None if q_len is None else q_len[bi]
         hi = nq if kl is None else jnp.where(k0 < jnp.max(kl), nq, 0)
+        if ql is not None:  # query blocks wholly past the valid rows are skipped
+            hi = jnp.minimum(hi, _cdiv(jnp.max(ql), block_q))
         if is_causal:
             lo = jnp.clip((k_offset + k0 - q_offset) // block_q, 0, nq)
             # Query blocks whose first query sees the whole key block need no causal mask.
             full_lo = jnp.clip(_cdiv(k_offset + k0 + block_k - 1 - q_offset, block_q), lo, nq)
         else:
             lo = full_lo = 0
+        if window is not None:  # only the query blocks that meet the band, all masked
+            lo = jnp.maximum(lo, _block_floor(k_offset + k0 - window - q_offset, block_q, nq))
+            hi = jnp.minimum(hi, _block_floor(k_offset + k0 + block_k - 1 + window - q_offset,
+                                              block_q, nq - 1) + 1)
         hi = jnp.maximum(hi, lo)
-        full_lo = jnp.minimum(full_lo, hi)
+        full_lo = hi if window is not None else jnp.minimum(full_lo, hi)
 
         def make_body(causal_block):
             def body(qi, carry):
@@ -259,7 +319,8 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
                 del_b = out_view.select_q(_slice_rows(deltap, bi, q0, block_q))
                 s = jnp.einsum("hgqd,hkd->hgqk", qb, kb, preferred_element_type=_F32)
                 q_pos = q_offset + q0 + lax.iota(jnp.int32, block_q)
-                mask = _mask(k0, block_k, kl, q_pos, k_offset, causal_block)
+                mask = _mask(k0, block_k, kl, q_pos, k_offset, causal_block and is_causal,
+                             _q_valid(q0, block_q, ql), window if causal_block else None, kvb)
                 if mask is not None:
                     s = jnp.where(mask, s, -jnp.inf)
                 p = jnp.exp(s - lse_b[..., None])  # (U, G, bq, bk); masked -> 0
@@ -281,7 +342,7 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
 
         carry = _varying_like(axes, jnp.zeros((U, block_k, d), _F32),
                               jnp.zeros((U, block_k, d), _F32)) + (dq,)
-        if is_causal:
+        if is_causal or window is not None:
             carry = lax.fori_loop(lo, full_lo, make_body(True), carry)
             carry = lax.fori_loop(full_lo, hi, make_body(False), carry)
         else:

@@ -63,6 +63,9 @@ class LongNetConfig:
       param_dtype: parameter dtype.
       keep_rngs: keep a forked ``dropout`` stream of the constructor's ``rngs`` (only when
         ``dropout > 0``); with ``False`` pass ``rngs`` at call time.
+      local_window: optional ``W >= 0`` (``mode="mixture"``): every attention gets one more
+        branch over the keys ``|p - t| <= W``, so queries at segment starts see their
+        immediate predecessors (see :func:`dilax.dilated_attention`).
 
     Raises:
       ValueError / TypeError: naming the first invalid field.
@@ -86,6 +89,7 @@ class LongNetConfig:
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
     keep_rngs: bool = True
+    local_window: int | None = None
 
     def __post_init__(self):
         d_model, num_heads, num_kv_heads = check_heads(self.d_model, self.num_heads,
@@ -111,6 +115,7 @@ class LongNetConfig:
             sequence_parallel=check_sequence_parallel(self.sequence_parallel,
                                                       self.implementation),
             keep_rngs=V.check_bool(self.keep_rngs, "keep_rngs"),
+            local_window=V.check_local_window(self.local_window, self.mode),
         )
         for name, value in normalized.items():
             object.__setattr__(self, name, value)
@@ -136,6 +141,7 @@ class LongNetOptions(TypedDict, total=False):
     dtype: Dtype | None
     param_dtype: Dtype
     keep_rngs: bool
+    local_window: int | None
 
 
 _SIZES = ("d_model", "num_heads", "dim_feedforward", "segment_lengths", "dilation_rates")

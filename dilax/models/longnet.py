@@ -138,7 +138,7 @@ def _attention(cfg: LongNetConfig, gamma_init: float, *, layer_norm: bool,
         layer_norm=layer_norm, layer_norm_eps=cfg.layer_norm_eps, gamma_init=gamma_init,
         mode=cfg.mode, implementation=cfg.implementation, block_sizes=cfg.block_sizes,
         sequence_parallel=cfg.sequence_parallel, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-        keep_rngs=cfg.keep_rngs, rngs=rngs,
+        keep_rngs=cfg.keep_rngs, local_window=cfg.local_window, rngs=rngs,
     )
 
 
@@ -177,8 +177,11 @@ class _Layer(nnx.Module):
     def _residual(self, x: jax.Array, y: jax.Array, kw: dict) -> jax.Array:
         return x + self.dropout(y, **kw)
 
-    def _self_attention_block(self, x: jax.Array, is_causal: bool, kw: dict) -> jax.Array:
-        return self._residual(x, self.self_attn(self.norm1(x), is_causal=is_causal, **kw), kw)
+    def _self_attention_block(self, x: jax.Array, is_causal: bool, kw: dict,
+                              seq_lengths: jax.Array | None = None) -> jax.Array:
+        y = self.self_attn(self.norm1(x), is_causal=is_causal, query_seq_lengths=seq_lengths,
+                           key_value_seq_lengths=seq_lengths, **kw)
+        return self._residual(x, y, kw)
 
     def _feed_forward_block(self, x: jax.Array, norm: nnx.LayerNorm, kw: dict) -> jax.Array:
         return self._residual(x, self.ffn(norm(x), **kw), kw)
@@ -210,7 +213,9 @@ class DilatedTransformerEncoderLayer(_Layer):
         ``use_bias``, ``implementation``, ``block_sizes``, ``sequence_parallel``, ``dtype``,
         ``param_dtype``, ``keep_rngs``.
 
-    ``__call__(x (b, n, d_model), *, is_causal=False) -> (b, n, d_model)``.
+    ``__call__(x (b, n, d_model), *, is_causal=False, seq_lengths=None) -> (b, n, d_model)``;
+    ``seq_lengths``: optional int ``(b,)`` valid tokens per row (padding): the attention's
+    query and key-value lengths.
     """
 
     def __init__(
@@ -241,9 +246,10 @@ class DilatedTransformerEncoderLayer(_Layer):
         is_causal: bool = False,
         deterministic: bool | None = None,
         rngs: nnx.Rngs | None = None,
+        seq_lengths: jax.Array | None = None,
     ) -> jax.Array:
         kw = dict(deterministic=deterministic, rngs=rngs)
-        x = self._self_attention_block(x, is_causal, kw)
+        x = self._self_attention_block(x, is_causal, kw, seq_lengths)
         return self._feed_forward_block(x, self.norm2, kw)
 
     def decode(self, x: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
@@ -264,7 +270,9 @@ class DilatedTransformerDecoderLayer(_Layer):
 
     Other arguments as in :class:`DilatedTransformerEncoderLayer`.
 
-    ``__call__(x, memory=None, *, is_causal=False, memory_is_causal=False) -> (b, n, d_model)``.
+    ``__call__(x, memory=None, *, is_causal=False, memory_is_causal=False, seq_lengths=None)
+    -> (b, n, d_model)``; ``seq_lengths``: optional int ``(b,)`` valid tokens per row of ``x``
+    and ``memory`` (padding).
     """
 
     def __init__(
@@ -306,13 +314,16 @@ class DilatedTransformerDecoderLayer(_Layer):
         memory_is_causal: bool = False,
         deterministic: bool | None = None,
         rngs: nnx.Rngs | None = None,
+        seq_lengths: jax.Array | None = None,
     ) -> jax.Array:
         kw = dict(deterministic=deterministic, rngs=rngs)
-        x = self._self_attention_block(x, is_causal, kw)
+        x = self._self_attention_block(x, is_causal, kw, seq_lengths)
         if self.cross_attn is not None:
             if memory is None:
                 raise ValueError("memory must be given to a decoder layer with cross_attention")
-            y = self.cross_attn(self.norm2(x), memory, is_causal=memory_is_causal, **kw)
+            y = self.cross_attn(self.norm2(x), memory, is_causal=memory_is_causal,
+                                query_seq_lengths=seq_lengths,
+                                key_value_seq_lengths=seq_lengths, **kw)
             x = self._residual(x, y, kw)
         elif memory is not None:
             raise ValueError("memory was given to a decoder layer built with "
@@ -355,7 +366,11 @@ class LongNet(nnx.Module):
         ``dtype`` (e.g. ``jnp.bfloat16``; ``param_dtype`` stays float32 by default), ...), as in
         :class:`DilatedTransformerEncoderLayer`.
 
-    ``__call__(x (b, n, d_model), *, is_causal=True) -> (b, n, d_model)``.
+    ``__call__(x (b, n, d_model), *, is_causal=True, seq_lengths=None) -> (b, n, d_model)``;
+    ``seq_lengths``: optional int ``(b,)`` valid tokens per row (padding at the end): every
+    attention uses it as query and key-value lengths (as in :func:`dilax.dilated_attention`),
+    so the valid prefix equals the unpadded sequence's result; rows past it are
+    finite values to be ignored (mask them out of the loss).
     """
 
     def __init__(
@@ -414,17 +429,19 @@ class LongNet(nnx.Module):
         is_causal: bool = True,
         deterministic: bool | None = None,
         rngs: nnx.Rngs | None = None,
+        seq_lengths: jax.Array | None = None,
     ) -> jax.Array:
         is_causal = V.check_bool(is_causal, "is_causal")
         tgt = x
+        extra = {} if seq_lengths is None else dict(seq_lengths=seq_lengths)
         for layer in self.encoder:
             x = self._layer(layer, x, None, rngs, is_causal=is_causal,
-                            deterministic=deterministic)
+                            deterministic=deterministic, **extra)
         if len(self.decoder) == 0:
             return x
         memory = x if len(self.encoder) else None
         for layer in self.decoder:
-            kw = dict(is_causal=is_causal, deterministic=deterministic)
+            kw = dict(is_causal=is_causal, deterministic=deterministic, **extra)
             if memory is not None:
                 kw["memory_is_causal"] = is_causal
             tgt = self._layer(layer, tgt, memory, rngs, **kw)
@@ -501,8 +518,9 @@ class LongNetLM(nnx.Module):
       ``LongNetLM(256, config=LongNetConfig(64, 4, 128, (16, 32), (1, 2)),
       num_encoder_layers=0, num_decoder_layers=2, rngs=nnx.Rngs(0))``.
 
-    ``__call__(tokens (b, n) int, *, is_causal=True) -> logits (b, n, num_tokens)`` in the
-    compute dtype.
+    ``__call__(tokens (b, n) int, *, is_causal=True, seq_lengths=None) -> logits
+    (b, n, num_tokens)`` in the compute dtype; ``seq_lengths``: optional int ``(b,)`` valid
+    tokens per row (padding at the end, see :class:`LongNet`).
     """
 
     def __init__(
@@ -554,11 +572,13 @@ class LongNetLM(nnx.Module):
         is_causal: bool = True,
         deterministic: bool | None = None,
         rngs: nnx.Rngs | None = None,
+        seq_lengths: jax.Array | None = None,
     ) -> jax.Array:
         _check_tokens(tokens)
         x = self.token_embedding(tokens)
         x = x + self.pos_embedding(x)
-        x = self.long_net(x, is_causal=is_causal, deterministic=deterministic, rngs=rngs)
+        x = self.long_net(x, is_causal=is_causal, deterministic=deterministic, rngs=rngs,
+                          **({} if seq_lengths is None else dict(seq_lengths=seq_lengths)))
         return self.out(self.norm(x))
 
     # --- KV-cache decoding -------------------------------------------------------------

@@ -48,9 +48,14 @@ class DilatedAttention(nnx.Module):
       sequence_parallel: a :class:`dilax.SequenceParallel` (mesh and axes) to run as ring
         attention over the devices (:func:`dilax.sharded_dilated_attention`; XLA core, so
         ``implementation`` must be None or ``"xla"``); None: one device.
+      local_window: optional ``W >= 0`` (``mode="mixture"``): one more branch attending the
+        keys ``|p - t| <= W`` (see :func:`dilax.dilated_attention`); not yet with
+        ``sequence_parallel``.
 
-    ``__call__(q, k, v)`` takes ``q (b, n, h, d)``, ``k``/``v (b, n, hk, d)`` with
-    ``h % hk == 0`` and returns ``(b, n, h, d)`` in ``q.dtype``.
+    ``__call__(q, k, v, *, query_seq_lengths=None, key_value_seq_lengths=None)`` takes
+    ``q (b, n, h, d)``, ``k``/``v (b, n, hk, d)`` with ``h % hk == 0`` and optional int
+    ``(b,)`` valid lengths (padding, as in :func:`dilax.dilated_attention`) and returns
+    ``(b, n, h, d)`` in ``q.dtype``.
     """
 
     def __init__(
@@ -64,11 +69,16 @@ class DilatedAttention(nnx.Module):
         implementation: str | None = None,
         block_sizes: BlockSizes | None = None,
         sequence_parallel: SequenceParallel | None = None,
+        local_window: int | None = None,
     ):
         cfg = check_options(segment_lengths, dilation_rates, mode=mode, is_causal=is_causal,
                             scale=scale, implementation=implementation, block_sizes=block_sizes)
         self.sequence_parallel: SequenceParallel | None = check_sequence_parallel(
             sequence_parallel, cfg["implementation"])
+        self.local_window: int | None = V.check_local_window(local_window, cfg["mode"])
+        if self.local_window is not None and self.sequence_parallel is not None:
+            raise ValueError("local_window is not supported with sequence_parallel yet "
+                             "(ring attention has no window branch); pass local_window=None")
         self.segment_lengths: tuple[int, ...] = cfg["segment_lengths"]
         self.dilation_rates: tuple[int, ...] = cfg["dilation_rates"]
         self.mode: str = cfg["mode"]
@@ -78,10 +88,16 @@ class DilatedAttention(nnx.Module):
         self.block_sizes: BlockSizes | None = cfg["block_sizes"]
 
     def __call__(
-        self, q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool | None = None
+        self, q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool | None = None,
+        query_seq_lengths: jax.Array | None = None,
+        key_value_seq_lengths: jax.Array | None = None,
     ) -> jax.Array:
         causal = self.is_causal if is_causal is None else V.check_bool(is_causal, "is_causal")
         sp = self.sequence_parallel
+        if sp is not None and (query_seq_lengths is not None
+                               or key_value_seq_lengths is not None):
+            raise ValueError("query_seq_lengths / key_value_seq_lengths are not supported "
+                             "with sequence_parallel yet")
         if sp is not None:
             return sharded_dilated_attention(
                 q, k, v, self.segment_lengths, self.dilation_rates, mesh=sp.mesh,
@@ -91,7 +107,8 @@ class DilatedAttention(nnx.Module):
         return dilated_attention(
             q, k, v, self.segment_lengths, self.dilation_rates, is_causal=causal,
             scale=self.scale, mode=self.mode, implementation=self.implementation,
-            block_sizes=self.block_sizes,
+            block_sizes=self.block_sizes, query_seq_lengths=query_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths, local_window=self.local_window,
         )
 
     # --- KV-cache decoding -------------------------------------------------------------
@@ -132,7 +149,7 @@ class MultiheadDilatedAttention(nnx.Module):
       layer_norm_eps: LayerNorm epsilon.
       gamma_init: Xavier-normal gain of ``v_proj`` and ``out_proj`` (``q_proj``/``k_proj`` use
         gain 1), MAGNETO's depth-dependent gamma.
-      mode, scale, implementation, block_sizes, sequence_parallel: as in
+      mode, scale, implementation, block_sizes, sequence_parallel, local_window: as in
         :class:`DilatedAttention`.
       dtype: compute dtype (``None``: from inputs and params); param_dtype: parameter dtype.
       keep_rngs: keep a forked ``dropout`` stream of ``rngs`` for dropout (only if
@@ -158,6 +175,7 @@ class MultiheadDilatedAttention(nnx.Module):
         implementation: str | None = None,
         block_sizes: BlockSizes | None = None,
         sequence_parallel: SequenceParallel | None = None,
+        local_window: int | None = None,
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
         keep_rngs: bool = True,
@@ -170,7 +188,8 @@ class MultiheadDilatedAttention(nnx.Module):
                                   rngs=rngs)
         self.attention = DilatedAttention(segment_lengths, dilation_rates, mode=mode, scale=scale,
                                           implementation=implementation, block_sizes=block_sizes,
-                                          sequence_parallel=sequence_parallel)
+                                          sequence_parallel=sequence_parallel,
+                                          local_window=local_window)
         self.dropout = nnx.Dropout(dropout, rngs=rngs if keep_rngs and dropout > 0 else None)
         finish(layer_norm, layer_norm_eps)
 
@@ -183,11 +202,17 @@ class MultiheadDilatedAttention(nnx.Module):
         is_causal: bool = False,
         deterministic: bool | None = None,
         rngs: nnx.Rngs | None = None,
+        query_seq_lengths: jax.Array | None = None,
+        key_value_seq_lengths: jax.Array | None = None,
     ) -> jax.Array:
         """``query (b, n, E)``, ``key``/``value (b, n, E)`` (default: ``query``, and ``value``
-        defaults to ``key``) -> ``(b, n, E)``."""
+        defaults to ``key``) -> ``(b, n, E)``. ``query_seq_lengths``,
+        ``key_value_seq_lengths``: optional int ``(b,)`` (padding; see
+        :func:`dilax.dilated_attention`): the attention output is 0 on query rows past their
+        length (the output projection's bias still applies there)."""
         q, k, v = project_qkv(self, query, key, value)
-        x = self.attention(q, k, v, is_causal=is_causal).reshape(query.shape)
+        x = self.attention(q, k, v, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+                           key_value_seq_lengths=key_value_seq_lengths).reshape(query.shape)
         return output_projection(self, self.dropout(x, deterministic=deterministic, rngs=rngs))
 
     # --- KV-cache decoding -------------------------------------------------------------

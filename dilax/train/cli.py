@@ -147,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype (parameters stay float32)")
     g.add_argument("--remat", action="store_true",
                    help="activation checkpointing per layer (less memory, more compute)")
+    g.add_argument("--local-window", type=int, default=m.local_window, metavar="W",
+                   help="add a local-window branch: every query also attends the W tokens "
+                        "before it (mixture mode); removes the loss spike at segment starts "
+                        "(default: none)")
     return p
 
 

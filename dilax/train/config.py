@@ -30,6 +30,7 @@ class ModelConfig:
     dropout: float = 0.0
     dtype: str = "float32"
     remat: bool = False
+    local_window: int | None = None  # a local-window branch |p - t| <= W (mixture mode)
 
     def to_json(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v
@@ -142,6 +143,10 @@ def check_model_config(model_cfg: ModelConfig) -> None:
                              f"{_flag('num_kv_heads')}={m.num_kv_heads}")
     if not m.dropout < 1.0:
         raise ValueError(f"{_flag('dropout')} must be in [0, 1), got {m.dropout}")
+    if m.local_window is not None:
+        _check_number(m, "local_window", low=0, strict=False, integer=True)
+        if m.mode != "mixture":
+            raise ValueError(f"{_flag('local_window')} needs --mode mixture, got {m.mode!r}")
     if m.dtype not in ("float32", "bfloat16"):
         raise ValueError(f"{_flag('dtype')} must be float32 or bfloat16, got {m.dtype!r}")
     try:

@@ -32,7 +32,14 @@ from dilax.train.config import (
     validate,
 )
 from dilax.train.sampling import sample
-from dilax.train.steps import count_params, eval_step, make_model, make_optimizer, train_step
+from dilax.train.steps import (
+    count_params,
+    eval_positions,
+    eval_step,
+    make_model,
+    make_optimizer,
+    train_step,
+)
 
 
 @dataclasses.dataclass
@@ -52,6 +59,9 @@ class TrainResult:
     optimizer: nnx.Optimizer
     interrupted: int | None = None  # the signal (SIGINT, SIGTERM) that stopped the run early
     checkpoint: str | None = None  # the last checkpoint written, if any
+    # eval loss per position (n,) after the last step (None when eval_every == 0 or the run
+    # was interrupted)
+    position_losses: np.ndarray | None = None
 
     @property
     def final_eval_loss(self) -> float | None:
@@ -212,6 +222,69 @@ def _run_steps(run: _Run, progress: bool, log: Callable[[str], None],
     return _Steps(losses, eval_losses, tps, elapsed, step, stop.signum, saved)
 
 
+def position_losses(model: LongNetLM, evals: list) -> np.ndarray:
+    """Eval loss per position ``(n,)``, averaged over the eval batches."""
+    return np.mean([np.asarray(eval_positions(model, jnp.asarray(x), jnp.asarray(y)))
+                     for x, y in evals], axis=0)
+
+
+def boundary_report(losses: np.ndarray, segment_lengths: tuple[int, ...]) -> dict[str, float]:
+    """Mean eval loss at segment starts (positions ``p > 0`` with ``p % min(w) == 0``: there
+    no dilated branch sees the preceding tokens) and elsewhere (other ``p > 0``; position 0
+    has no context at all and is left out of both)."""
+    w = min(segment_lengths)
+    pos = np.arange(len(losses))
+    starts = (pos > 0) & (pos % w == 0)
+    rest = (pos > 0) & ~starts
+    at = float(losses[starts].mean()) if starts.any() else float("nan")
+    other = float(losses[rest].mean()) if rest.any() else float("nan")
+    return dict(segment_starts=at, elsewhere=other, ratio=at / other)
+
+
+def save_position_plot(path: str, curves: dict[str, np.ndarray],
+                       segment_lengths: tuple[int, ...]) -> bool:
+    """Per-position eval loss curves as a PNG at ``path`` (False if matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 3.2), dpi=80)
+    for label, losses in curves.items():
+        ax.plot(np.arange(len(losses)), losses, label=label, lw=1.2)
+    for p in range(min(segment_lengths), len(next(iter(curves.values()))), min(segment_lengths)):
+        ax.axvline(p, color="grey", lw=0.5, ls=":")
+    ax.set_xlabel("position in the window")
+    ax.set_ylabel("eval loss (nats/char)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def _report_positions(run: _Run, log: Callable[[str], None]) -> np.ndarray:
+    import json
+    import os
+
+    losses = position_losses(run.model, run.evals)
+    rep = boundary_report(losses, run.model_cfg.segment_lengths)
+    log(f"eval loss at segment starts {rep['segment_starts']:.4f}, elsewhere "
+        f"{rep['elsewhere']:.4f} nats/char (ratio {rep['ratio']:.2f}; "
+        + ("local window " + str(run.model_cfg.local_window) if run.model_cfg.local_window
+           is not None else "no local window, see --local-window") + ")")
+    if run.cfg.checkpoint_dir:
+        base = os.path.join(run.cfg.checkpoint_dir, "eval_positions")
+        with open(base + ".json", "w") as f:
+            json.dump(dict(report=rep, losses=[float(x) for x in losses]), f)
+        if save_position_plot(base + ".png", {"eval loss": losses},
+                              run.model_cfg.segment_lengths):
+            log(f"per-position eval loss: {base}.png")
+    return losses
+
+
 def _nats_and_bits(nats: float) -> str:
     return f"{nats:.4f} nats/char ({nats / math.log(2):.4f} bits/char)"
 
@@ -283,6 +356,8 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, *, text: str |
                data_sha256)
     with _StopRequest(interrupt != "off", hard=interrupt == "exit") as stop:
         r = _run_steps(run, progress, log, stop)
+    pos_losses = (_report_positions(run, log)
+                  if cfg.eval_every > 0 and r.interrupted is None else None)
     text_out = None
     if cfg.sample_tokens > 0 and r.last_step == cfg.steps and r.interrupted is None:
         text_out = sample(model, tok, cfg.prompt, cfg.sample_tokens, cfg.seq_len,
@@ -290,7 +365,7 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, *, text: str |
                           jax.random.fold_in(jax.random.key(cfg.seed), 0))
     result = TrainResult(r.losses, r.eval_losses, entropy, start, r.last_step, r.tokens_per_s,
                          r.elapsed_s, text_out, num_params, model, optimizer, r.interrupted,
-                         r.checkpoint)
+                         r.checkpoint, pos_losses)
     if result.final_eval_loss is not None:
         what = ("final eval loss" if r.interrupted is None
                 else f"last eval loss (step {max(result.eval_losses)})")

@@ -20,6 +20,7 @@ def make_model(cfg: ModelConfig, seed: int) -> LongNetLM:
         cfg.segment_lengths, cfg.dilation_rates, num_kv_heads=cfg.num_kv_heads,
         dropout=cfg.dropout, mode=cfg.mode, remat=cfg.remat, dtype=jnp.dtype(cfg.dtype),
         param_dtype=jnp.float32, keep_rngs=False, rngs=nnx.Rngs(params=seed),
+        **({} if cfg.local_window is None else dict(local_window=cfg.local_window)),
     )
 
 
@@ -54,10 +55,19 @@ def make_optimizer(model: LongNetLM, cfg: TrainConfig) -> nnx.Optimizer:
 
 
 def lm_loss(model: LongNetLM, x: jax.Array, y: jax.Array, rngs: nnx.Rngs | None,
-            deterministic: bool) -> jax.Array:
-    """Mean next-character cross-entropy (nats), logits in float32."""
-    logits = model(x, deterministic=deterministic, rngs=rngs).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+            deterministic: bool, lengths: jax.Array | None = None) -> jax.Array:
+    """Mean next-character cross-entropy (nats), logits in float32.
+
+    ``lengths``: optional int ``(b,)`` valid tokens per row of a padded batch: the model gets
+    them as ``seq_lengths`` and the mean runs over the valid positions only."""
+    if lengths is None:
+        logits = model(x, deterministic=deterministic, rngs=rngs).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    logits = model(x, deterministic=deterministic, rngs=rngs,
+                   seq_lengths=lengths).astype(jnp.float32)
+    valid = jnp.arange(x.shape[1])[None, :] < lengths[:, None]
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    return jnp.sum(jnp.where(valid, losses, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
 
 
 @nnx.jit(donate_argnums=(0, 1))
@@ -73,3 +83,10 @@ def train_step(model: LongNetLM, optimizer: nnx.Optimizer, x: jax.Array, y: jax.
 def eval_step(model: LongNetLM, x: jax.Array, y: jax.Array) -> jax.Array:
     """Mean loss on ``x, y (b, n)`` without dropout."""
     return lm_loss(model, x, y, None, True)
+
+
+@nnx.jit
+def eval_positions(model: LongNetLM, x: jax.Array, y: jax.Array) -> jax.Array:
+    """Loss per position ``(n,)`` (mean over the batch) on ``x, y (b, n)`` without dropout."""
+    logits = model(x, deterministic=True).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(axis=0)
