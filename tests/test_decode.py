@@ -86,9 +86,14 @@ def test_decode_local_window_matches_mask_oracle(monkeypatch):
     window = 3
     want = attention_oracle(q, k, v, _local_window_counts(N, H, window)[None],
                             1.0 / np.sqrt(D)).out
+    # ... and the rows of causal dilated_attention with the same window (SPEC: decode honours
+    # local_window)
+    full = np.asarray(dilax.dilated_attention(q, k, v, WS, RS, is_causal=True,
+                                              local_window=window))
     for row, start, out in _decode_all(q, k, v, local_window=window):
-        assert_scaled_close(out, want[row, start:start + out.shape[0]], FP32,
-                            err_msg=f"row {row} positions {start}..")
+        for ref in (want, full):
+            assert_scaled_close(out, ref[row, start:start + out.shape[0]], FP32,
+                                err_msg=f"row {row} positions {start}..")
 
 
 def test_decode_step_cost_does_not_grow_with_max_len():
@@ -137,7 +142,8 @@ def _lm(num_encoder_layers):
 
     from dilax.models import LongNetConfig, LongNetLM
 
-    cfg = LongNetConfig(16, 2, 32, (4, 8), (1, 2), num_kv_heads=1)
+    # a local window too: the cache path honours every branch of the configuration
+    cfg = LongNetConfig(16, 2, 32, (4, 8), (1, 2), num_kv_heads=1, local_window=3)
     return LongNetLM(VOCAB, config=cfg, num_encoder_layers=num_encoder_layers,
                      num_decoder_layers=1, rngs=nnx.Rngs(0))
 

@@ -126,7 +126,7 @@ class DilatedAttention(nnx.Module):
                              "has sequence_parallel set")
         return dilated_attention_decode(
             q, k, v, cache, self.segment_lengths, self.dilation_rates, mode=self.mode,
-            scale=self.scale, local_window=getattr(self, "local_window", None))
+            scale=self.scale, local_window=self.local_window)
 
 
 class MultiheadDilatedAttention(nnx.Module):
