@@ -396,7 +396,8 @@ def _ints(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=sorted(COMMANDS), help="what to measure")
+    p.add_argument("command", choices=sorted(COMMANDS), help="what to measure (and "
+                   "gpu-compile: deviceless H100/A100 compiles, see benchmarks/gpu_compile.py)")
     p.add_argument("--n", type=_ints, default=None, help="sequence lengths, e.g. 8192,16384")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
@@ -422,6 +423,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["gpu-compile"]:  # its own flags; compiles in child processes
+        from benchmarks import gpu_compile
+
+        return gpu_compile.main(argv[1:])
     args = build_parser().parse_args(argv)
     for key, value in PRESETS[args.command].items():
         if getattr(args, key) is None or (key == "repeats" and args.repeats == 5):

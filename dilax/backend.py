@@ -33,23 +33,47 @@ def resolve_implementation(implementation: str | None, *, interpret: bool = Fals
                            backend: str | None = None) -> str:
     """Validates ``implementation`` and resolves ``None``.
 
+    ``None`` follows the runtime backend (``backend``, default :func:`current_backend`).
+    An explicit ``"pallas"`` or ``"cudnn"`` follows the *compile target*: it is accepted
+    here whatever the runtime backend, and the program fails at lowering, with a
+    ``ValueError`` naming ``interpret=True`` and ``"xla"``, when it is lowered for a platform
+    the kernels do not support (:mod:`pallas_kernels.platform`). So a CPU process can compile
+    the GPU kernels for a CUDA target (``jax.jit(f).lower(<arguments placed on a CUDA
+    device>).compile()``, e.g. a deviceless ``jax.experimental.topologies`` target), and a
+    CPU program that asks for them still gets a clear error.
+
     Raises:
-      ValueError: unknown name, or ``"cudnn"`` off GPU, or ``"pallas"`` off GPU without
-        ``interpret=True``.
+      ValueError: unknown name.
     """
     implementation = V.check_implementation(implementation, allowed)
     if implementation is None:
         implementation = "pallas" if interpret else default_implementation(backend)
-    backend = current_backend() if backend is None else backend
-    on_gpu = backend in ("gpu", "cuda", "rocm")
-    if implementation == "cudnn" and not on_gpu:
-        raise ValueError("implementation='cudnn' needs a CUDA GPU backend; the current "
-                         f"backend is {backend!r} (use 'xla', or 'pallas' with interpret=True)")
-    if implementation == "pallas" and not on_gpu and not interpret:
-        raise ValueError(f"implementation='pallas' compiles Triton kernels for a GPU; the "
-                         f"current backend is {backend!r}: pass interpret=True to run the "
-                         "kernels in the Pallas interpreter, or use implementation='xla'")
     return implementation
+
+
+CUDNN_NEEDS_GPU = ("implementation='cudnn' runs cuDNN's fused attention, which compiles only "
+                   "for a CUDA GPU: use implementation='xla', or 'pallas' with interpret=True "
+                   "to run the Pallas kernels in the interpreter")
+
+
+def cuda_plugin_available() -> bool:
+    """Whether this jaxlib has the CUDA plugin (``jax[cuda12]``), with or without a GPU."""
+    try:
+        from jax._src.lib import cuda_versions
+    except ImportError:  # pragma: no cover - depends on the jax build
+        return False
+    return cuda_versions is not None
+
+
+def require_cudnn(x: jax.Array) -> jax.Array:
+    """``x``, checked to be compiled for a CUDA device (at lowering), in a jaxlib that has
+    cuDNN (now: jax's cuDNN attention needs the CUDA plugin already to trace)."""
+    from pallas_kernels.platform import require_platform  # lazy: kernels are optional
+
+    if not cuda_plugin_available():
+        raise ValueError(f"{CUDNN_NEEDS_GPU} (this jaxlib has no CUDA plugin; "
+                         "pip install 'jax[cuda12]' to compile for a CUDA target)")
+    return require_platform(x, CUDNN_NEEDS_GPU, platforms=("cuda",))
 
 
 def resolve_core(implementation: str | None, *, interpret: bool = False,
