@@ -301,11 +301,11 @@ def cases() -> list[Case]:
         Case("dilated cudnn fp16 MQA 8/1 n=4096 d=128 causal fwd+bwd", "dilated",
              _dilated("cudnn", n=4096, hk=1, d=128, dtype=FP16, causal=True)),
         Case("dilated cudnn bf16 GQA 8/2 grouped n=5000 d=64 fwd+bwd", "dilated",
-             _dilated("cudnn", n=5000, hk=2, mode="grouped")),
+             _dilated("cudnn", n=5000, hk=2, mode="grouped"), targets=("h100",)),
         Case("dilated xla bf16 n=8192 d=64 causal fwd+bwd", "dilated",
              _dilated("xla", causal=True)),
         Case("dilated xla fp32 GQA 8/2 n=4096 d=128 fwd+bwd", "dilated",
-             _dilated("xla", n=4096, hk=2, d=128, dtype=FP32)),
+             _dilated("xla", n=4096, hk=2, d=128, dtype=FP32), targets=("h100",)),
         # refused by the op (a ValueError naming the rule), never by the compiler
         Case("dilated cudnn fp32", "dilated", _dilated("cudnn", n=4096, dtype=FP32),
              expect="refused", why="cuDNN attention takes bf16/fp16"),
@@ -324,14 +324,12 @@ def cases() -> list[Case]:
     out += [
         Case("block-sparse pallas bf16 B=256 d=128 causal fwd+bwd", "block_sparse",
              _block_sparse("pallas", block=256, d=128, causal=True)),
-        Case("block-sparse pallas bf16 B=128 d=128 fwd+bwd", "block_sparse",
-             _block_sparse("pallas", block=128, d=128)),
         Case("block-sparse pallas fp16 GQA 8/2 per-head B=64 causal fwd+bwd", "block_sparse",
              _block_sparse("pallas", hk=2, dtype=FP16, causal=True, per_head=True)),
         Case("block-sparse pallas fp32 B=128 d=64 fwd+bwd", "block_sparse",
              _block_sparse("pallas", block=128, dtype=FP32, n=4096)),
         Case("block-sparse xla bf16 B=128 d=64 causal fwd+bwd", "block_sparse",
-             _block_sparse("xla", block=128, causal=True)),
+             _block_sparse("xla", block=128, causal=True), targets=("h100",)),
         Case("block-sparse pallas n=1000 B=64", "block_sparse",
              _block_sparse("pallas", n=1000), expect="refused",
              why="the Pallas block-sparse kernel needs n % B == 0"),
@@ -367,15 +365,15 @@ def report_cases() -> list[Case]:
         model = dict(kernel="reference", n=REPORT_N, h=REPORT_H, d=d, dtype=BF16, causal=True)
         out.append(Case(f"report: jax reference mha bf16 d={d} causal fwd+bwd", "reference",
                         _reference_mha(n=REPORT_N, h=REPORT_H, d=d), report=model))
-    for block in (64, 128, 256):
-        for d in (64, 128):
-            model = dict(kernel="block_sparse", n=REPORT_N, h=REPORT_H, d=d, dtype=BF16,
-                         causal=False, block=block, window=block)
-            out.append(Case(f"report: dilax block-sparse bf16 B={block} d={d} fwd+bwd",
-                            "block_sparse",
-                            _block_sparse("pallas", n=REPORT_N, h=REPORT_H, hk=REPORT_H, d=d,
-                                          block=block),
-                            report=model))
+    # The kernel tile is capped at the block size: B=64 (tile = block) and B=256 (sub-tiled).
+    for block, d in ((64, 64), (256, 64), (256, 128)):
+        model = dict(kernel="block_sparse", n=REPORT_N, h=REPORT_H, d=d, dtype=BF16,
+                     causal=False, block=block, window=block)
+        out.append(Case(f"report: dilax block-sparse bf16 B={block} d={d} fwd+bwd",
+                        "block_sparse",
+                        _block_sparse("pallas", n=REPORT_N, h=REPORT_H, hk=REPORT_H, d=d,
+                                      block=block),
+                        report=model))
     return out
 
 
@@ -451,44 +449,50 @@ def _place(tree, sharding):
                         tree)
 
 
-def compile_target(key: str, only: str | None = None) -> dict:
-    """Compiles every case of target ``key``; returns ``{"cases": [...], ...}``."""
+def work_items(targets: list[str], only: str | None = None) -> list[tuple[str, int]]:
+    """``(target, case index)`` pairs to compile, in a fixed order."""
+    all_cases = cases()
+    return [(key, i) for key in targets for i, c in enumerate(all_cases)
+            if key in c.targets and (not only or only in c.name)]
+
+
+def compile_items(items: list[tuple[str, int]]) -> list[dict]:
+    """Compiles ``items`` (see :func:`work_items`) in this process; one result row each."""
     import jax
     import numpy as np
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    target = TARGETS[key]
-    with open(os.path.join(SPEC_DIR, target.spec)) as f:
-        spec = f.read()
-    topo1 = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
-                                         target_config=spec)
-    mesh1 = Mesh(np.array(topo1.devices[:1]), ("x",))
-    replicated = NamedSharding(mesh1, P())
-    topo8 = None
+    all_cases = cases()
+    topos: dict[tuple[str, int], Any] = {}
+
+    def mesh_of(key: str, devices: int, axis: str) -> Mesh:
+        if (key, devices) not in topos:
+            with open(os.path.join(SPEC_DIR, TARGETS[key].spec)) as f:
+                spec = f.read()
+            topos[key, devices] = topologies.get_topology_desc(
+                platform="cuda", topology=f"1x1x{devices}", target_config=spec)
+        return Mesh(np.array(topos[key, devices].devices[:devices]), (axis,))
+
     ptxas = _ptxas()
     results = []
-    for case in cases():
-        if key not in case.targets or (only and only not in case.name):
-            continue
-        row = dict(name=case.name, op=case.op, expect=case.expect, why=case.why)
+    for key, index in items:
+        case, target = all_cases[index], TARGETS[key]
+        row = dict(target=key, name=case.name, op=case.op, expect=case.expect, why=case.why)
         t0 = time.time()
         dump = tempfile.mkdtemp(prefix="dilax-gpu-") if case.report else None
         try:
             built = case.build()
-            if case.devices > 1:
-                if topo8 is None:
-                    topo8 = topologies.get_topology_desc(
-                        platform="cuda", topology=f"1x1x{case.devices}", target_config=spec)
-                mesh = Mesh(np.array(topo8.devices), ("sp",))
+            if case.devices > 1:  # sharded over the sequence of a multi-GPU topology
+                mesh = mesh_of(key, case.devices, "sp")
                 f, args, grad = built
-                fn = (lambda *a, f=f, mesh=mesh: f(*a, mesh)) if not grad else _loss_grad(
-                    lambda *a, f=f, mesh=mesh: f(*a, mesh))
+                fn = (lambda *a, f=f, mesh=mesh: f(*a, mesh))
+                fn = _loss_grad(fn) if grad else fn
                 args = _place(args, NamedSharding(mesh, P(None, "sp")))
             else:
                 fn, args = built
-                args = _place(args, replicated)
+                args = _place(args, NamedSharding(mesh_of(key, 1, "x"), P()))
             opts = {"xla_dump_to": dump} if dump else {}
             jax.jit(fn).lower(*args).compile(compiler_options=opts)
             row["outcome"] = "ok"
@@ -511,7 +515,7 @@ def compile_target(key: str, only: str | None = None) -> dict:
         status = "PASS" if row["passed"] else "FAIL"
         print(f"[{key}] {status} {row['outcome']:8s} {row['seconds']:6.1f}s  {case.name}"
               + ("" if row["passed"] else f"\n    {row.get('error', '')[:600]}"), flush=True)
-    return dict(target=key, target_name=target.name, ptxas=ptxas, cases=results)
+    return results
 
 
 # --------------------------------------------------------------------------------------------
@@ -651,55 +655,58 @@ def markdown(result: dict) -> str:
 
 
 def run(targets: list[str], out_dir: str, only: str | None = None, jobs: int = 2) -> int:
-    """Compiles ``targets`` in child processes (``jobs`` at a time), writes
-    ``gpu-compile.{json,md}`` to ``out_dir``; returns 0 when every case had its expected
-    outcome."""
+    """Compiles every case of ``targets`` in ``jobs`` child processes (the (target, case)
+    pairs dealt round-robin), writes ``gpu-compile.{json,md}`` to ``out_dir``; returns 0 when
+    every case had its expected outcome."""
     import jax
 
     t0 = time.time()
     env = dict(os.environ, **ENV)
     env["PYTHONPATH"] = os.pathsep.join(
         [os.path.dirname(HERE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    items = work_items(targets, only)
+    jobs = max(1, min(jobs, len(items)))
     tmp = tempfile.mkdtemp(prefix="dilax-gpu-compile-")
-    procs, pending = [], list(targets)
-    running: list[tuple[str, subprocess.Popen, str]] = []
-    while pending or running:
-        while pending and len(running) < max(1, jobs):
-            key = pending.pop(0)
-            path = os.path.join(tmp, f"{key}.json")
-            cmd = [sys.executable, "-m", "benchmarks.gpu_compile", "--child", key, "--json", path]
-            if only:
-                cmd += ["--only", only]
-            running.append((key, subprocess.Popen(cmd, env=env), path))
-        key, proc, path = running.pop(0)
+    children = []
+    for shard in range(jobs):
+        path = os.path.join(tmp, f"shard{shard}.json")
+        cmd = [sys.executable, "-m", "benchmarks.gpu_compile", "--child", f"{shard}/{jobs}",
+               "--targets", ",".join(targets), "--json", path]
+        if only:
+            cmd += ["--only", only]
+        children.append((subprocess.Popen(cmd, env=env), path))
+    rows, passed = [], True
+    for proc, path in children:
         proc.wait()
-        procs.append((key, proc.returncode, path))
-    results, passed = [], True
-    for key, rc, path in sorted(procs, key=lambda p: targets.index(p[0])):
-        if rc != 0 or not os.path.exists(path):
-            print(f"gpu-compile: the {key} process failed (exit {rc})", file=sys.stderr)
+        if proc.returncode != 0 or not os.path.exists(path):
+            print(f"gpu-compile: a child process failed (exit {proc.returncode})",
+                  file=sys.stderr)
             passed = False
             continue
         with open(path) as f:
-            r = json.load(f)
-        passed &= all(c["passed"] for c in r["cases"])
-        results.append(r)
+            rows += json.load(f)
     shutil.rmtree(tmp, ignore_errors=True)
+    order = {item: i for i, item in enumerate(items)}
+    names = {c.name: i for i, c in enumerate(cases())}
+    rows.sort(key=lambda r: order.get((r["target"], names.get(r["name"], -1)), 0))
+    passed &= len(rows) == len(items) and all(r["passed"] for r in rows)
     result = dict(command="gpu-compile", date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                  jax=jax.__version__, cores=os.cpu_count(), passed=passed,
-                  wall_seconds=round(time.time() - t0, 1), targets=results)
+                  jax=jax.__version__, cores=os.cpu_count(), jobs=jobs, passed=passed,
+                  wall_seconds=round(time.time() - t0, 1), ptxas=_ptxas() is not None,
+                  targets=[dict(target=key, target_name=TARGETS[key].name,
+                                cases=[r for r in rows if r["target"] == key])
+                           for key in targets])
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "gpu-compile.json"), "w") as f:
         json.dump(result, f, indent=1)
-    text = markdown(result)
     with open(os.path.join(out_dir, "gpu-compile.md"), "w") as f:
-        f.write(text)
-    failed = [(t["target"], c["name"], c["outcome"]) for t in results for c in t["cases"]
-              if not c["passed"]]
-    print(f"\ngpu-compile: {sum(len(t['cases']) for t in results)} compiles in "
-          f"{result['wall_seconds']:.0f} s; wrote {out_dir}/gpu-compile.{{md,json}}")
-    for t, name, outcome in failed:
-        print(f"  FAILED [{t}] {name}: {outcome}")
+        f.write(markdown(result))
+    print(f"\ngpu-compile: {len(rows)} compiles in {result['wall_seconds']:.0f} s; wrote "
+          f"{out_dir}/gpu-compile.{{md,json}}")
+    for r in rows:
+        if not r["passed"]:
+            print(f"  FAILED [{r['target']}] {r['name']}: {r['outcome']} (expected "
+                  f"{r['expect']})")
     return 0 if passed else 1
 
 
@@ -708,19 +715,21 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--targets", default="h100,a100", help="comma-separated: h100,a100")
     p.add_argument("--only", default=None, help="only cases whose name contains this")
-    p.add_argument("--jobs", type=int, default=2, help="targets compiled at once")
+    p.add_argument("--jobs", type=int, default=2, help="compiling processes")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.child:
-        with open(args.json, "w") as f:
-            json.dump(compile_target(args.child, args.only), f, indent=1)
-        return 0
     targets = [t for t in args.targets.split(",") if t]
     unknown = [t for t in targets if t not in TARGETS]
     if unknown:
         raise SystemExit(f"unknown targets {unknown}; choose from {sorted(TARGETS)}")
+    if args.child:
+        shard, num = (int(x) for x in args.child.split("/"))
+        items = work_items(targets, args.only)[shard::num]
+        with open(args.json, "w") as f:
+            json.dump(compile_items(items), f, indent=1)
+        return 0
     return run(targets, args.out, args.only, args.jobs)
 
 

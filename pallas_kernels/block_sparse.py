@@ -285,7 +285,7 @@ def _sparse_forward(q, k, v, kv_idx, kv_cnt, block_size, scale, is_causal, confi
         out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
         out_shape=[jax.ShapeDtypeStruct(qp.shape, q.dtype),
                    jax.ShapeDtypeStruct((B, Hk * G, n_pad), _F32)],
-        compiler_params=triton_compiler_params(config, dp),
+        compiler_params=triton_compiler_params(config, dp, interpret),
         interpret=interpret,
         debug=debug,
         name="dilax_block_sparse_fwd",
@@ -310,7 +310,7 @@ def _sparse_backward(q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, out, lse, dout, dlse
     dop = pad_to(dout.astype(q.dtype), {1: n_pad, 4: dp})
     kp = pad_to(k, {1: n_pad, 3: dp})
     vp = pad_to(v, {1: n_pad, 3: dp})
-    params = triton_compiler_params(config, dp)
+    params = triton_compiler_params(config, dp, interpret)
 
     sub_q = block_size // bq_q
     q_spec = pl.BlockSpec((None, bq_q, None, None, dp),
@@ -479,7 +479,7 @@ def block_sparse_flash_attention(
     kv_cnt = jnp.asarray(kv_cnt, jnp.int32)
     q_cnt = jnp.asarray(q_cnt, jnp.int32)
     return _sparse(q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, block_size, float(scale),
-                   bool(is_causal), config, bool(interpret), bool(debug))
+                   bool(is_causal), config, interpret or False, bool(debug))
 
 
 def block_sparse_reference(

@@ -117,11 +117,14 @@ def tile(block: int, length: int) -> int:
     return max(MIN_BLOCK, min(block, next_power_of_2(length)))
 
 
-def triton_compiler_params(config: KernelConfig, head_dim: int):
+def triton_compiler_params(config: KernelConfig, head_dim: int, interpret=False):
     """``jax.experimental.pallas.triton.CompilerParams`` for ``config``, which selects the Triton
     lowering of ``pallas_call`` on GPU (jax 0.10: the Triton backend is chosen by the type of
     ``compiler_params``; ``plgpu`` now names Mosaic GPU). Imported lazily; ``None`` when the
-    Triton Pallas module is unavailable (the interpreter ignores compiler params)."""
+    Triton Pallas module is unavailable, and when ``interpret`` (the interpreters need none,
+    and the strict one, ``pltpu.InterpretParams``, accepts only Mosaic params)."""
+    if interpret:
+        return None
     try:
         from jax.experimental.pallas import triton as pltriton
     except ImportError:  # pragma: no cover - depends on the jax build

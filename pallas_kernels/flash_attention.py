@@ -217,7 +217,7 @@ def flash_forward(q, k, v, *, kv_len, offsets, scale: float, is_causal: bool,
             jax.ShapeDtypeStruct(qp.shape, q.dtype),
             jax.ShapeDtypeStruct((B, Hk * G, lq_pad), _F32),
         ],
-        compiler_params=triton_compiler_params(config, dp),
+        compiler_params=triton_compiler_params(config, dp, interpret),
         interpret=interpret,
         debug=debug,
         name="dilax_flash_fwd",
@@ -244,7 +244,7 @@ def flash_backward(q, k, v, *, kv_len, offsets, lse, dout, delta, scale: float,
     dop = pad_to(dout.astype(q.dtype), {1: lq_pad, 4: dp})
     kp = pad_to(k, {1: lk_pad, 3: dp})
     vp = pad_to(v, {1: lk_pad, 3: dp})
-    params = triton_compiler_params(config, dp)
+    params = triton_compiler_params(config, dp, interpret)
     offs_spec = pl.BlockSpec((2,), lambda *_: (0,))
 
     # dq: one program per (query block, batch, query head), loop over key blocks.
@@ -350,7 +350,9 @@ def flash_attention(
       q_offset, k_offset: global positions of index 0 (int scalars, may be traced).
       block_sizes: :class:`KernelConfig` (tiles, warps, stages) or ``None`` for
         :func:`pallas_kernels.config.default_config`.
-      interpret: run the kernels with the Pallas interpreter (any backend, e.g. CPU tests).
+      interpret: run the kernels with the Pallas interpreter (any backend, e.g. CPU tests):
+        ``True``, or ``jax.experimental.pallas.tpu.InterpretParams(...)`` for the strict
+        interpreter (out-of-bounds reads raise, uninitialized memory is NaN).
       debug: print the kernels' jaxprs (``pallas_call(debug=True)``).
 
     Returns:
@@ -367,7 +369,7 @@ def flash_attention(
     kv_len = jnp.clip(jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (B, Hk)), 0, Lk)
     offsets = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(k_offset, jnp.int32)])
     return _flash(q, k, v, kv_len, offsets, float(scale), bool(is_causal), config,
-                  bool(interpret), bool(debug))
+                  interpret or False, bool(debug))
 
 
 flash_attention_reference = attention_reference
