@@ -13,7 +13,10 @@ rule for platform cpu").
 
 from __future__ import annotations
 
+import functools
+
 import jax
+from jax._src import dispatch
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -22,7 +25,8 @@ __all__ = ["GPU_PLATFORMS", "require_platform"]
 GPU_PLATFORMS = ("cuda", "rocm")
 
 _guard_p = Primitive("dilax_require_platform")
-_guard_p.def_impl(lambda x, **_: x)  # eager calls never reach here: dispatch lowers first
+# Eager calls compile the primitive for the default device, so they are checked too.
+_guard_p.def_impl(functools.partial(dispatch.apply_primitive, _guard_p))
 _guard_p.def_abstract_eval(lambda x, **_: x)
 batching.primitive_batchers[_guard_p] = (
     lambda args, dims, **kw: (_guard_p.bind(*args, **kw), dims[0]))
