@@ -70,3 +70,24 @@ def test_require_platform_is_identity_under_transforms():
     with pytest.raises(ValueError, match="subset"):
         require_platform(x, "m", platforms=("tpu",))
     np.testing.assert_array_equal(jax.eval_shape(f, x).shape, (3,))
+
+
+def test_factory_auto_on_gpu_picks_per_configuration_and_says_why():
+    from flax import nnx
+
+    kw = dict(segment_lengths=(16,), dilation_rates=(1,), backend="gpu")
+    mh = dict(embed_dim=64, num_heads=4, rngs=nnx.Rngs(0))
+    cases = [
+        (dict(kw, **mh, dtype=jnp.bfloat16), "cudnn", "cuDNN's fused forward"),
+        (dict(kw, **mh, dtype=jnp.float32), "pallas", "bf16/fp16 only"),
+        (dict(kw, embed_dim=80, num_heads=4, rngs=nnx.Rngs(0), dtype=jnp.float16), "pallas",
+         "head_dim % 8"),
+        (kw, "pallas", "pass dtype and head_dim"),
+        (dict(pattern=patterns.local_window(32, 16, 16), backend="gpu"), "pallas",
+         "cuDNN has no such attention"),
+    ]
+    for kwargs, impl, why in cases:
+        choice = dilax.create_attention(**kwargs).choice
+        assert choice.implementation == impl and why in choice.reason, choice
+    text = dilax.backend.kernels_available()
+    assert "make gpu-check" in text["pallas"] and "CUDA" in text["cudnn"]
