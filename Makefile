@@ -6,7 +6,14 @@ PY     := $(VENV)/bin/python
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP      := $(VENV)/.installed-dev
 
-.PHONY: demo test lint bench clean
+# make gpu-check: a second venv with jax's CUDA plugin (jax[cuda12], ~5.5 GB) at the jax
+# version of .venv, for deviceless XLA:GPU compiles (no GPU needed).
+GPU_VENV  := .venv-gpu
+GPU_PY    := $(GPU_VENV)/bin/python
+GPU_STAMP := $(GPU_VENV)/.installed-stamp
+GPU_OUT   ?= build/gpu-check
+
+.PHONY: demo test lint bench clean gpu-check
 
 $(DEMO_STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,5 +40,16 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks all
 
+$(GPU_STAMP): pyproject.toml $(STAMP)
+	@test -x $(GPU_PY) || $(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_PY) -m pip install -q --upgrade pip
+	$(GPU_PY) -m pip install -q "jax[cuda12]==$$($(PY) -c 'import jax; print(jax.__version__)')" -e .
+	@touch $(GPU_STAMP)
+
+## make gpu-check: compile every public op for an H100 and an A100 without a GPU
+## (benchmarks/gpu_compile.py); fails if a supported configuration does not compile
+gpu-check: $(GPU_STAMP)
+	$(GPU_PY) -m benchmarks gpu-compile --out $(GPU_OUT)
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(GPU_VENV) build *.egg-info .pytest_cache .hypothesis

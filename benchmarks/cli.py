@@ -550,7 +550,9 @@ def _add_command(sub, name: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks", description=__doc__, formatter_class=_Formatter,
-        epilog="`python -m benchmarks <command> --help` lists a command's flags and defaults.")
+        epilog="`python -m benchmarks <command> --help` lists a command's flags and defaults. "
+               "`python -m benchmarks gpu-compile --help`: deviceless H100/A100 compiles "
+               "(needs jax[cuda12], see `make gpu-check`).")
     sub = p.add_subparsers(dest="command", required=True, metavar="command",
                            title="commands")
     for name in COMMANDS:
@@ -559,6 +561,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["gpu-compile"]:  # its own flags; compiles in child processes
+        from benchmarks import gpu_compile
+
+        return gpu_compile.main(argv[1:])
     args = build_parser().parse_args(argv)
     if len(args.segment_lengths) != len(args.dilation_rates):
         raise SystemExit("--segment-lengths and --dilation-rates need the same number of values")

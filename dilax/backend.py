@@ -33,23 +33,47 @@ def resolve_implementation(implementation: str | None, *, interpret: bool = Fals
                            backend: str | None = None) -> str:
     """Validates ``implementation`` and resolves ``None``.
 
+    ``None`` follows the runtime backend (``backend``, default :func:`current_backend`).
+    An explicit ``"pallas"`` or ``"cudnn"`` follows the *compile target*: it is accepted
+    here whatever the runtime backend, and the program fails at lowering, with a
+    ``ValueError`` naming ``interpret=True`` and ``"xla"``, when it is lowered for a platform
+    the kernels do not support (:mod:`pallas_kernels.platform`). So a CPU process can compile
+    the GPU kernels for a CUDA target (``jax.jit(f).lower(<arguments placed on a CUDA
+    device>).compile()``, e.g. a deviceless ``jax.experimental.topologies`` target), and a
+    CPU program that asks for them still gets a clear error.
+
     Raises:
-      ValueError: unknown name, or ``"cudnn"`` off GPU, or ``"pallas"`` off GPU without
-        ``interpret=True``.
+      ValueError: unknown name.
     """
     implementation = V.check_implementation(implementation, allowed)
     if implementation is None:
         implementation = "pallas" if interpret else default_implementation(backend)
-    backend = current_backend() if backend is None else backend
-    on_gpu = backend in ("gpu", "cuda", "rocm")
-    if implementation == "cudnn" and not on_gpu:
-        raise ValueError("implementation='cudnn' needs a CUDA GPU backend; the current "
-                         f"backend is {backend!r} (use 'xla', or 'pallas' with interpret=True)")
-    if implementation == "pallas" and not on_gpu and not interpret:
-        raise ValueError(f"implementation='pallas' compiles Triton kernels for a GPU; the "
-                         f"current backend is {backend!r}: pass interpret=True to run the "
-                         "kernels in the Pallas interpreter, or use implementation='xla'")
     return implementation
+
+
+CUDNN_NEEDS_GPU = ("implementation='cudnn' runs cuDNN's fused attention, which compiles only "
+                   "for a CUDA GPU: use implementation='xla', or 'pallas' with interpret=True "
+                   "to run the Pallas kernels in the interpreter")
+
+
+def cuda_plugin_available() -> bool:
+    """Whether this jaxlib has the CUDA plugin (``jax[cuda12]``), with or without a GPU."""
+    try:
+        from jax._src.lib import cuda_versions
+    except ImportError:  # pragma: no cover - depends on the jax build
+        return False
+    return cuda_versions is not None
+
+
+def require_cudnn(x: jax.Array) -> jax.Array:
+    """``x``, checked to be compiled for a CUDA device (at lowering), in a jaxlib that has
+    cuDNN (now: jax's cuDNN attention needs the CUDA plugin already to trace)."""
+    from pallas_kernels.platform import require_platform  # lazy: kernels are optional
+
+    if not cuda_plugin_available():
+        raise ValueError(f"{CUDNN_NEEDS_GPU} (this jaxlib has no CUDA plugin; "
+                         "pip install 'jax[cuda12]' to compile for a CUDA target)")
+    return require_platform(x, CUDNN_NEEDS_GPU, platforms=("cuda",))
 
 
 def resolve_core(implementation: str | None, *, interpret: bool = False,
@@ -65,16 +89,51 @@ def resolve_core(implementation: str | None, *, interpret: bool = False,
 
 
 def kernels_available() -> dict[str, str]:
-    """What each implementation needs and whether this process has it."""
-    on_gpu = current_backend() == "gpu"
+    """What each implementation needs and whether this process can compile or run it."""
+    on_gpu = current_backend() in ("gpu", "cuda", "rocm")
+    plugin = cuda_plugin_available()
     return {
         "reference": "available (dense mask, small n only)",
         "xla": "available (blockwise core, any backend)",
-        "pallas": ("available (jax's built-in Pallas Triton lowering)" if on_gpu
-                   else "interpret mode only (interpret=True); compiling needs a GPU backend"),
-        "cudnn": ("available through jax.nn.dot_product_attention" if on_gpu
-                  else "unavailable (needs a CUDA GPU)"),
+        "pallas": ("available: Pallas kernels through jax's Triton lowering (forward, dq and "
+                   "dk/dv kernels)" if on_gpu else
+                   "interpret mode here (interpret=True); compiles for CUDA/ROCm targets "
+                   "(jax.jit(...).lower(<arrays on a GPU device>).compile(); "
+                   "make gpu-check does it without a GPU)"),
+        "cudnn": ("available: cuDNN fused attention forward via jax.nn.dot_product_attention, "
+                  "bf16/fp16, XLA-core backward" if on_gpu else
+                  "compiles for CUDA targets only" + (
+                      " (jax's CUDA plugin is installed)" if plugin else
+                      "; needs jax's CUDA plugin (pip install 'jax[cuda12]')")),
     }
+
+
+def gpu_choice(*, kind: str = "dilated", dtype=None, head_dim: int | None = None
+               ) -> tuple[str, str]:
+    """The implementation ``"auto"`` picks on a GPU, and why (see :func:`create_attention
+    <dilax.factory.create_attention>`).
+
+    From what compiles (``make gpu-check``) and the kernels' resource report: the Pallas
+    kernels compile for every dtype, head_dim <= 256 and block size, with forward *and*
+    backward kernels; cuDNN's fused attention takes bf16/fp16 with ``head_dim % 8 == 0`` and
+    ``<= 128`` (256 on Hopper), has no block-sparse form, and its backward here is the XLA
+    core. So: ``"pallas"``, except a bf16/fp16 dilated configuration with a head dim cuDNN
+    supports when the caller says so by passing ``dtype`` and ``head_dim`` (inference-style
+    use, where only cuDNN's forward runs)."""
+    if kind != "dilated":
+        return "pallas", f"{kind}: cuDNN has no such attention; the Pallas kernels do"
+    if dtype is None or head_dim is None:
+        return "pallas", ("GPU: the Pallas kernels (forward and backward kernels, any dtype, "
+                          "head_dim <= 256); pass dtype and head_dim to consider cuDNN")
+    import jax.numpy as jnp
+
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return "pallas", f"GPU, {jnp.dtype(dtype).name}: cuDNN attention takes bf16/fp16 only"
+    if head_dim % 8 or head_dim > 128:
+        return "pallas", (f"GPU, head_dim={head_dim}: cuDNN needs head_dim % 8 == 0 and "
+                          "<= 128 (256 on Hopper)")
+    return "cudnn", (f"GPU, {jnp.dtype(dtype).name}, head_dim={head_dim}: cuDNN's fused "
+                     "forward (its backward is the XLA core; use 'pallas' for training)")
 
 
 def describe(file: TextIO | None = None) -> None:

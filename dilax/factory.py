@@ -15,7 +15,7 @@ import jax
 from flax import nnx
 
 from dilax import _validation as V
-from dilax.backend import current_backend, default_implementation
+from dilax.backend import current_backend, default_implementation, gpu_choice
 from dilax.core import BlockSizes
 from dilax.nn.attention import DilatedAttention
 from dilax.sp import SequenceParallel
@@ -114,8 +114,10 @@ def create_attention(
       embed_dim, num_heads: give both for a multi-head module with projections (then
         ``rngs`` is required); otherwise a parameter-free module over ``(b, n, h, d)``.
       mode, is_causal: as in :func:`dilax.dilated_attention`.
-      implementation: ``None`` = best for ``backend`` (``"pallas"`` on GPU, ``"xla"``
-        elsewhere), or one of ``"reference"``, ``"xla"``, ``"pallas"``, ``"cudnn"``.
+      implementation: ``None`` = best for ``backend`` (``"xla"`` off GPU; on GPU
+        :func:`dilax.backend.gpu_choice`: ``"pallas"``, or ``"cudnn"`` for a multi-head
+        dilated module with a bf16/fp16 ``dtype`` and a head dim cuDNN supports; the reason
+        is in ``.choice``), or one of ``"reference"``, ``"xla"``, ``"pallas"``, ``"cudnn"``.
       backend: override the detected backend (``"cpu"``, ``"gpu"``...), e.g. to build a GPU
         configuration on a CPU host.
       **module_kwargs: forwarded to the module (``num_kv_heads``, ``dropout``...).
@@ -149,7 +151,9 @@ def create_attention(
 
     reasons: list[str] = []
     kind = _choose_kind(kind, dilated_cfg, pattern, mesh, seq_axis, reasons)
-    implementation = _choose_implementation(kind, implementation, backend, pattern, reasons)
+    head_dim = embed_dim // num_heads if multihead and embed_dim and num_heads else None
+    implementation = _choose_implementation(kind, implementation, backend, pattern, reasons,
+                                            module_kwargs.get("dtype"), head_dim)
     if kind == "block_sparse" and multihead:
         implementation = "xla"  # the multi-head block-sparse module runs the XLA gather path
     sp = SequenceParallel(mesh, seq_axis) if kind == "ring" else None
@@ -192,8 +196,12 @@ def _choose_kind(kind, dilated_cfg, pattern, mesh, seq_axis, reasons) -> str:
     return kind
 
 
-def _choose_implementation(kind, implementation, backend, pattern, reasons) -> str:
-    if implementation is None:
+def _choose_implementation(kind, implementation, backend, pattern, reasons, dtype=None,
+                           head_dim=None) -> str:
+    if implementation is None and backend in ("gpu", "cuda") and kind != "ring":
+        implementation, why = gpu_choice(kind=kind, dtype=dtype, head_dim=head_dim)
+        reasons.append(f"backend {backend!r} -> {implementation!r} ({why})")
+    elif implementation is None:
         implementation = default_implementation(backend)
         reasons.append(f"backend {backend!r} -> {implementation!r}")
     else:

@@ -28,6 +28,7 @@ element mask. A query with no key gets ``out = 0``, ``lse = -inf``, zero gradien
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -37,18 +38,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import (
+    _cdiv_nonneg,
     backward_rows,
     check_grouped_qkv,
     dkdv_call,
     dkdv_loop,
     dq_loop,
     for_each_group,
+    gpu_only,
     online_softmax,
     output_delta,
     pad_to,
     padded_head_dim,
 )
-from pallas_kernels.config import MIN_BLOCK, KernelConfig, triton_compiler_params
+from pallas_kernels.config import MIN_BLOCK, KernelConfig, default_config, triton_compiler_params
 from pallas_kernels.reference import masked_reference
 from pallas_kernels.tables import (
     block_mask_from_tables,
@@ -110,51 +113,118 @@ def _check_tables(indices, counts, name_i, name_c, num_heads, rows, cols, what_r
 # --------------------------------------------------------------------------------------------
 
 
-def _fwd_kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, is_causal,
-                block_size, seq_len):
+def _query_tile_segments(idx_ref, cnt, *, is_causal, block, block_q, block_k, seq_len,
+                         num_blocks):
+    """Key-tile segments of query tile ``i`` (forward and dq): the listed blocks cut into
+    ``block // block_k`` tiles, unmasked except the last listed block when it is the causal
+    diagonal or the ragged end of the sequence (the tables are ascending, so only the last
+    listed block can be either)."""
     i = pl.program_id(0)
-    q_pos = i * block_size + jnp.arange(block_size, dtype=jnp.int32)
+    sub_q, sub_k = block // block_q, block // block_k
+    qb = lax.div(i, jnp.int32(sub_q))
+    ragged = seq_len % block != 0
+    if not (is_causal or ragged):
+        return [(cnt * sub_k, lambda s: _listed(idx_ref, s, sub_k), False)]
+    last = idx_ref[jnp.maximum(cnt - 1, 0)]
+    tail_tiles = jnp.int32(sub_k)
+    is_tail = jnp.zeros((), jnp.bool_)
+    if is_causal:  # key tiles of the diagonal block up to the tile's last query
+        diag = last == qb
+        rows = (lax.rem(i, jnp.int32(sub_q)) + 1) * block_q
+        tail_tiles = jnp.where(diag, jnp.minimum(tail_tiles, _cdiv_nonneg(rows, block_k)),
+                               tail_tiles)
+        is_tail = is_tail | diag
+    if ragged:  # key tiles of the last block that hold keys < seq_len
+        end = last == num_blocks - 1
+        keys = seq_len - (num_blocks - 1) * block
+        tail_tiles = jnp.where(end, jnp.minimum(tail_tiles, -(-keys // block_k)), tail_tiles)
+        is_tail = is_tail | end
+    is_tail = is_tail & (cnt > 0)
+    head = (cnt - is_tail.astype(jnp.int32)) * sub_k
+    return [(head, lambda s: _listed(idx_ref, s, sub_k), False),
+            (jnp.where(is_tail, tail_tiles, 0), lambda s: last * sub_k + s, True)]
+
+
+def _listed(idx_ref, step, sub):
+    """Tile ``step`` of the listed blocks cut into ``sub`` tiles each, in tile units."""
+    return idx_ref[lax.div(step, jnp.int32(sub))] * sub + lax.rem(step, jnp.int32(sub))
+
+
+def _fwd_kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, is_causal,
+                block, block_q, block_k, seq_len, num_blocks):
+    i = pl.program_id(0)
+    q_pos = i * block_q + jnp.arange(block_q, dtype=jnp.int32)
+    segments = _query_tile_segments(idx_ref, cnt_ref[0], is_causal=is_causal, block=block,
+                                    block_q=block_q, block_k=block_k, seq_len=seq_len,
+                                    num_blocks=num_blocks)
     out, lse = online_softmax(
-        q_ref[...], q_pos, k_ref, v_ref, num_steps=cnt_ref[0], block_index=lambda s: idx_ref[s],
-        kv_len=seq_len, k_offset=0, scale=scale, is_causal=is_causal, block_k=block_size,
+        q_ref[...], q_pos, k_ref, v_ref, segments=segments, kv_len=seq_len, k_offset=0,
+        scale=scale, is_causal=is_causal, block_k=block_k,
     )
     o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = lse
 
 
 def _dq_kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
-               scale, is_causal, block_size, seq_len):
+               scale, is_causal, block, block_q, block_k, seq_len, num_blocks):
     i = pl.program_id(0)
-    q_pos = i * block_size + jnp.arange(block_size, dtype=jnp.int32)
+    q_pos = i * block_q + jnp.arange(block_q, dtype=jnp.int32)
+    segments = _query_tile_segments(idx_ref, cnt_ref[0], is_causal=is_causal, block=block,
+                                    block_q=block_q, block_k=block_k, seq_len=seq_len,
+                                    num_blocks=num_blocks)
     dq = dq_loop(
         q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], q_pos, k_ref, v_ref,
-        num_steps=cnt_ref[0], block_index=lambda s: idx_ref[s], kv_len=seq_len, k_offset=0,
-        scale=scale, is_causal=is_causal, block_k=block_size,
+        segments=segments, kv_len=seq_len, k_offset=0, scale=scale, is_causal=is_causal,
+        block_k=block_k,
     )
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
 def _dkdv_kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
-                 dv_ref, *, scale, is_causal, block_size, seq_len, groups, per_head):
+                 dv_ref, *, scale, is_causal, block, block_q, block_k, seq_len, groups,
+                 per_head):
     j = pl.program_id(0)
-    k_idx = j * block_size + jnp.arange(block_size, dtype=jnp.int32)
+    sub_q, sub_k = block // block_q, block // block_k
+    kb = lax.div(j, jnp.int32(sub_k))
+    k_idx = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
     valid = (k_idx < seq_len)[:, None]
     k = jnp.where(valid, k_ref[...], jnp.zeros((), k_ref.dtype))
     v = jnp.where(valid, v_ref[...], jnp.zeros((), v_ref.dtype))
+    # A key tile that straddles seq_len needs the mask on every query tile.
+    straddles = (j + 1) * block_k > seq_len if seq_len % block_k else False
 
     def per_group(g, carry):
         row = g if per_head else 0
+        cnt = cnt_ref[row]
+        head, first = jnp.int32(0), jnp.int32(0)
+        if is_causal:  # the diagonal block (listed first) is masked, from its first tile
+            head = ((cnt > 0) & (idx_ref[row, 0] == kb)).astype(jnp.int32)  # that sees a key
+            first = lax.div(lax.rem(j, jnp.int32(sub_k)) * block_k, jnp.int32(block_q))
+        rest = (cnt - head) * sub_q
+        segments = [(head * (sub_q - first), lambda s: kb * sub_q + first + s, True)]
+        listed = lambda s: _listed_from(idx_ref, row, head, s, sub_q)
+        if straddles is False:
+            segments.append((rest, listed, False))
+        else:
+            segments += [(jnp.where(straddles, 0, rest), listed, False),
+                         (jnp.where(straddles, rest, 0), listed, True)]
         return dkdv_loop(
             carry, g, k, v, k_idx, seq_len, q_ref, do_ref, lse_ref, delta_ref,
-            num_steps=cnt_ref[row], block_index=lambda s: idx_ref[row, s], q_offset=0,
-            k_offset=0, scale=scale, is_causal=is_causal, block_q=block_size,
+            segments=segments, q_offset=0, k_offset=0, scale=scale, is_causal=is_causal,
+            block_q=block_q,
         )
 
     dp = k_ref.shape[-1]
-    init = (jnp.zeros((block_size, dp), _F32), jnp.zeros((block_size, dp), _F32))
+    init = (jnp.zeros((block_k, dp), _F32), jnp.zeros((block_k, dp), _F32))
     dk, dv = for_each_group(groups, per_group, init)
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _listed_from(idx_ref, row, offset, step, sub):
+    """Tile ``step`` of the listed query blocks from entry ``offset`` on, in tile units."""
+    return (idx_ref[row, offset + lax.div(step, jnp.int32(sub))] * sub
+            + lax.rem(step, jnp.int32(sub)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,34 +245,47 @@ def _head_maps(groups: int, per_head: bool):
     return kv_of, grp_of, pat_of
 
 
+def sparse_tiles(config: KernelConfig, block_size: int) -> tuple[tuple[int, int], ...]:
+    """The kernels' tiles ``(fwd, dkv, dq)``, each ``(rows, cols)``: ``config``'s tiles capped
+    at the pattern's block size (both powers of two, so a tile divides the block). A block
+    larger than the tile is visited as ``block_size / tile`` tiles, so shared memory and
+    registers do not grow with the block size."""
+    cap = lambda t: tuple(min(x, block_size) for x in t)
+    return (cap((config.block_q, config.block_k)), cap(config.dkv_blocks),
+            cap(config.dq_blocks))
+
+
 def _sparse_forward(q, k, v, kv_idx, kv_cnt, block_size, scale, is_causal, config, interpret,
                     debug):
     B, n, Hk, G, d = q.shape
     dp = padded_head_dim(d)
     nqb = kv_idx.shape[1]
     n_pad = nqb * block_size
+    (bq, bk), _, _ = sparse_tiles(config, block_size)
+    sub_q = block_size // bq
     per_head = kv_idx.shape[0] > 1
     kv_of, grp_of, pat_of = _head_maps(G, per_head)
-    qp = pad_to(q, {1: n_pad, 4: dp})
+    qp = pad_to(gpu_only(q, interpret), {1: n_pad, 4: dp})
     kp = pad_to(k, {1: n_pad, 3: dp})
     vp = pad_to(v, {1: n_pad, 3: dp})
     width = kv_idx.shape[2]
-    q_spec = pl.BlockSpec((None, block_size, None, None, dp),
+    q_spec = pl.BlockSpec((None, bq, None, None, dp),
                           lambda i, b, h: (b, i, kv_of(h), grp_of(h), 0))
     kv_spec = pl.BlockSpec((None, n_pad, None, dp), lambda i, b, h: (b, 0, kv_of(h), 0))
+    row = lambda i: lax.div(i, jnp.int32(sub_q))  # the pattern block of query tile i
     out, lse = pl.pallas_call(
-        functools.partial(_fwd_kernel, scale=scale, is_causal=is_causal, block_size=block_size,
-                          seq_len=n),
-        grid=(nqb, B, Hk * G),
+        functools.partial(_fwd_kernel, scale=scale, is_causal=is_causal, block=block_size,
+                          block_q=bq, block_k=bk, seq_len=n, num_blocks=nqb),
+        grid=(nqb * sub_q, B, Hk * G),
         in_specs=[
-            pl.BlockSpec((None, None, width), lambda i, b, h: (pat_of(h), i, 0)),
-            pl.BlockSpec((None, 1), lambda i, b, h: (pat_of(h), i)),
+            pl.BlockSpec((None, None, width), lambda i, b, h: (pat_of(h), row(i), 0)),
+            pl.BlockSpec((None, 1), lambda i, b, h: (pat_of(h), row(i))),
             q_spec, kv_spec, kv_spec,
         ],
-        out_specs=[q_spec, pl.BlockSpec((None, None, block_size), lambda i, b, h: (b, h, i))],
+        out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
         out_shape=[jax.ShapeDtypeStruct(qp.shape, q.dtype),
                    jax.ShapeDtypeStruct((B, Hk * G, n_pad), _F32)],
-        compiler_params=triton_compiler_params(config, dp),
+        compiler_params=triton_compiler_params(config, dp, interpret),
         interpret=interpret,
         debug=debug,
         name="dilax_block_sparse_fwd",
@@ -219,27 +302,30 @@ def _sparse_backward(q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, out, lse, dout, dlse
     nqb = kv_idx.shape[1]
     nkb = q_idx.shape[1]
     n_pad = nqb * block_size
+    _, (bq_kv, bk_kv), (bq_q, bk_q) = sparse_tiles(config, block_size)
     per_head = kv_idx.shape[0] > 1
     kv_of, grp_of, pat_of = _head_maps(G, per_head)
     lse_rows, delta_rows = backward_rows(lse, output_delta(out, dout, dlse), n_pad)
-    qp = pad_to(q, {1: n_pad, 4: dp})
+    qp = pad_to(gpu_only(q, interpret), {1: n_pad, 4: dp})
     dop = pad_to(dout.astype(q.dtype), {1: n_pad, 4: dp})
     kp = pad_to(k, {1: n_pad, 3: dp})
     vp = pad_to(v, {1: n_pad, 3: dp})
-    params = triton_compiler_params(config, dp)
+    params = triton_compiler_params(config, dp, interpret)
 
-    q_spec = pl.BlockSpec((None, block_size, None, None, dp),
+    sub_q = block_size // bq_q
+    q_spec = pl.BlockSpec((None, bq_q, None, None, dp),
                           lambda i, b, h: (b, i, kv_of(h), grp_of(h), 0))
-    row_spec = pl.BlockSpec((None, None, None, block_size),
+    row_spec = pl.BlockSpec((None, None, None, bq_q),
                             lambda i, b, h: (b, kv_of(h), grp_of(h), i))
     kv_full = pl.BlockSpec((None, n_pad, None, dp), lambda i, b, h: (b, 0, kv_of(h), 0))
+    row = lambda i: lax.div(i, jnp.int32(sub_q))
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=scale, is_causal=is_causal, block_size=block_size,
-                          seq_len=n),
-        grid=(nqb, B, Hk * G),
+        functools.partial(_dq_kernel, scale=scale, is_causal=is_causal, block=block_size,
+                          block_q=bq_q, block_k=bk_q, seq_len=n, num_blocks=nqb),
+        grid=(nqb * sub_q, B, Hk * G),
         in_specs=[
-            pl.BlockSpec((None, None, kv_idx.shape[2]), lambda i, b, h: (pat_of(h), i, 0)),
-            pl.BlockSpec((None, 1), lambda i, b, h: (pat_of(h), i)),
+            pl.BlockSpec((None, None, kv_idx.shape[2]), lambda i, b, h: (pat_of(h), row(i), 0)),
+            pl.BlockSpec((None, 1), lambda i, b, h: (pat_of(h), row(i))),
             q_spec, kv_full, kv_full, q_spec, row_spec, row_spec,
         ],
         out_specs=q_spec,
@@ -257,15 +343,19 @@ def _sparse_backward(q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, out, lse, dout, dlse
     q_idx4 = q_idx.reshape(heads, rows, nkb, width)
     q_cnt3 = q_cnt.reshape(heads, rows, nkb)
     c_map = (lambda c: c) if per_head else (lambda c: 0)
+    sub_k = block_size // bk_kv
+    key_block = lambda j: lax.div(j, jnp.int32(sub_k))
     dk, dv = dkdv_call(
-        functools.partial(_dkdv_kernel, scale=scale, is_causal=is_causal,
-                          block_size=block_size, seq_len=n, groups=G, per_head=per_head),
-        grid=(nkb, B, Hk),
+        functools.partial(_dkdv_kernel, scale=scale, is_causal=is_causal, block=block_size,
+                          block_q=bq_kv, block_k=bk_kv, seq_len=n, groups=G,
+                          per_head=per_head),
+        grid=(nkb * sub_k, B, Hk),
         table_specs=[
-            pl.BlockSpec((None, rows, None, width), lambda j, b, c: (c_map(c), 0, j, 0)),
-            pl.BlockSpec((None, rows, None), lambda j, b, c: (c_map(c), 0, j)),
+            pl.BlockSpec((None, rows, None, width),
+                         lambda j, b, c: (c_map(c), 0, key_block(j), 0)),
+            pl.BlockSpec((None, rows, None), lambda j, b, c: (c_map(c), 0, key_block(j))),
         ],
-        len_pad=n_pad, groups=G, dp=dp, block_k=block_size, kv_shape=kp.shape,
+        len_pad=n_pad, groups=G, dp=dp, block_k=bk_kv, kv_shape=kp.shape,
         k_dtype=k.dtype, v_dtype=v.dtype, compiler_params=params, interpret=interpret,
         debug=debug, name="dilax_block_sparse_dkdv",
     )(q_idx4, q_cnt3, qp, kp, vp, dop, lse_rows, delta_rows)
@@ -311,7 +401,8 @@ def block_sparse_flash_attention(
     q_block_indices: jax.Array | np.ndarray | None = None,
     q_block_counts: jax.Array | np.ndarray | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None,
+    config: KernelConfig | None = None,
     debug: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Block-sparse attention visiting only the listed ``(query block, key block)`` pairs.
@@ -330,7 +421,11 @@ def block_sparse_flash_attention(
       q_block_indices, q_block_counts: optional transposed tables
         (``(H_pat, nk_blocks, width)``, ``(H_pat, nk_blocks)``) for the dk/dv kernel; derived
         with :func:`transpose_block_tables` when omitted.
-      num_warps, num_stages: Triton launch parameters.
+      num_warps, num_stages: Triton launch parameters (override ``config``'s).
+      config: the kernels' tiles, warps and stages (default
+        :func:`pallas_kernels.default_config` of the shape); each tile is capped at
+        ``block_size``, and a larger block is visited tile by tile, so any block size
+        compiles with the same shared memory and registers as the flash kernels.
       debug: print the kernels' jaxprs.
 
     Returns:
@@ -351,8 +446,14 @@ def block_sparse_flash_attention(
         raise ValueError(
             f"block_size must be a power of two >= {min_block} (Triton tiles), got {block_size}"
         )
-    config = KernelConfig(block_q=block_size, block_k=block_size, num_warps=num_warps,
-                          num_stages=num_stages)
+    if config is None:
+        config = default_config(n, n, d, q.dtype)
+    elif not isinstance(config, KernelConfig):
+        raise TypeError(f"config must be a pallas_kernels.KernelConfig or None, got "
+                        f"{type(config).__name__}")
+    overrides = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages))
+                 if v is not None}
+    config = dataclasses.replace(config, **overrides)
     nqb = -(-n // block_size)
     H = Hk * G
     kv_idx, kv_cnt = kv_block_indices, kv_block_counts
@@ -378,7 +479,7 @@ def block_sparse_flash_attention(
     kv_cnt = jnp.asarray(kv_cnt, jnp.int32)
     q_cnt = jnp.asarray(q_cnt, jnp.int32)
     return _sparse(q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, block_size, float(scale),
-                   bool(is_causal), config, bool(interpret), bool(debug))
+                   bool(is_causal), config, interpret or False, bool(debug))
 
 
 def block_sparse_reference(

@@ -13,6 +13,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.config import MIN_BLOCK, next_power_of_2
+from pallas_kernels.platform import require_platform
 
 _F32 = jnp.float32
 _NEG_INF = float("-inf")
@@ -22,12 +23,23 @@ _POS_INF = float("inf")
 def _dot(a, b, contract_a: int, contract_b: int):
     """2-D matmul contracting ``a``'s axis ``contract_a`` with ``b``'s, float32 accumulation.
 
-    float32 inputs use IEEE precision (no TF32) so fp32 results match the XLA core."""
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    No explicit precision: float32 inputs follow JAX's default matmul precision
+    (``jax.default_matmul_precision``), i.e. TF32 tensor-core dots on GPU unless the user asks
+    for ``"highest"`` (IEEE float32 on the FMA units, several times slower, and register
+    spills at large tiles), exactly like the XLA core. bf16/fp16 are unaffected."""
     return lax.dot_general(
-        a, b, (((contract_a,), (contract_b,)), ((), ())), precision=precision,
-        preferred_element_type=_F32,
+        a, b, (((contract_a,), (contract_b,)), ((), ())), preferred_element_type=_F32,
     )
+
+
+NEEDS_GPU = ("the Pallas kernels compile Triton code for a GPU: pass interpret=True to run "
+             "them in the Pallas interpreter, or use implementation='xla' (dilax's blockwise "
+             "XLA core, any platform)")
+
+
+def gpu_only(x, interpret):
+    """``x``, checked at lowering to target a GPU unless the kernels are interpreted."""
+    return x if interpret else require_platform(x, NEEDS_GPU)
 
 
 def _arange(n: int):
@@ -52,39 +64,56 @@ def key_mask(q_pos, k_idx, kv_len, k_offset, is_causal: bool):
     return mask
 
 
-def online_softmax(q, q_pos, k_ref, v_ref, *, num_steps, block_index, kv_len, k_offset, scale,
-                   is_causal, block_k):
-    """Forward key loop: visits key blocks ``block_index(0 .. num_steps-1)``.
+# A loop over tiles is given as segments ``(num_steps, block_index, masked)``: ``num_steps``
+# (traced int) tiles at ``block_index(step)`` (in tile units), visited in order. Only tiles
+# that straddle ``kv_len`` or the causal diagonal need the element mask; the callers put the
+# others in ``masked=False`` segments, whose body has no mask, no ``where`` on K/V.
+
+
+def _run_segments(segments, body_of, carry):
+    for num_steps, block_index, masked in segments:
+        body = body_of(block_index, masked)
+        carry = lax.fori_loop(0, num_steps, body, carry)
+    return carry
+
+
+def online_softmax(q, q_pos, k_ref, v_ref, *, segments, kv_len, k_offset, scale, is_causal,
+                   block_k):
+    """Forward key loop over the key tiles of ``segments``.
 
     Returns ``(out (bq, dp) float32, lse (bq,) float32)`` with ``out = 0, lse = -inf`` for rows
     without a visible key.
     """
     block_q, dp = q.shape
 
-    def body(step, carry):
-        m, denom, acc = carry
-        start = pl.multiple_of(block_index(step) * block_k, block_k)
-        k = k_ref[pl.ds(start, block_k), :]
-        v = v_ref[pl.ds(start, block_k), :]
-        k_idx = start + _arange(block_k)
-        mask = key_mask(q_pos, k_idx, kv_len, k_offset, is_causal)
-        s = jnp.where(mask, _dot(q, k, 1, 1) * scale, _NEG_INF)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-        p = jnp.exp(s - m_safe[:, None])
-        corr = jnp.exp(m - m_safe)
-        denom = denom * corr + jnp.sum(p, axis=1)
-        # Zero keys beyond kv_len so NaN/inf there can never leak through 0 * x.
-        v = jnp.where((k_idx < kv_len)[:, None], v, jnp.zeros((), v.dtype))
-        acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v, 1, 0)
-        return m_new, denom, acc
+    def body_of(block_index, masked):
+        def body(step, carry):
+            m, denom, acc = carry
+            start = pl.multiple_of(block_index(step) * block_k, block_k)
+            k = k_ref[pl.ds(start, block_k), :]
+            v = v_ref[pl.ds(start, block_k), :]
+            s = _dot(q, k, 1, 1) * scale
+            if masked:
+                k_idx = start + _arange(block_k)
+                s = jnp.where(key_mask(q_pos, k_idx, kv_len, k_offset, is_causal), s, _NEG_INF)
+                # Zero keys beyond kv_len so NaN/inf there can never leak through 0 * x.
+                v = jnp.where((k_idx < kv_len)[:, None], v, jnp.zeros((), v.dtype))
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+            p = jnp.exp(s - m_safe[:, None])
+            corr = jnp.exp(m - m_safe)
+            denom = denom * corr + jnp.sum(p, axis=1)
+            acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v, 1, 0)
+            return m_new, denom, acc
+
+        return body
 
     init = (
         jnp.full((block_q,), _NEG_INF, _F32),
         jnp.zeros((block_q,), _F32),
         jnp.zeros((block_q, dp), _F32),
     )
-    m, denom, acc = lax.fori_loop(0, num_steps, body, init)
+    m, denom, acc = _run_segments(segments, body_of, init)
     has_key = denom > 0.0
     denom_safe = jnp.where(has_key, denom, 1.0)
     out = acc / denom_safe[:, None]
@@ -92,54 +121,66 @@ def online_softmax(q, q_pos, k_ref, v_ref, *, num_steps, block_index, kv_len, k_
     return out, lse
 
 
-def dq_loop(q, do, lse, delta, q_pos, k_ref, v_ref, *, num_steps, block_index, kv_len, k_offset,
-            scale, is_causal, block_k):
-    """dq of one query tile: ``sum_j ds_j @ k_j * scale`` over the listed key blocks.
+def dq_loop(q, do, lse, delta, q_pos, k_ref, v_ref, *, segments, kv_len, k_offset, scale,
+            is_causal, block_k):
+    """dq of one query tile: ``sum_j ds_j @ k_j * scale`` over the key tiles of ``segments``.
 
     ``lse`` must be ``+inf`` (not ``-inf``) on rows without a key so that ``p = 0`` there."""
     block_q, dp = q.shape
 
-    def body(step, dq):
-        start = pl.multiple_of(block_index(step) * block_k, block_k)
-        k_idx = start + _arange(block_k)
-        valid = (k_idx < kv_len)[:, None]
-        k = jnp.where(valid, k_ref[pl.ds(start, block_k), :], jnp.zeros((), k_ref.dtype))
-        v = jnp.where(valid, v_ref[pl.ds(start, block_k), :], jnp.zeros((), v_ref.dtype))
-        mask = key_mask(q_pos, k_idx, kv_len, k_offset, is_causal)
-        s = jnp.where(mask, _dot(q, k, 1, 1) * scale, _NEG_INF)
-        p = jnp.exp(s - lse[:, None])
-        ds = p * (_dot(do, v, 1, 1) - delta[:, None])
-        return dq + _dot(ds.astype(k.dtype), k, 1, 0)
+    def body_of(block_index, masked):
+        def body(step, dq):
+            start = pl.multiple_of(block_index(step) * block_k, block_k)
+            k = k_ref[pl.ds(start, block_k), :]
+            v = v_ref[pl.ds(start, block_k), :]
+            if masked:
+                k_idx = start + _arange(block_k)
+                valid = (k_idx < kv_len)[:, None]
+                k = jnp.where(valid, k, jnp.zeros((), k.dtype))
+                v = jnp.where(valid, v, jnp.zeros((), v.dtype))
+            s = _dot(q, k, 1, 1) * scale
+            if masked:
+                s = jnp.where(key_mask(q_pos, k_idx, kv_len, k_offset, is_causal), s, _NEG_INF)
+            p = jnp.exp(s - lse[:, None])
+            ds = p * (_dot(do, v, 1, 1) - delta[:, None])
+            return dq + _dot(ds.astype(k.dtype), k, 1, 0)
 
-    dq = lax.fori_loop(0, num_steps, body, jnp.zeros((block_q, dp), _F32))
+        return body
+
+    dq = _run_segments(segments, body_of, jnp.zeros((block_q, dp), _F32))
     return dq * scale
 
 
-def dkdv_loop(carry, g, k, v, k_idx, kv_len, q_ref, do_ref, lse_ref, delta_ref, *, num_steps,
-              block_index, q_offset, k_offset, scale, is_causal, block_q):
-    """Accumulates ``(dk, dv)`` of one key tile over query head ``g``'s listed query blocks.
+def dkdv_loop(carry, g, k, v, k_idx, kv_len, q_ref, do_ref, lse_ref, delta_ref, *, segments,
+              q_offset, k_offset, scale, is_causal, block_q):
+    """Accumulates ``(dk, dv)`` of one key tile over query head ``g``'s query tiles of
+    ``segments``.
 
     ``q_ref, do_ref``: ``(Lq_pad, G, dp)``; ``lse_ref, delta_ref``: ``(G, Lq_pad)``; ``k, v``
     are the (already kv_len-zeroed) key tile. ``dk`` is returned unscaled.
     """
 
-    def body(step, carry):
-        dk, dv = carry
-        start = pl.multiple_of(block_index(step) * block_q, block_q)
-        q = q_ref[pl.ds(start, block_q), g, :]
-        do = do_ref[pl.ds(start, block_q), g, :]
-        lse = lse_ref[g, pl.ds(start, block_q)]
-        delta = delta_ref[g, pl.ds(start, block_q)]
-        q_pos = q_offset + start + _arange(block_q)
-        mask = key_mask(q_pos, k_idx, kv_len, k_offset, is_causal)
-        s = jnp.where(mask, _dot(q, k, 1, 1) * scale, _NEG_INF)
-        p = jnp.exp(s - lse[:, None])
-        dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
-        ds = p * (_dot(do, v, 1, 1) - delta[:, None])
-        dk = dk + _dot(ds.astype(q.dtype), q, 0, 0)
-        return dk, dv
+    def body_of(block_index, masked):
+        def body(step, carry):
+            dk, dv = carry
+            start = pl.multiple_of(block_index(step) * block_q, block_q)
+            q = q_ref[pl.ds(start, block_q), g, :]
+            do = do_ref[pl.ds(start, block_q), g, :]
+            lse = lse_ref[g, pl.ds(start, block_q)]
+            delta = delta_ref[g, pl.ds(start, block_q)]
+            s = _dot(q, k, 1, 1) * scale
+            if masked:
+                q_pos = q_offset + start + _arange(block_q)
+                s = jnp.where(key_mask(q_pos, k_idx, kv_len, k_offset, is_causal), s, _NEG_INF)
+            p = jnp.exp(s - lse[:, None])
+            dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
+            ds = p * (_dot(do, v, 1, 1) - delta[:, None])
+            dk = dk + _dot(ds.astype(q.dtype), q, 0, 0)
+            return dk, dv
 
-    return lax.fori_loop(0, num_steps, body, carry)
+        return body
+
+    return _run_segments(segments, body_of, carry)
 
 
 def for_each_group(num_groups: int, fn, carry):

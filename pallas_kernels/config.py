@@ -90,24 +90,32 @@ class KernelConfig:
 
 
 def default_config(len_q: int, len_k: int, head_dim: int, dtype=jnp.bfloat16) -> KernelConfig:
-    """Per-shape defaults (Hopper-class GPU; FlashAttention-2 Triton tiles).
+    """Per-shape defaults, chosen from what the H100 (sm_90) and A100 (sm_80) compiles report
+    (``make gpu-check``, ``benchmarks/results/gpu-compile.md``).
 
-    Forward: 128 x 64 tiles for ``head_dim <= 64``, 64 x 64 above (register pressure of the
-    ``(block_q, head_dim)`` float32 accumulator). Backward: 64 x 64 (dk/dv) and 64 x 32 (dq);
-    float32 inputs halve the key tile (twice the shared memory per element).
-    These are starting points, not measurements: use :func:`pallas_kernels.autotune.autotune`
-    on the target device.
+    Forward: 128 x 128 tiles with 8 warps for ``head_dim <= 64`` (jax's reference Triton
+    attention uses 128 x 128 with 4 warps, which spills), 128 x 64 with 8 warps up to 128
+    (128 x 128 spills on sm_80), 64 x 64 above (register pressure of the
+    ``(block_q, head_dim)`` float32 accumulator). Backward: dk/dv 64 x 64 (32 query rows x 64
+    keys above head_dim 64: 64 x 64 spills on sm_80) and dq 64 x 32, at least the
+    reference's 32 x 32; float32 inputs halve the key tiles (twice the shared
+    memory per element). No register spills in bf16/fp16 for ``head_dim <= 128`` on either
+    target. These are compile-checked starting points, not timings: use
+    :func:`pallas_kernels.autotune.autotune` on the target device.
     """
     wide = jnp.dtype(dtype).itemsize >= 4
     if head_dim <= 64:
-        bq, bk = 128, 64
+        bq, bk, warps, stages = 128, 128, 8, 3
+    elif head_dim <= 128:
+        bq, bk, warps, stages = 128, 64, 8, 2
     else:
-        bq, bk = 64, 64
+        bq, bk, warps, stages = 64, 64, None, 2
     if wide:
         bk = max(MIN_BLOCK, bk // 2)
     return KernelConfig(
-        block_q=bq, block_k=bk, block_q_dkv=64, block_k_dkv=64 if not wide else 32,
-        block_q_dq=64, block_k_dq=32, num_warps=None, num_stages=3 if head_dim <= 64 else 2,
+        block_q=bq, block_k=bk, block_q_dkv=64 if head_dim <= 64 else 32,
+        block_k_dkv=64 if not wide else 32,
+        block_q_dq=64, block_k_dq=32, num_warps=warps, num_stages=stages,
     )
 
 
@@ -117,11 +125,14 @@ def tile(block: int, length: int) -> int:
     return max(MIN_BLOCK, min(block, next_power_of_2(length)))
 
 
-def triton_compiler_params(config: KernelConfig, head_dim: int):
+def triton_compiler_params(config: KernelConfig, head_dim: int, interpret=False):
     """``jax.experimental.pallas.triton.CompilerParams`` for ``config``, which selects the Triton
     lowering of ``pallas_call`` on GPU (jax 0.10: the Triton backend is chosen by the type of
     ``compiler_params``; ``plgpu`` now names Mosaic GPU). Imported lazily; ``None`` when the
-    Triton Pallas module is unavailable (the interpreter ignores compiler params)."""
+    Triton Pallas module is unavailable, and when ``interpret`` (the interpreters need none,
+    and the strict one, ``pltpu.InterpretParams``, accepts only Mosaic params)."""
+    if interpret:
+        return None
     try:
         from jax.experimental.pallas import triton as pltriton
     except ImportError:  # pragma: no cover - depends on the jax build

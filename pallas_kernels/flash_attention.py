@@ -45,6 +45,7 @@ from pallas_kernels.common import (
     dkdv_loop,
     dq_loop,
     for_each_group,
+    gpu_only,
     online_softmax,
     output_delta,
     pad_to,
@@ -80,24 +81,31 @@ def _causal_key_blocks(q_block, block_q, block_k, q_offset, k_offset):
     return jnp.where(last >= 0, _floordiv_clamped(last, block_k) + 1, 0)
 
 
-def _query_rows(offs_ref, kvlen_ref, is_causal, block_q, block_k):
-    """A query-block program's positions, its number of key blocks (``kv_len``, causal cut),
-    ``kv_len`` and ``k_offset``."""
+def _key_segments(offs_ref, kvlen_ref, is_causal, block_q, block_k):
+    """A query-block program's positions, its key-tile segments (unmasked tiles first, then
+    the tiles that straddle ``kv_len`` or the causal diagonal), ``kv_len`` and ``k_offset``."""
     i = pl.program_id(0)
     q_offset, k_offset, kv_len = offs_ref[0], offs_ref[1], kvlen_ref[0]
     q_pos = q_offset + i * block_q + _arange(block_q)
     hi = _cdiv_nonneg(kv_len, block_k)
+    full = lax.div(kv_len, jnp.int32(block_k))  # tiles entirely below kv_len
     if is_causal:
         hi = jnp.minimum(hi, _causal_key_blocks(i, block_q, block_k, q_offset, k_offset))
-    return q_pos, hi, kv_len, k_offset
+        # tiles whose last key is visible to the tile's first query
+        first_q = q_offset - k_offset + i * block_q
+        full = jnp.minimum(full, _floordiv_clamped(first_q + 1, block_k))
+    full = jnp.minimum(full, hi)
+    segments = [(full, lambda s: s, False), (hi - full, lambda s: full + s, True)]
+    return q_pos, segments, kv_len, k_offset
 
 
 def _fwd_kernel(offs_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, is_causal,
                 block_q, block_k):
-    q_pos, hi, kv_len, k_offset = _query_rows(offs_ref, kvlen_ref, is_causal, block_q, block_k)
+    q_pos, segments, kv_len, k_offset = _key_segments(offs_ref, kvlen_ref, is_causal, block_q,
+                                                      block_k)
     out, lse = online_softmax(
-        q_ref[...], q_pos, k_ref, v_ref, num_steps=hi, block_index=lambda s: s, kv_len=kv_len,
-        k_offset=k_offset, scale=scale, is_causal=is_causal, block_k=block_k,
+        q_ref[...], q_pos, k_ref, v_ref, segments=segments, kv_len=kv_len, k_offset=k_offset,
+        scale=scale, is_causal=is_causal, block_k=block_k,
     )
     o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = lse
@@ -105,11 +113,12 @@ def _fwd_kernel(offs_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sca
 
 def _dq_kernel(offs_ref, kvlen_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
                scale, is_causal, block_q, block_k):
-    q_pos, hi, kv_len, k_offset = _query_rows(offs_ref, kvlen_ref, is_causal, block_q, block_k)
+    q_pos, segments, kv_len, k_offset = _key_segments(offs_ref, kvlen_ref, is_causal, block_q,
+                                                      block_k)
     dq = dq_loop(
         q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], q_pos, k_ref, v_ref,
-        num_steps=hi, block_index=lambda s: s, kv_len=kv_len, k_offset=k_offset, scale=scale,
-        is_causal=is_causal, block_k=block_k,
+        segments=segments, kv_len=kv_len, k_offset=k_offset, scale=scale, is_causal=is_causal,
+        block_k=block_k,
     )
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
@@ -127,12 +136,20 @@ def _dkdv_kernel(offs_ref, kvlen_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
         first = k_offset - q_offset + j * block_k
         lo = jnp.minimum(_floordiv_clamped(first, block_q), num_q_blocks)
     hi = jnp.where(j * block_k < kv_len, num_q_blocks, lo)
+    # Query tiles [lo, mid) need the element mask (the causal diagonal), [mid, hi) do not;
+    # a key tile that straddles kv_len needs it everywhere.
+    mid = lo
+    if is_causal:  # first query tile whose first query sees the tile's last key
+        last_key = k_offset - q_offset + j * block_k + block_k - 1
+        mid = jnp.clip(_cdiv_nonneg(jnp.maximum(last_key, 0), block_q), lo, hi)
+    mid = jnp.where((j + 1) * block_k <= kv_len, mid, hi)
 
     def per_group(g, carry):
         return dkdv_loop(
             carry, g, k, v, k_idx, kv_len, q_ref, do_ref, lse_ref, delta_ref,
-            num_steps=hi - lo, block_index=lambda s: lo + s, q_offset=q_offset,
-            k_offset=k_offset, scale=scale, is_causal=is_causal, block_q=block_q,
+            segments=[(mid - lo, lambda s: lo + s, True), (hi - mid, lambda s: mid + s, False)],
+            q_offset=q_offset, k_offset=k_offset, scale=scale, is_causal=is_causal,
+            block_q=block_q,
         )
 
     dp = k_ref.shape[-1]
@@ -178,7 +195,7 @@ def flash_forward(q, k, v, *, kv_len, offsets, scale: float, is_causal: bool,
     Lk = k.shape[1]
     dp = padded_head_dim(d)
     (bq, bk), _, _, lq_pad, lk_pad = _tiles(config, Lq, Lk)
-    qp = pad_to(q, {1: lq_pad, 4: dp})
+    qp = pad_to(gpu_only(q, interpret), {1: lq_pad, 4: dp})
     kp = pad_to(k, {1: lk_pad, 3: dp})
     vp = pad_to(v, {1: lk_pad, 3: dp})
     q_spec = pl.BlockSpec(
@@ -200,7 +217,7 @@ def flash_forward(q, k, v, *, kv_len, offsets, scale: float, is_causal: bool,
             jax.ShapeDtypeStruct(qp.shape, q.dtype),
             jax.ShapeDtypeStruct((B, Hk * G, lq_pad), _F32),
         ],
-        compiler_params=triton_compiler_params(config, dp),
+        compiler_params=triton_compiler_params(config, dp, interpret),
         interpret=interpret,
         debug=debug,
         name="dilax_flash_fwd",
@@ -223,11 +240,11 @@ def flash_backward(q, k, v, *, kv_len, offsets, lse, dout, delta, scale: float,
     dp = padded_head_dim(d)
     _, (bq_kv, bk_kv), (bq_q, bk_q), lq_pad, lk_pad = _tiles(config, Lq, Lk)
     lse_rows, delta_rows = backward_rows(lse, delta, lq_pad)
-    qp = pad_to(q, {1: lq_pad, 4: dp})
+    qp = pad_to(gpu_only(q, interpret), {1: lq_pad, 4: dp})
     dop = pad_to(dout.astype(q.dtype), {1: lq_pad, 4: dp})
     kp = pad_to(k, {1: lk_pad, 3: dp})
     vp = pad_to(v, {1: lk_pad, 3: dp})
-    params = triton_compiler_params(config, dp)
+    params = triton_compiler_params(config, dp, interpret)
     offs_spec = pl.BlockSpec((2,), lambda *_: (0,))
 
     # dq: one program per (query block, batch, query head), loop over key blocks.
@@ -333,7 +350,9 @@ def flash_attention(
       q_offset, k_offset: global positions of index 0 (int scalars, may be traced).
       block_sizes: :class:`KernelConfig` (tiles, warps, stages) or ``None`` for
         :func:`pallas_kernels.config.default_config`.
-      interpret: run the kernels with the Pallas interpreter (any backend, e.g. CPU tests).
+      interpret: run the kernels with the Pallas interpreter (any backend, e.g. CPU tests):
+        ``True``, or ``jax.experimental.pallas.tpu.InterpretParams(...)`` for the strict
+        interpreter (out-of-bounds reads raise, uninitialized memory is NaN).
       debug: print the kernels' jaxprs (``pallas_call(debug=True)``).
 
     Returns:
@@ -350,7 +369,7 @@ def flash_attention(
     kv_len = jnp.clip(jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (B, Hk)), 0, Lk)
     offsets = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(k_offset, jnp.int32)])
     return _flash(q, k, v, kv_len, offsets, float(scale), bool(is_causal), config,
-                  bool(interpret), bool(debug))
+                  interpret or False, bool(debug))
 
 
 flash_attention_reference = attention_reference

@@ -1,7 +1,10 @@
 """Pallas kernels (interpret mode on CPU) against the XLA core and the mask-based reference.
 
-GPU compilation (Triton lowering) is not exercised here: these tests run the same kernels with
-``interpret=True``. Shapes are tiny because the interpreter compiles every grid program.
+GPU compilation (Triton lowering) is not exercised here (``make gpu-check`` compiles them for
+H100/A100 targets without a GPU): these tests run the same kernels in the Pallas interpreter.
+The kernel tests use the *strict* interpreter (:data:`STRICT`): an out-of-bounds read raises
+(plain ``interpret=True`` clamps it silently) and memory never written is NaN. Shapes are
+tiny because the interpreter compiles every grid program.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from dilated_cases import CASES, case_id, implementation, run_case
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from oracle import Result
 from oracle import attention as attention_oracle
 from tolerance import assert_scaled_close, tol_for
@@ -30,6 +35,10 @@ from pallas_kernels import (
     transpose_block_tables,
 )
 from pallas_kernels.block_sparse import block_mask_from_tables
+
+# The strict interpreter (jax's TPU interpret mode runs these Triton-style kernels too):
+# out-of-bounds reads raise, uninitialized buffers hold NaN.
+STRICT = pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
 
 # --------------------------------------------------------------------------------------------
 # helpers
@@ -136,7 +145,7 @@ def test_flash_attention_matches_core_and_reference(case):
                        k_offset=k_off)
     ref, cot = _oracle(q, k, v, mask, scale)
     got = _vjp(functools.partial(flash_attention, **common, block_sizes=config,
-                                 interpret=True))(q, k, v, cot)
+                                 interpret=STRICT))(q, k, v, cot)
     _compare(got, ref, dtype, "flash")
     # the XLA core on the same inputs (its kv_len / offsets against the same oracle)
     core = _vjp(functools.partial(attention_core, **common))(q, k, v, cot)
@@ -230,8 +239,9 @@ def test_kernel_config_validation():
 
 SPARSE_CASES = [
     # B, n, Hk, G, d, block_size, per_head, causal, density, dtype, traced_tables
+    # (kernel tiles 16 x 16: a 32-block is visited as 2 x 2 tiles)
     (2, 40, 2, 2, 32, 16, False, False, 0.5, "float32", False),
-    (1, 40, 2, 2, 32, 16, True, True, 0.6, "float32", False),
+    (1, 72, 2, 2, 32, 32, True, True, 0.6, "float32", False),
     (1, 64, 1, 3, 64, 16, True, False, 0.4, "float32", True),
     (1, 48, 2, 1, 128, 16, False, True, 0.7, "float32", True),
     (1, 64, 2, 2, 64, 16, True, True, 0.5, "bfloat16", False),
@@ -261,13 +271,14 @@ def test_block_sparse_matches_dense_reference(case):
     if traced:  # tables as traced jit arguments: the XLA path derives the transposed tables
         def run(q, k, v, idx, cnt):
             return block_sparse_flash_attention(q, k, v, idx, cnt, block_size=bs, scale=scale,
-                                                is_causal=causal, interpret=True)
+                                                is_causal=causal, interpret=STRICT,
+                                                config=KernelConfig(16, 16))
 
         fn = lambda q, k, v: run(q, k, v, jnp.asarray(idx), jnp.asarray(cnt))
     else:
         fn = functools.partial(block_sparse_flash_attention, kv_block_indices=idx,
                                kv_block_counts=cnt, block_size=bs, scale=scale,
-                               is_causal=causal, interpret=True)
+                               is_causal=causal, interpret=STRICT, config=KernelConfig(16, 16))
     # the explicit token mask of the block mask, for every query head c * G + g
     tokens = np.repeat(np.repeat(mask, bs, 1), bs, 2)[:, :n, :n]
     if causal:
@@ -336,6 +347,47 @@ def test_block_sparse_validation():
         block_sparse_flash_attention(q, k, v, idx, cnt, block_size=12, scale=1.0)
     with pytest.raises(TypeError, match="integer"):
         call(q, k, v, idx.astype(np.float32), cnt)
+
+
+def test_strict_interpreter_catches_out_of_bounds_reads():
+    """The reason for :data:`STRICT`: a dynamic out-of-bounds slice is clamped silently by
+    plain ``interpret=True`` and raises under the strict interpreter."""
+
+    def kernel(start_ref, x_ref, o_ref):
+        o_ref[...] = x_ref[pl.ds(start_ref[0], 8)]
+
+    call = lambda interpret: pl.pallas_call(  # noqa: E731
+        kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32), interpret=interpret)(
+        jnp.array([12], jnp.int32), jnp.arange(16, dtype=jnp.float32))
+    np.testing.assert_array_equal(call(True), np.arange(8, 16))  # clamped to [8, 16)
+    with pytest.raises(Exception, match="Out-of-bounds read"):
+        jax.block_until_ready(call(STRICT))
+
+
+def test_kernels_strict_randomized_tiles_groups_head_dims():
+    """Seeded random tiles (each kernel its own), GQA group size, head dim, lengths, kv_len and
+    offsets for the flash kernels: forward and gradients against the float64 oracle under the
+    strict interpreter. (The block-sparse cases above run strict too, one with blocks larger
+    than the tiles.)"""
+    rng = np.random.default_rng(15)
+    tile = lambda: int(rng.choice([16, 32]))  # noqa: E731
+    G = int(rng.integers(1, 5))
+    Hk, d = (1 if G > 2 else 2), int(rng.choice([16, 24, 48]))
+    Lq, Lk = (int(x) for x in rng.integers(17, 70, 2))
+    q_off, k_off = (int(x) for x in rng.integers(0, 24, 2))
+    kv_len = rng.integers(Lk // 2, Lk + 1, (1, Hk))
+    cfg = KernelConfig(tile(), tile(), block_q_dkv=tile(), block_k_dkv=tile(),
+                       block_q_dq=tile(), block_k_dq=tile())
+    q, k, v = _grouped_inputs(1, Lq, Lk, Hk, G, d, jnp.float32, seed=5)
+    scale = 1.0 / np.sqrt(d)
+    mask = _flash_mask(1, Lq, Lk, Hk, G, is_causal=True, kv_len=kv_len, q_offset=q_off,
+                       k_offset=k_off)
+    ref, cot = _oracle(q, k, v, mask, scale)
+    got = _vjp(functools.partial(flash_attention, scale=scale, is_causal=True,
+                                 kv_len=jnp.asarray(kv_len, jnp.int32), q_offset=q_off,
+                                 k_offset=k_off, block_sizes=cfg, interpret=STRICT))(
+        q, k, v, cot)
+    _compare(got, ref, "float32", f"flash G={G} d={d} {cfg}")
 
 
 # --------------------------------------------------------------------------------------------

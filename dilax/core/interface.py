@@ -194,20 +194,26 @@ class CudnnCore:
                 and mask.q_offset == mask.k_offset == 0):
             raise ValueError("implementation='cudnn' supports no query/key offsets; "
                              "use implementation='xla' or 'pallas'")
-        qg, kg, vg = view.gather_q(q), view.gather_kv(k), view.gather_kv(v)
+        from dilax.backend import require_cudnn  # lazy: backend resolves cores lazily
+
+        qg, kg, vg = view.gather_q(require_cudnn(q)), view.gather_kv(k), view.gather_kv(v)
         B, L, U, G, d = qg.shape
         mask = mask.resolve(B, U, k.shape[1])
         dpa = functools.partial(jax.nn.dot_product_attention, scale=float(scale),
                                 is_causal=mask.is_causal, implementation="cudnn",
                                 return_residual=True)
-        if mask.kv_len is None:
-            out, lse = dpa(qg.reshape(B, L, U * G, d), kg, vg)
-        else:  # one key length per (batch row, kv head): fold the kv heads into the batch
-            fold = lambda x: jnp.moveaxis(x, 2, 1).reshape(B * U, L, -1, d)
-            out, lse = dpa(fold(qg), fold(kg), fold(vg),
-                           key_value_seq_lengths=mask.kv_len.reshape(B * U))
-            out = jnp.moveaxis(out.reshape(B, U, L, G, d), 1, 2)
-            lse = jnp.moveaxis(lse.reshape(B, U, L, G), 1, 2)
+        try:
+            if mask.kv_len is None:
+                out, lse = dpa(qg.reshape(B, L, U * G, d), kg, vg)
+            else:  # one key length per (batch row, kv head): fold the kv heads into the batch
+                fold = lambda x: jnp.moveaxis(x, 2, 1).reshape(B * U, L, -1, d)
+                out, lse = dpa(fold(qg), fold(kg), fold(vg),
+                               key_value_seq_lengths=mask.kv_len.reshape(B * U))
+                out = jnp.moveaxis(out.reshape(B, U, L, G, d), 1, 2)
+                lse = jnp.moveaxis(lse.reshape(B, U, L, G), 1, 2)
+        except NotImplementedError as e:  # jax's cuDNN shape/dtype rules, as a ValueError
+            raise ValueError(f"implementation='cudnn' does not support q {q.dtype} "
+                             f"head_dim={d}: {e} (use 'pallas' or 'xla')") from e
         out = view.ungather_out(out.reshape(B, L, U, G, d))
         lse = view.ungather_out(lse.reshape(B, L, U, G).astype(_F32))
         out, lse = _drop_invalid_rows(out, lse, view, mask, L)
