@@ -175,7 +175,7 @@ def _flag(name: str) -> str:
 
 def configs_from_args(args: argparse.Namespace, vocab: str) -> tuple[TrainConfig, ModelConfig]:
     """Parsed CLI arguments -> ``(TrainConfig, ModelConfig)`` (a fresh run)."""
-    values = dict(vars(args), prompt=args.prompt or TrainConfig.prompt)
+    values = dict(vars(args), prompt=TrainConfig.prompt if args.prompt is None else args.prompt)
     tcfg = TrainConfig(**{f.name: values[f.name] for f in dataclasses.fields(TrainConfig)})
     mcfg = ModelConfig(vocab=vocab, **{f.name: values[f.name]
                                        for f in dataclasses.fields(ModelConfig)
