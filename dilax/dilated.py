@@ -2,7 +2,8 @@
 
 Each branch ``(w, r)`` is one core call over all of its segments and heads, read in place
 through the slot layout (:mod:`dilax.layout`); the branches run through the one branch runner
-(:func:`dilax.branches.run_branches`) and are merged in float32 with their log-sum-exp weights
+(:func:`dilax.branches.attend_branches`, one custom_vjp with the merge fused in) and are
+merged in float32 with their log-sum-exp weights
 (mixture) or scaled by ``1/G`` (grouped) (:func:`dilax.branches.combine_branches`).
 """
 
@@ -14,7 +15,7 @@ import jax
 
 from dilax import _validation as V
 from dilax.backend import resolve_core
-from dilax.branches import Branches, combine_branches, run_branches
+from dilax.branches import CoreBranch, attend_branches
 from dilax.core import XLA, BlockSizes, Core
 from dilax.layout import dilated_branches
 from dilax.reference import dilated_attention_reference
@@ -27,10 +28,8 @@ def dilated_attention_core(q, k, v, segment_lengths, dilation_rates, *, is_causa
     Returns ``out (b, n, h, d)`` and, with ``return_lse``, ``lse (b, n, h)`` float32."""
     n, h = q.shape[1], q.shape[2]
     plans = tuple(dilated_branches(n, h, k.shape[2], segment_lengths, dilation_rates, mode))
-    outs, lses = run_branches(q, k, v, Branches(plans, float(scale), bool(is_causal),
-                                                block_sizes, core))
-    out, lse = combine_branches(outs, lses, plans, n, mode)
-    out = out.astype(q.dtype)
+    ops = tuple(CoreBranch(p, float(scale), bool(is_causal), block_sizes, core) for p in plans)
+    out, lse = attend_branches(q, k, v, ops, mode, out_dtype=q.dtype)
     return (out, lse) if return_lse else out
 
 
