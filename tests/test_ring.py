@@ -162,6 +162,26 @@ def test_zigzag_permutation_and_direct_call():
     assert_scaled_close(out, ref[:, perm])
 
 
+@pytest.mark.parametrize("check_vma", [True, False], ids=["default_checks", "no_vma_check"])
+def test_direct_call_under_shard_map_checks(check_vma):
+    """``jax.shard_map(partial(ring_dilated_attention, ..., axis_name="sp"))`` as a user writes
+    it, with shard_map's default ``check_vma=True`` (every loop carry and cond typed as
+    device-varying) and without: forward and gradient equal the reference. n/P = 24: one
+    local branch (w=8), one halo branch (w=16) and one ring branch (w=96)."""
+    shape, ws, rs = (1, 96, 4, 2, 8), (8, 16, 96), (1, 2, 4)
+    q, k, v, g = _inputs(*shape)
+    spec = Ps(None, "sp")
+    fn = jax.shard_map(
+        functools.partial(ring_dilated_attention, segment_lengths=ws, dilation_rates=rs,
+                          axis_name="sp", is_causal=True),
+        mesh=_mesh((4,), ("sp",)), in_specs=(spec,) * 3, out_specs=spec, check_vma=check_vma)
+    out, grads = _value_and_grads(fn, q, k, v, g)
+    ref_out, ref_grads = _reference(shape, ws, rs, "mixture", True)
+    assert_scaled_close(out, ref_out)
+    for name, a, e in zip("qkv", grads, ref_grads, strict=True):
+        assert_scaled_close(a, e, err_msg=f"d{name}")
+
+
 def test_batch_axis_and_2d_mesh():
     """Batch sharded on 'dp' and sequence on 'sp' of a 2x4 mesh."""
     q, k, v, g = _inputs(2, 64, 4, 2, 8, seed=5)

@@ -24,8 +24,8 @@ Layouts (:mod:`dilax.sp.layout`). ``layout="contiguous"``: device ``i`` holds po
 ``2P-1-i``; see :func:`dilax.sp.zigzag_permutation`. :func:`sharded_dilated_attention`
 converts to and from it for you.
 
-Inside your own ``jax.shard_map``: pass ``check_vma=False`` (the blockwise core's loop carries
-are not yet typed per device; :func:`sharded_dilated_attention` does this for you).
+Inside your own ``jax.shard_map``: shard_map's default checks (``check_vma=True``) hold, every
+loop carry and ``cond`` of the core and the ring is typed as device-varying.
 """
 
 from __future__ import annotations
@@ -240,8 +240,8 @@ def ring_dilated_attention(
 ) -> jax.Array:
     """Dilated attention on a sequence sharded over mesh axis ``axis_name`` (per-device view).
 
-    Call inside ``jax.shard_map(..., check_vma=False)`` with the sequence axis of ``q, k, v``
-    sharded over ``axis_name``. The result equals :func:`dilax.dilated_attention` on the
+    Call inside ``jax.shard_map`` (default checks or ``check_vma=False``) with the sequence
+    axis of ``q, k, v`` sharded over ``axis_name``. The result equals :func:`dilax.dilated_attention` on the
     gathered inputs (forward and backward), while each device holds only ``O(n / P)`` of the
     data and sends ``O(w / r)`` rows per spanning branch.
 
