@@ -241,9 +241,10 @@ def ring_dilated_attention(
     """Dilated attention on a sequence sharded over mesh axis ``axis_name`` (per-device view).
 
     Call inside ``jax.shard_map`` (default checks or ``check_vma=False``) with the sequence
-    axis of ``q, k, v`` sharded over ``axis_name``. The result equals :func:`dilax.dilated_attention` on the
-    gathered inputs (forward and backward), while each device holds only ``O(n / P)`` of the
-    data and sends ``O(w / r)`` rows per spanning branch.
+    axis of ``q, k, v`` sharded over ``axis_name``. The result equals
+    :func:`dilax.dilated_attention` on the gathered inputs (forward and backward), while each
+    device holds only ``O(n / P)`` of the data and sends ``O(w / r)`` rows per spanning
+    branch.
 
     Args:
       q: local shard ``(b, n/P, h, d)``.
