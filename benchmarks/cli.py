@@ -369,6 +369,9 @@ def cmd_ring(args) -> dict[str, Any]:
     raw = json.loads(lines[-1][4:])
     rows = [dict(r, row=f"ring P={r['P']}", pass_="fwd",
                  memory_bytes=r["memory_bytes_per_device"]) for r in raw]
+    # The training step (gradients w.r.t. q, k, v) per device: compiled for memory only.
+    rows += [dict(row=f"ring P={r['P']}", n=r["n"], P=r["P"], pass_="fwd+bwd (memory only)",
+                  memory_bytes=r["train_step_memory_bytes_per_device"]) for r in raw]
     base = next((r for r in raw if r["P"] == 1), None)
     summary = {}
     if base:

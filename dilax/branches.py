@@ -1,146 +1,212 @@
-"""The one branch runner of dilated attention, and the merge of branch results.
+"""The one branch runner of dilated attention, with the merge of branch results fused in.
 
-:func:`run_branches` computes several branches ``(w, r)`` with one :class:`dilax.core.Core`
-under one ``custom_vjp``: the backward adds each branch's float32 dq, dk, dv into one float32
-accumulator and rounds once, and every branch (forward and backward) is fenced behind the
-previous one (:func:`dilax.core.when`), so only one branch's working set and gradients exist
-at a time. The single-device op (:mod:`dilax.dilated`) and the ring's local branches
-(:mod:`dilax.sp`) both run their branches through it. :func:`combine_branches` merges the
-dilated-layout results (mixture: LongNet Eq. 10; grouped: head groups side by side).
+:func:`attend_branches` computes several branches and merges them under ONE ``custom_vjp``.
+A branch is any object with the :class:`BranchOp` methods: :class:`CoreBranch` (one core call
+on the local sequence; the single-device op and the ring's local branches) or the ring's
+spanning branches (:mod:`dilax.sp.dilated_ring`). Forward: every branch fenced behind the
+previous one (:func:`dilax.core.when`), so only one branch's working set exists at a time,
+then one fused merge (mixture: LongNet Eq. 10; grouped: head groups side by side). Backward:
+the merge's backward is fused with the branches' -- each branch's cotangents
+``dO_i = alpha_i g`` and ``delta_i = rowsum(dO_i O_i) - dlse_i`` are formed only when that
+branch runs, from row statistics reduced first (so the branch outputs can go) -- and every
+branch adds its float32 dq, dk, dv into one float32 accumulator in place, rounded once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dilax.core import XLA, BlockSizes, Core, fence_after, output_delta, when
+from dilax.core import XLA, BlockSizes, Core, fence_after, when
 from dilax.core.interface import sum_invariant_axes
 from dilax.layout import BranchPlan, branch_io, expand_slots, gather_dilated, slot_layout, unslot
 
+_F32 = jnp.float32
+
+
+class BranchOp(Protocol):
+    """One branch of :func:`attend_branches` (a hashable, static object).
+
+    ``result_plan``: the dilated layout of its results (:func:`combine_branches`).
+    ``forward(q, k, v, aux) -> (out f32, lse, res)`` in that layout (``res``: extra
+    residuals; ``aux``: the non-differentiable arrays given to :func:`attend_branches`, e.g.
+    valid lengths, or None).
+    ``backward(q, k, v, aux, res, lse, dout, dlse, delta, acc) -> (dq, dk, dv)`` float32,
+    added into ``acc`` (float32 ``(dq, dk, dv)`` of the inputs' shapes, or None)."""
+
+    result_plan: BranchPlan
+
+    def forward(self, q, k, v, aux): ...
+
+    def backward(self, q, k, v, aux, res, lse, dout, dlse, delta, acc): ...
+
 
 @dataclasses.dataclass(frozen=True)
-class Branches:
-    """Static configuration of :func:`run_branches` (hashable)."""
+class CoreBranch:
+    """Branch ``plan`` as one call of ``core`` on ``q (b, n, h, d)``, ``k, v (b, n, hk, d)``.
 
-    plans: tuple[BranchPlan, ...]
+    ``fold``: the sequence is ``fold`` independent pieces of ``n / fold`` (the ring's local
+    branches: the chunks of a shard); ``plan`` is the plan of one piece. ``aux``: ``None`` or
+    the valid lengths ``(q_len, kv_len, key_valid)`` of :func:`dilax.layout.branch_io`
+    (``fold == 1`` only)."""
+
+    plan: BranchPlan
     scale: float
     is_causal: bool
     block_sizes: BlockSizes | None = None
     core: Core = XLA
+    fold: int = 1
+
+    @property
+    def result_plan(self) -> BranchPlan:
+        if self.fold == 1:
+            return self.plan
+        return dataclasses.replace(self.plan, num_segments=self.fold * self.plan.num_segments)
+
+    def _io(self, q, k, v, aux):
+        if self.fold == 1:
+            return branch_io(q, k, v, self.plan, self.is_causal, aux)
+        if aux is not None:
+            raise NotImplementedError("valid lengths with fold > 1")
+        fold = lambda x: x.reshape(x.shape[0] * self.fold, x.shape[1] // self.fold,
+                                   *x.shape[2:])
+        return branch_io(fold(q), fold(k), fold(v), self.plan, self.is_causal)
+
+    def forward(self, q, k, v, aux):
+        ops, view, mask = self._io(q, k, v, aux)
+        # float32 branch outputs: merged (or divided by G) before one final rounding.
+        out, lse = self.core.forward(*ops, view=view, mask=mask, scale=self.scale,
+                                     block_sizes=self.block_sizes, out_dtype=_F32)
+        return out, lse, None
+
+    def backward(self, q, k, v, aux, res, lse, dout, dlse, delta, acc):
+        del res, dlse
+        ops, view, mask = self._io(q, k, v, aux)
+        m = q.shape[1] // self.fold
+        if acc is not None:
+            acc = tuple(slot_layout(a.reshape(a.shape[0] * self.fold, m, *a.shape[2:]),
+                                    self.plan) for a in acc)
+        g = self.core.backward(*ops, view=view, mask=mask, scale=self.scale, lse=lse,
+                               dout=dout, delta=delta, block_sizes=self.block_sizes,
+                               grad_dtype=_F32, acc=acc)
+        return tuple(unslot(x, self.plan, m).reshape(y.shape)
+                     for x, y in zip(g, (q, k, v), strict=True))
 
 
-def run_branches(q: jax.Array, k: jax.Array, v: jax.Array, branches: Branches, fence=None,
-                 lengths: tuple[jax.Array | None, jax.Array | None] | None = None):
-    """All ``branches.plans`` on ``q (b, n, h, d)``, ``k, v (b, n, hk, d)``.
+@dataclasses.dataclass(frozen=True)
+class _Attend:
+    ops: tuple
+    n: int
+    mode: str
+    out_dtype: Any
 
-    ``lengths``: optional ``(query_seq_lengths, key_value_seq_lengths)``, each ``None`` or int
-    ``(b,)`` in ``[0, n]`` (:func:`dilax.layout.branch_io`): keys past a row's length get no
-    weight and query rows past it get ``out = 0``, ``lse = -inf`` in every branch.
+    @property
+    def plans(self):
+        return tuple(op.result_plan for op in self.ops)
 
-    Returns ``(outs, lses)``: tuples with one float32 ``(b*S, w/r, H', d)`` and one
-    ``(b*S, w/r, H')`` per plan, in the dilated layout (heads ascending;
-    :func:`dilax.layout.expand_slots` gives full positions). ``fence``: start only once this
-    boolean is known (:func:`dilax.core.fence_after`; ordering only)."""
-    if lengths is not None and all(x is None for x in lengths):
-        lengths = None
-    return _run(q, k, v, fence, lengths, branches)
+
+def attend_branches(q: jax.Array, k: jax.Array, v: jax.Array, ops, mode: str, *,
+                    out_dtype=None, fence=None, aux=None) -> tuple[jax.Array, jax.Array]:
+    """All branches ``ops`` (:class:`BranchOp`) on ``q (b, n, h, d)``, ``k, v (b, n, hk, d)``,
+    merged: ``out (b, n, h, d)`` in ``out_dtype`` (default float32) and ``lse (b, n, h)``
+    float32 (see :func:`combine_branches`). ``fence``: start only once this boolean is known
+    (:func:`dilax.core.fence_after`; ordering only). ``aux``: non-differentiable arrays every
+    branch receives (e.g. valid lengths, :class:`CoreBranch`); ``None`` when there are none."""
+    cfg = _Attend(tuple(ops), q.shape[1], mode, jnp.dtype(out_dtype or _F32))
+    return _attend(q, k, v, fence, aux, cfg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _run(q, k, v, fence, lengths, cfg: Branches):
-    return _run_fwd(q, k, v, fence, lengths, cfg)[0]
+def _attend(q, k, v, fence, aux, cfg: _Attend):
+    return _attend_fwd(q, k, v, fence, aux, cfg)[0]
 
 
-def _run_fwd(q, k, v, fence, lengths, cfg: Branches):
-    outs, lses = [], []
-    for plan in cfg.plans:
-        def run(q, k, v, plan=plan):
-            ops, view, mask = branch_io(q, k, v, plan, cfg.is_causal, lengths)
-            # float32 branch outputs: merged (or divided by G) before one final rounding.
-            return cfg.core.forward(*ops, view=view, mask=mask, scale=cfg.scale,
-                                    block_sizes=cfg.block_sizes, out_dtype=jnp.float32)
-
-        out, lse = when(fence_after(lses[-1]) if lses else fence, run, (q, k, v))
+def _attend_fwd(q, k, v, fence, aux, cfg: _Attend):
+    outs, lses, extras = [], [], []
+    for op in cfg.ops:
+        out, lse, res = when(fence_after(lses[-1]) if lses else fence,
+                             lambda q, k, v, aux, op=op: op.forward(q, k, v, aux),
+                             (q, k, v, aux))
         outs.append(out)
         lses.append(lse)
+        extras.append(res)
     outs, lses = tuple(outs), tuple(lses)
-    return (outs, lses), (q, k, v, lengths, outs, lses)
+    if cfg.mode == "mixture":
+        out, lse, m_safe, total_safe = _merge_forward(outs, lses, cfg.plans, cfg.n, stats=True)
+        stats = (m_safe, total_safe)
+    else:
+        out, lse = combine_branches(outs, lses, cfg.plans, cfg.n, cfg.mode)
+        stats = None
+    return (out.astype(cfg.out_dtype), lse), (q, k, v, aux, outs, lses, tuple(extras), stats)
 
 
-def _run_bwd(cfg: Branches, res, cts):
-    q, k, v, lengths, outs, lses = res
-    n = q.shape[1]
-    # The outputs are only needed through rowsum(dO * O): reduce them first, so they can go.
-    deltas = [output_delta(o, do, dl) for o, do, dl in zip(outs, *cts)]
-    grads = ()
-    for plan, delta, lse, dout in zip(cfg.plans, deltas, lses, cts[0]):
-        def run(q, k, v, delta, lse, dout, *acc, plan=plan):
-            ops, view, mask = branch_io(q, k, v, plan, cfg.is_causal, lengths)
-            acc = tuple(slot_layout(a, plan) for a in acc) or None
-            g = cfg.core.backward(*ops, view=view, mask=mask, scale=cfg.scale, lse=lse,
-                                  dout=dout, delta=delta, block_sizes=cfg.block_sizes,
-                                  grad_dtype=jnp.float32, acc=acc)
-            return tuple(unslot(x, plan, n) for x in g)
+def _alpha(lse, plan, n, stats):
+    """Mixture weight of a branch's rows, recomputed exactly as in the forward:
+    ``e^{lse_i - m} / total`` (``e^{lse_i - lse}`` would lose ulp(lse) of relative precision,
+    1e-3 at ``|logits| ~ 1e4``)."""
+    m_safe, total_safe = stats
+    tot = gather_dilated(total_safe, plan, n)  # 0 on the padding rows past n: weight 0 there
+    return jnp.where((lse == -jnp.inf) | (tot == 0), 0.0,
+                     jnp.exp(lse - gather_dilated(m_safe, plan, n))
+                     / jnp.where(tot == 0, 1.0, tot))
 
-        # Each branch adds into the float32 gradients of the ones before it, in place. The
-        # first waits for the deltas: unfenced, its zero-initialized accumulators (constants)
-        # would be scheduled -- and held -- during the forward.
-        grads = when(fence_after(grads[0] if grads else deltas[-1]), run,
-                     (q, k, v, delta, lse, dout) + grads)
-    grads = tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+
+def _attend_bwd(cfg: _Attend, res, cts):
+    q, k, v, aux, outs, lses, extras, stats = res
+    g, g_lse = cts
+    n, mixture, nb = cfg.n, cfg.mode == "mixture", len(cfg.ops)
+    # Pass 1, row statistics only: s_i = <g, o_i> per branch row (and the mixture weights), so
+    # the branch outputs die before any branch's backward allocates.
+    alphas, dots = [], []
+    for o, lse, p in zip(outs, lses, cfg.plans, strict=True):
+        dots.append(jnp.sum(gather_dilated(g, p, n).astype(_F32) * o, axis=-1))
+        alphas.append(_alpha(lse, p, n, stats) if mixture else None)
+    # <g, out> = sum_i alpha_i s_i, in the full layout (mixture)
+    g_out = (sum(expand_slots(a * s, p, n, 0.0) for a, s, p in zip(alphas, dots, cfg.plans))
+             if mixture else None)
+
+    # Pass 2, one branch at a time: d o_i = alpha_i g, d lse_i = alpha_i (s_i - <g, out> +
+    # g_lse) (grouped: g / G and g_lse), delta_i = rowsum(d o_i o_i) - d lse_i.
+    acc = ()
+    for op, p, lse, extra, a, s in zip(cfg.ops, cfg.plans, lses, extras, alphas, dots,
+                                       strict=True):
+        def run(q, k, v, aux, g, g_lse, g_out, lse, extra, a, s, *acc, op=op, p=p):
+            gp = gather_dilated(g, p, n).astype(_F32)
+            gl = gather_dilated(g_lse, p, n)
+            if mixture:
+                dout = a[..., None] * gp
+                dlse = a * (s - gather_dilated(g_out, p, n) + gl)
+                delta = a * s - dlse
+            else:
+                dout = gp / nb
+                dlse = gl
+                delta = s / nb - dlse
+            return op.backward(q, k, v, aux, extra, lse, dout, dlse, delta, acc or None)
+
+        # Each branch waits for the previous one's accumulators (the first for the row
+        # statistics): unfenced, zero-initialized accumulators (constants) would be scheduled
+        # -- and held -- during the forward.
+        fence = fence_after(acc[0] if acc else (g_out if mixture else dots[-1]))
+        acc = tuple(when(fence, run, (q, k, v, aux, g, g_lse, g_out, lse, extra, a, s) + acc))
+    grads = tuple(x.astype(y.dtype) for x, y in zip(acc, (q, k, v), strict=True))
     return (*sum_invariant_axes((q, k, v), grads), None, None)
 
 
-_run.defvjp(_run_fwd, _run_bwd)
+_attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def merge_branches(outs, lses, plans, n: int):
     """Mixture merge of dilated-layout branch results into full ``(b, n, h, d)`` float32 and
     ``lse (b, n, h)``: ``out = sum_i alpha_i o_i`` with ``alpha_i = softmax_i(lse_i)`` over the
     branches that selected the position (LongNet Eq. 10), 0 where none did. One fused pass
-    over the outputs: no per-branch full-size intermediates, forward or backward."""
-    return _merge(tuple(outs), tuple(lses), tuple(plans), n)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _merge(outs, lses, plans, n):
-    return _merge_forward(outs, lses, plans, n)
-
-
-def _merge_fwd(outs, lses, plans, n):
-    out, lse, m_safe, total_safe = _merge_forward(outs, lses, plans, n, stats=True)
-    return (out, lse), (outs, lses, m_safe, total_safe)
-
-
-def _merge_bwd(plans, n, res, cts):
-    # d o_i = alpha_i g;  d lse_i = alpha_i (<g, o_i> - <g, out> + g_lse), and
-    # <g, out> = sum_i alpha_i <g, o_i>: everything in the branches' own layouts. alpha_i is
-    # recomputed exactly as in the forward, e^{lse_i - m} / total: e^{lse_i - lse} would lose
-    # ulp(lse) of relative precision (1e-3 at |logits| ~ 1e4).
-    outs, lses, m_safe, total_safe = res
-    g, g_lse = cts
-    alphas, dots = [], []
-    for o, l, p in zip(outs, lses, plans):
-        tot = gather_dilated(total_safe, p, n)  # 0 on the padding rows past n: weight 0 there
-        a = jnp.where((l == -jnp.inf) | (tot == 0), 0.0,
-                      jnp.exp(l - gather_dilated(m_safe, p, n)) / jnp.where(tot == 0, 1.0, tot))
-        gp = gather_dilated(g, p, n)
-        alphas.append(a)
-        dots.append(jnp.sum(gp * o.astype(jnp.float32), axis=-1))
-    g_out = sum(expand_slots(a * s, p, n, 0.0) for a, s, p in zip(alphas, dots, plans))
-    d_outs, d_lses = [], []
-    for a, s, o, p in zip(alphas, dots, outs, plans):
-        d_outs.append((a[..., None] * gather_dilated(g, p, n)).astype(o.dtype))
-        d_lses.append(a * (s - gather_dilated(g_out, p, n) + gather_dilated(g_lse, p, n)))
-    return tuple(d_outs), tuple(d_lses)
-
-
-_merge.defvjp(_merge_fwd, _merge_bwd)
+    over the outputs (differentiate through :func:`attend_branches`, whose backward is
+    fused with the branches')."""
+    return _merge_forward(tuple(outs), tuple(lses), tuple(plans), n)
 
 
 def _merge_forward(outs, lses, plans, n, stats=False):
@@ -165,9 +231,11 @@ def combine_branches(outs, lses, plans, n: int, mode: str):
     side, divided by the number of branches (each group's lse as is)."""
     if mode == "mixture":
         return merge_branches(outs, lses, plans, n)
+    # groups in head order, whatever order the branches ran in
+    order = sorted(range(len(plans)), key=lambda i: min(plans[i].q_heads))
     out = jnp.concatenate(
-        [expand_slots(o.astype(jnp.float32), p, n, 0.0) for o, p in zip(outs, plans)],
+        [expand_slots(outs[i].astype(jnp.float32), plans[i], n, 0.0) for i in order],
         axis=2) / len(plans)
-    lse = jnp.concatenate([expand_slots(l, p, n, -jnp.inf) for l, p in zip(lses, plans)],
+    lse = jnp.concatenate([expand_slots(lses[i], plans[i], n, -jnp.inf) for i in order],
                           axis=2)
     return out, lse

@@ -2,7 +2,8 @@
 
 Each branch ``(w, r)`` is one core call over all of its segments and heads, read in place
 through the slot layout (:mod:`dilax.layout`); the branches run through the one branch runner
-(:func:`dilax.branches.run_branches`) and are merged in float32 with their log-sum-exp weights
+(:func:`dilax.branches.attend_branches`, one custom_vjp with the merge fused in) and are
+merged in float32 with their log-sum-exp weights
 (mixture) or scaled by ``1/G`` (grouped) (:func:`dilax.branches.combine_branches`).
 """
 
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 
 from dilax import _validation as V
 from dilax.backend import resolve_core
-from dilax.branches import Branches, combine_branches, run_branches
+from dilax.branches import CoreBranch, attend_branches
 from dilax.core import XLA, BlockSizes, Core
 from dilax.layout import dilated_branches, window_plan
 from dilax.reference import dilated_attention_reference
@@ -38,12 +39,11 @@ def dilated_attention_core(q, k, v, segment_lengths, dilation_rates, *, is_causa
     plans = tuple(dilated_branches(n, h, k.shape[2], segment_lengths, dilation_rates, mode))
     if local_window is not None:
         plans += (window_plan(n, h, k.shape[2], local_window),)
-    outs, lses = run_branches(q, k, v, Branches(plans, float(scale), bool(is_causal),
-                                                block_sizes, core),
-                              lengths=(query_seq_lengths, key_value_seq_lengths,
-                                       key_padding_mask))
-    out, lse = combine_branches(outs, lses, plans, n, mode)
-    out = out.astype(q.dtype)
+    ops = tuple(CoreBranch(p, float(scale), bool(is_causal), block_sizes, core) for p in plans)
+    lengths = (query_seq_lengths, key_value_seq_lengths, key_padding_mask)
+    # no lengths: exactly the program without them
+    aux = None if all(x is None for x in lengths) else lengths
+    out, lse = attend_branches(q, k, v, ops, mode, out_dtype=q.dtype, aux=aux)
     return (out, lse) if return_lse else out
 
 

@@ -26,6 +26,14 @@ def when(fence, fn, operands: tuple):
     ``custom_vjp``): differentiating through the cond would copy its inputs as residuals."""
     if fence is None:
         return fn(*operands)
-    skip = lambda ops: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                    jax.eval_shape(lambda o: fn(*o), ops))
+    skip = lambda ops: jax.tree.map(_zeros_like_type, jax.eval_shape(lambda o: fn(*o), ops))
     return lax.cond(fence, lambda ops: fn(*ops), skip, operands)
+
+
+def _zeros_like_type(s: jax.ShapeDtypeStruct) -> jax.Array:
+    """Zeros of the type of ``s``, device-varying over the same mesh axes under
+    ``shard_map`` (the two branches of a ``cond`` must have equal types there)."""
+    z = jnp.zeros(s.shape, s.dtype)
+    mat = getattr(s, "manual_axis_type", None)
+    axes = tuple(sorted(mat.varying, key=str)) if mat is not None else ()
+    return lax.pcast(z, axes, to="varying") if axes else z

@@ -4,7 +4,7 @@ The sequence axis of ``q, k, v`` is split over the ``P`` devices of a mesh axis.
 ``(w, r)`` of the configuration is computed in one of three ways, chosen statically:
 
 * **local** -- every segment lies inside one device's shard (``(n/P) % w == 0``): the
-  single-device path (:func:`dilax.branches.run_branches`) runs on the shard, no communication.
+  single-device path (:func:`dilax.branches.attend_branches`) runs on the shard, no communication.
 * **halo** -- segments are shorter than a shard but not aligned with shard boundaries: after
   dilation each device receives the ``w/r - 1`` dilated rows on either side from its neighbours,
   cuts a segment-aligned window and runs the local path on it.
@@ -24,8 +24,8 @@ Layouts (:mod:`dilax.sp.layout`). ``layout="contiguous"``: device ``i`` holds po
 ``2P-1-i``; see :func:`dilax.sp.zigzag_permutation`. :func:`sharded_dilated_attention`
 converts to and from it for you.
 
-Inside your own ``jax.shard_map``: pass ``check_vma=False`` (the blockwise core's loop carries
-are not yet typed per device; :func:`sharded_dilated_attention` does this for you).
+Inside your own ``jax.shard_map``: shard_map's default checks (``check_vma=True``) hold, every
+loop carry and ``cond`` of the core and the ring is typed as device-varying.
 """
 
 from __future__ import annotations
@@ -40,14 +40,20 @@ from jax import lax
 from jax.sharding import Mesh
 
 from dilax import _validation as V
-from dilax.branches import Branches, combine_branches, run_branches
-from dilax.core import BlockSizes, attention_core, fence_after, static_take
+from dilax.branches import CoreBranch, attend_branches
+from dilax.core import BlockSizes, attention_core, static_take
 from dilax.layout import BranchPlan, dilated_branches
 from dilax.layout import plan_branch as _plan_branch
 from dilax.sp.dilate import dilate, undilate, valid_rows
 from dilax.sp.layout import check_layout, lookup, relayout, vshift
 from dilax.sp.mesh import axis_size, check_mesh, check_sharded_shape, shard_sequence
-from dilax.sp.ring_vjp import RING_BLOCKS, RingConfig, ring
+from dilax.sp.ring_vjp import (
+    RING_BLOCKS,
+    RingConfig,
+    _varying_like,
+    ring_backward,
+    ring_forward,
+)
 from dilax.sp.schedule import Geometry, geometry, ring_streams
 
 _F32 = jnp.float32
@@ -109,59 +115,107 @@ def _halo_branch(qd, kd, vd, geo: Geometry, n_u, axis_name, scale, is_causal, bl
     return out, lse
 
 
-def _branch(q, k, v, plan: BranchPlan, P, C, axis_name, scale, is_causal, block_sizes,
-            fence=None):
-    """Branch ``plan`` on the local shard ``(b, m, ...)``, like :func:`dilax.branches.run_branches`:
-    ``(out f32, lse, local_plan)`` in the dilated layout of ``local_plan`` (heads ascending),
-    which :func:`dilax.branches.combine_branches` expands over the ``m`` local positions."""
-    b, m, h, d = q.shape
-    hk = k.shape[2]
+@dataclasses.dataclass(frozen=True)
+class _SpanningBranch:
+    """A branch whose segments span several devices, as a :class:`dilax.branches.BranchOp`:
+    the ring (:mod:`dilax.sp.ring_vjp`) or, for short unaligned segments, the halo exchange
+    (:func:`_halo_branch`). Results in the dilated layout of ``result_plan``."""
+
+    plan: BranchPlan
+    geo: Geometry
+    n_u: tuple[int, ...]
+    axis_name: Hashable
+    scale: float
+    is_causal: bool
+    block_sizes: BlockSizes | None
+    ring: RingConfig | None  # None: the halo exchange
+
+    def _dilate(self, q, k, v):
+        b, d, plan, geo = q.shape[0], q.shape[-1], self.plan, self.geo
+        qd = dilate(q, plan, plan.q_heads, plan.q_slots, geo, self.axis_name)
+        return (qd.reshape(b, geo.C, geo.R, len(plan.kv_heads), plan.q_per_kv, d),
+                dilate(k, plan, plan.kv_heads, plan.kv_slots, geo, self.axis_name),
+                dilate(v, plan, plan.kv_heads, plan.kv_slots, geo, self.axis_name))
+
+    @property
+    def result_plan(self) -> BranchPlan:
+        plan, geo = self.plan, self.geo
+        if geo.regular:
+            # Chunk row t of head j is local position c*mc + slot_j + r*t: the single-device
+            # dilated layout with C segments of mc, merged without expanding per branch.
+            return dataclasses.replace(plan, w=geo.mc, num_segments=geo.C)
+        heads = tuple(sorted(plan.q_heads))
+        return dataclasses.replace(plan, w=geo.C * geo.mc, r=1, num_segments=1, q_heads=heads,
+                                   q_slots=(0,) * len(heads))
+
+    def _post(self, x, fill, combine):
+        """Ring layout ``(b, C, R, U, G, ...)`` -> the layout of ``result_plan``."""
+        plan, geo = self.plan, self.geo
+        b, C, R = x.shape[:3]
+        Hq = len(plan.q_heads)
+        tail = x.shape[5:]
+        if geo.regular:
+            order = tuple(sorted(range(Hq), key=plan.q_heads.__getitem__))
+            return static_take(x.reshape(b * C, R, Hq, *tail), order, axis=2)
+        valid = valid_rows(geo, plan.kv_slots, self.axis_name)[None, :, :, :, None]
+        x = jnp.where(valid.reshape(valid.shape + (1,) * len(tail)), x, fill)
+        return undilate(x.reshape(b, C, R, Hq, *tail), plan, geo, self.axis_name, fill,
+                        combine)
+
+    def _post_out(self, out):
+        return self._post(out.astype(_F32), 0.0, jnp.add)
+
+    def _post_lse(self, lse):
+        return self._post(lse, -jnp.inf, jnp.maximum)
+
+    def _raw(self, q, k, v):
+        if self.ring is not None:
+            return ring_forward(self.ring, q, k, v)
+        return _halo_branch(*self._dilate(q, k, v), self.geo, jnp.asarray(self.n_u, jnp.int32),
+                            self.axis_name, self.scale, self.is_causal, self.block_sizes)
+
+    def forward(self, q, k, v, aux):
+        del aux  # no valid lengths on the ring (yet)
+        out, lse = self._raw(q, k, v)
+        # The ring's backward needs its own lse layout: keep it (rows x heads, small).
+        return self._post_out(out), self._post_lse(lse), lse if self.ring is not None else None
+
+    def backward(self, q, k, v, aux, res, lse, dout, dlse, delta, acc):
+        if self.ring is None:  # the halo branch: differentiate its forward (recomputed)
+            _, vjp = jax.vjp(lambda q, k, v: self.forward(q, k, v, aux)[:2], q, k, v)
+            grads = vjp((dout, dlse))
+        else:
+            # dout and delta back to the ring layout: the transposes of the (linear) output
+            # layout map and of the lse map (a gather of each row's one valid source).
+            lse_raw = res
+            zeros = _varying_like(jnp.zeros(lse_raw.shape + dout.shape[-1:], _F32), q, k, v)
+            dout_raw = jax.vjp(self._post_out, zeros)[1](dout)[0]
+            delta_raw = jax.vjp(self._post_lse, lse_raw)[1](delta)[0]
+            grads = ring_backward(self.ring, q, k, v, lse_raw, dout_raw, delta_raw)
+        grads = tuple(g.astype(_F32) for g in grads)
+        return grads if acc is None else tuple(a + g for a, g in zip(acc, grads, strict=True))
+
+
+def _branch_op(plan: BranchPlan, P, C, m, h, hk, axis_name, scale, is_causal, block_sizes):
+    """Branch ``plan`` on local shards of ``m`` positions as a
+    :class:`dilax.branches.BranchOp`: a :class:`~dilax.branches.CoreBranch` over the ``C``
+    chunks of the shard when every segment lies inside one chunk, else a spanning branch."""
     n = P * m
     geo = geometry(n, P, C, plan.w, plan.r)
+    bs = block_sizes or RING_BLOCKS
     if _is_local(plan, P, C, m):
         loc = _plan_branch(geo.mc, h, hk, plan.w, plan.r, plan.q_heads, plan.q_slots)
-        fold = lambda x: x.reshape(b * C, geo.mc, *x.shape[2:])
-        (out,), (lse,) = run_branches(fold(q), fold(k), fold(v), Branches(
-            (loc,), scale, is_causal, block_sizes or RING_BLOCKS), fence=fence)
-        # The C chunks of S segments each are C*S segments of the local shard.
-        return out, lse, dataclasses.replace(loc, num_segments=C * loc.num_segments)
-    U, G = len(plan.kv_heads), plan.q_per_kv
-
-    def to_dilated(q, k, v):
-        qd = dilate(q, plan, plan.q_heads, plan.q_slots, geo, axis_name)
-        return (qd.reshape(b, C, geo.R, U, G, d),
-                dilate(k, plan, plan.kv_heads, plan.kv_slots, geo, axis_name),
-                dilate(v, plan, plan.kv_heads, plan.kv_slots, geo, axis_name))
-
+        return CoreBranch(loc, scale, is_causal, bs, fold=C)
     n_u = tuple(-(-(n - o) // plan.r) for o in plan.kv_slots)
-    if geo.L <= min(geo.cnt) + 1:
-        out, lse = _halo_branch(*to_dilated(q, k, v), geo, jnp.asarray(n_u, jnp.int32), axis_name,
-                                scale, is_causal, block_sizes)
-    else:
-        bs = block_sizes or RING_BLOCKS
+    cfg = None
+    if geo.L > min(geo.cnt) + 1:
+        blocks = BlockSizes(*(min(x, geo.R) for x in (bs.block_q, bs.block_k, *bs.backward)))
         cfg = RingConfig(axis_name, geo, n_u, ring_streams(geo, is_causal), scale, is_causal,
-                         BlockSizes(*(min(x, geo.R) for x in (bs.block_q, bs.block_k,
-                                                              *bs.backward))), to_dilated)
-        out, lse = ring(q, k, v, fence, cfg)
-    out = out.astype(_F32)
-    Hq = U * G
-    if geo.regular:
-        # Chunk row t of head j is local position c*mc + slot_j + r*t: the single-device
-        # dilated layout with C segments of mc, merged without expanding per branch.
-        order = tuple(sorted(range(Hq), key=plan.q_heads.__getitem__))
-        loc = dataclasses.replace(plan, w=geo.mc, num_segments=C)
-        out = static_take(out.reshape(b * C, geo.R, Hq, d), order, axis=2)
-        lse = static_take(lse.reshape(b * C, geo.R, Hq), order, axis=2)
-        return out, lse, loc
-    valid = valid_rows(geo, plan.kv_slots, axis_name)[None, :, :, :, None]
-    out = jnp.where(valid[..., None], out, 0.0)
-    lse = jnp.where(valid, lse, -jnp.inf)
-    out = undilate(out.reshape(b, C, geo.R, Hq, d), plan, geo, axis_name, 0.0, jnp.add)
-    lse = undilate(lse.reshape(b, C, geo.R, Hq), plan, geo, axis_name, -jnp.inf, jnp.maximum)
-    heads = tuple(sorted(plan.q_heads))
-    full = dataclasses.replace(plan, w=m, r=1, num_segments=1, q_heads=heads,
-                               q_slots=(0,) * len(heads))
-    return out, lse, full
+                         blocks, None)
+    op = _SpanningBranch(plan, geo, n_u, axis_name, scale, is_causal, block_sizes, cfg)
+    if cfg is not None:
+        op = dataclasses.replace(op, ring=dataclasses.replace(cfg, dilate=op._dilate))
+    return op
 
 
 def _is_local(plan: BranchPlan, P: int, C: int, m: int) -> bool:
@@ -187,10 +241,11 @@ def ring_dilated_attention(
 ) -> jax.Array:
     """Dilated attention on a sequence sharded over mesh axis ``axis_name`` (per-device view).
 
-    Call inside ``jax.shard_map(..., check_vma=False)`` with the sequence axis of ``q, k, v``
-    sharded over ``axis_name``. The result equals :func:`dilax.dilated_attention` on the
-    gathered inputs (forward and backward), while each device holds only ``O(n / P)`` of the
-    data and sends ``O(w / r)`` rows per spanning branch.
+    Call inside ``jax.shard_map`` (default checks or ``check_vma=False``) with the sequence
+    axis of ``q, k, v`` sharded over ``axis_name``. The result equals
+    :func:`dilax.dilated_attention` on the gathered inputs (forward and backward), while each
+    device holds only ``O(n / P)`` of the data and sends ``O(w / r)`` rows per spanning
+    branch.
 
     Args:
       q: local shard ``(b, n/P, h, d)``.
@@ -225,18 +280,15 @@ def ring_dilated_attention(
         )
     plans = dilated_branches(P * m, h, k.shape[2], ws, rs, mode)
     # Spanning branches first, sparsest (largest r, smallest dilated copies) first, local ones
-    # last, each fenced behind the previous one: only finished (dilated, so small) branch
-    # outputs are live next to the branch being computed, whatever the XLA scheduler prefers.
-    order = sorted(range(len(plans)), key=lambda i: (_is_local(plans[i], P, C, m), -plans[i].r))
-    results: list = [None] * len(plans)
-    prev = None
-    for i in order:
-        results[i] = _branch(q, k, v, plans[i], P, C, axis_name, scale, is_causal, block_sizes,
-                             fence=None if prev is None else fence_after(prev))
-        prev = results[i][1]
-    outs, lses, local_plans = zip(*results)
-    out, _ = combine_branches(outs, lses, local_plans, m, mode)
-    return out.astype(q.dtype)
+    # last, each fenced behind the previous one (attend_branches): only finished (dilated, so
+    # small) branch outputs are live next to the branch being computed, whatever the XLA
+    # scheduler prefers. All branches and the merge are one custom_vjp, whose backward adds
+    # every branch's float32 gradients into one accumulator.
+    order = sorted(plans, key=lambda p: (_is_local(p, P, C, m), -p.r))
+    ops = tuple(_branch_op(p, P, C, m, h, k.shape[2], axis_name, scale, is_causal, block_sizes)
+                for p in order)
+    out, _ = attend_branches(q, k, v, ops, mode, out_dtype=q.dtype)
+    return out
 
 
 def sharded_dilated_attention(

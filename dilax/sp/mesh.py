@@ -61,7 +61,8 @@ def shard_sequence(body: Callable, mesh: Mesh, seq_axis, batch_axis, q, k, v) ->
     """``jax.shard_map(body)`` with the batch of ``q, k, v`` and the output over
     ``batch_axis`` and their sequence over ``seq_axis``.
 
-    ``check_vma=False``: the blockwise core's loop carries are not typed per device.
+    shard_map's default checks (``check_vma=True``): every loop carry and ``cond`` of the core
+    and the rings is typed as device-varying.
     """
     spec = PartitionSpec(batch_axis, seq_axis)
     axes = [ax for ax in (seq_axis, batch_axis) if ax is not None]
@@ -70,5 +71,4 @@ def shard_sequence(body: Callable, mesh: Mesh, seq_axis, batch_axis, q, k, v) ->
         # to match in_specs already.
         sharding = NamedSharding(mesh, spec)
         q, k, v = (jax.sharding.reshard(x, sharding) for x in (q, k, v))
-    return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
-                         check_vma=False)(q, k, v)
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)(q, k, v)

@@ -9,7 +9,8 @@ the XLA core (:meth:`dilax.core.XlaCore.forward`, and ``backward`` in the backwa
 entirely in the future (causal) or in another segment are skipped with ``lax.cond``.
 Communication per device is ``O(w / r)`` rows per branch, independent of ``n``.
 
-The backward pass is a ``jax.custom_vjp`` with a second ring that sends K, V and the dK, dV
+The backward pass (:func:`ring_backward`, called from the one custom_vjp of all branches,
+:func:`dilax.branches.attend_branches`) is a second ring that sends K, V and the dK, dV
 accumulators, so it also keeps ``O(n / P)`` memory per device. The hops run in a
 ``lax.fori_loop`` whose body sends the next chunk while it computes the current one: one chunk
 in use and one in flight per device.
@@ -18,7 +19,6 @@ in use and one in flight per device.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Hashable
 
 import jax
@@ -32,8 +32,6 @@ from dilax.core import (
     Mask,
     identity_view,
     merge_attention_states,
-    output_delta,
-    when,
 )
 from dilax.sp.layout import lookup
 from dilax.sp.schedule import Geometry, Stream
@@ -48,8 +46,8 @@ def _varying_like(x: jax.Array, *refs: jax.Array) -> jax.Array:
     per-device; loop carries and ``lax.cond`` branches must agree on the type.
     """
     try:
-        have = jax.typeof(x).mat.varying
-        want = frozenset().union(*(jax.typeof(r).mat.varying for r in refs))
+        have = jax.typeof(x).manual_axis_type.varying
+        want = frozenset().union(*(jax.typeof(r).manual_axis_type.varying for r in refs))
     except AttributeError:  # outside shard_map, or a jax without varying-axis types
         return x
     missing = tuple(sorted(want - have, key=str))
@@ -147,7 +145,7 @@ def _pair_forward(cfg: RingConfig, q, k, v, Fq, cq, Fk, ck, ok):
     return out, lse
 
 
-def _pair_backward(cfg: RingConfig, q, k, v, out, lse, dout, dlse, Fq, cq, Fk, ck, ok):
+def _pair_backward(cfg: RingConfig, q, k, v, lse, dout, delta, Fq, cq, Fk, ck, ok):
     """Gradient contributions of one (query chunk, key chunk) pair, float32."""
     b, R, U, G, d = q.shape
     dq = jnp.zeros(q.shape, _F32)
@@ -162,18 +160,18 @@ def _pair_backward(cfg: RingConfig, q, k, v, out, lse, dout, dlse, Fq, cq, Fk, c
         kv_len_b = jnp.broadcast_to(kv_len, (b, U))
 
         def run(ops, kv_len_b=kv_len_b, k_off=k_off):
-            qq, kk, vv, oo, ll, do, dl = ops
+            qq, kk, vv, ll, do, dd = ops
             flat = lambda x: x.reshape(b, R, U * G, *x.shape[4:])
             g = XLA.backward(flat(qq), kk, vv, view=identity_view(U, G),
                              mask=Mask(kv_len_b, Fq, k_off, cfg.is_causal), scale=cfg.scale,
-                             lse=flat(ll), dout=flat(do), delta=flat(output_delta(oo, do, dl)),
+                             lse=flat(ll), dout=flat(do), delta=flat(dd),
                              block_sizes=cfg.block_sizes, grad_dtype=_F32)
             return g[0].reshape(q.shape), g[1], g[2]
 
         def skip(ops):
             return tuple(_varying_like(jnp.zeros(x.shape, _F32), *ops) for x in ops[:3])
 
-        gq, gk, gv = lax.cond(pred, run, skip, (q, ks, vs, out, lse_c, dout, dlse))
+        gq, gk, gv = lax.cond(pred, run, skip, (q, ks, vs, lse_c, dout, delta))
         dq = dq + gq
         dk = dk + (gk if lo is None else _unshift_rows(gk, lo))
         dv = dv + (gv if lo is None else _unshift_rows(gv, lo))
@@ -283,9 +281,7 @@ def _stack_state(state):
     return jnp.stack([s[0] for s in state], axis=1), jnp.stack([s[1] for s in state], axis=1)
 
 
-def _ring_backward(cfg: RingConfig, res, cts):
-    qd, kd, vd, out, lse = res
-    dout, dlse = cts
+def _ring_backward(cfg: RingConfig, qd, kd, vd, lse, dout, delta):
     C = cfg.geo.C
     F_t, cnt_t, idx, Fq, cq = _tables(cfg)
 
@@ -300,9 +296,8 @@ def _ring_backward(cfg: RingConfig, res, cts):
             for c in range(C):
                 # One pass over all query rows: row chunks (as in the forward) would need
                 # extra dK/dV accumulators, which cost more than the per-hop dQ they save.
-                gq, gk, gv = _pair_backward(cfg, qd[:, c], kb[:, cp], vb[:, cp], out[:, c],
-                                            lse[:, c], dout[:, c], dlse[:, c], Fq[c], cq[c], Fk,
-                                            ck, ok)
+                gq, gk, gv = _pair_backward(cfg, qd[:, c], kb[:, cp], vb[:, cp], lse[:, c],
+                                            dout[:, c], delta[:, c], Fq[c], cq[c], Fk, ck, ok)
                 dq[c] = dq[c] + gq
                 dk_c = gk if dk_c is None else dk_c + gk
                 dv_c = gv if dv_c is None else dv_c + gv
@@ -330,32 +325,20 @@ def _ring_backward(cfg: RingConfig, res, cts):
         _, _, dkb, dvb, dq = _stream_loop(st, idx, step, (kd, vd, zeros, zeros, dq), transfer)
         dk = dk + lax.ppermute(dkb, cfg.axis_name, st.ret)
         dv = dv + lax.ppermute(dvb, cfg.axis_name, st.ret)
-    return dq.astype(qd.dtype), dk.astype(kd.dtype), dv.astype(vd.dtype)
+    return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def ring(q, k, v, fence, cfg):
-    """Ring attention of the local shards ``q, k, v`` in the dilated layout of ``cfg.dilate``.
-
-    The dilation is inside the custom_vjp: the backward pass keeps only the shards (alive
-    anyway) and the branch output, and recomputes the dilated copies. ``fence``: see
-    :func:`dilax.core.fence_after` (None: no ordering constraint)."""
-    return when(fence, lambda q, k, v: _ring_forward(*cfg.dilate(q, k, v), cfg), (q, k, v))
+def ring_forward(cfg: RingConfig, q, k, v):
+    """Ring attention of the local shards ``q, k, v`` in the dilated layout of ``cfg.dilate``:
+    ``out (b, C, R, U, G, d)`` float32 and ``lse (b, C, R, U, G)``."""
+    return _ring_forward(*cfg.dilate(q, k, v), cfg)
 
 
-def _ring_fwd(q, k, v, fence, cfg):
-    out, lse = ring(q, k, v, fence, cfg)
-    return (out, lse), (q, k, v, fence, out, lse)
-
-
-def _ring_bwd(cfg, res, cts):
-    q, k, v, fence, out, lse = res
-
-    def grads(q, k, v, out, lse, dout, dlse):
-        (qd, kd, vd), undilate = jax.vjp(cfg.dilate, q, k, v)
-        return undilate(_ring_backward(cfg, (qd, kd, vd, out, lse), (dout, dlse)))
-
-    return (*when(fence, grads, (q, k, v, out, lse, *cts)), None)
-
-
-ring.defvjp(_ring_fwd, _ring_bwd)
+def ring_backward(cfg: RingConfig, q, k, v, lse, dout, delta):
+    """Float32 gradients of the local shards from the cotangent ``dout`` of the dilated
+    output and ``delta = rowsum(dout * out) - dlse`` (layout of :func:`ring_forward`). The
+    dilated copies are recomputed; the dilated gradients go back through the transpose of
+    the (linear) dilation, in float32."""
+    # Only the transpose of this vjp is used: XLA drops its (float32) forward.
+    _, undilate = jax.vjp(cfg.dilate, *(x.astype(_F32) for x in (q, k, v)))
+    return undilate(_ring_backward(cfg, *cfg.dilate(q, k, v), lse, dout, delta))
