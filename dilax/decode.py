@@ -200,8 +200,9 @@ def _selected(pos, br: _Branch):
     return (pos[..., None] % br.r) == offsets
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5, 6))
-def _decode(q, k, v, cache: KVCache, branches: tuple[_Branch, ...], mode: str, scale: float):
+@functools.partial(jax.jit, static_argnums=(5, 6, 7))
+def _decode(q, k, v, cache: KVCache, new_lengths, branches: tuple[_Branch, ...], mode: str,
+            scale: float):
     b, t, h, d = q.shape
     lengths = cache.lengths.astype(jnp.int32)
     pos = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # (b, t) absolute positions
@@ -228,7 +229,13 @@ def _decode(q, k, v, cache: KVCache, branches: tuple[_Branch, ...], mode: str, s
             out, lse = merge_attention_states(out, lse, o, s)
     else:  # head groups side by side, each divided by the number of branches
         out = jnp.concatenate(outs, axis=2) / len(branches)
-    return out.astype(q.dtype), KVCache(kc, vc, lengths + t)
+    if new_lengths is None:
+        return out.astype(q.dtype), KVCache(kc, vc, lengths + t)
+    # Padded new positions: output 0 and the row advances by its own count. Their keys were
+    # written past the new length, where they are never read (causal: no valid query of this
+    # chunk attends a later position) and get overwritten by the next call.
+    out = jnp.where((jnp.arange(t)[None, :] < new_lengths[:, None])[..., None, None], out, 0.0)
+    return out.astype(q.dtype), KVCache(kc, vc, lengths + new_lengths)
 
 
 def _check_cache(cache, k: jax.Array) -> KVCache:
@@ -274,6 +281,7 @@ def dilated_attention_decode(
     scale: float | None = None,
     local_window: int | None = None,
     implementation: str | None = None,
+    query_seq_lengths: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Causal dilated attention of the next ``t`` positions of every row, with a KV cache.
 
@@ -304,10 +312,15 @@ def dilated_attention_decode(
         ``p`` also attends keys ``p - W .. p``.
       implementation: ``None`` or ``"xla"`` (the blockwise core; a decode step is a gather and
         small products, the same on every backend).
+      query_seq_lengths: optional int ``(b,)`` in ``[0, t]``: row ``i`` brings only its first
+        ``query_seq_lengths[i]`` new positions (a padded chunk); the others output 0 and the
+        row's length advances by ``query_seq_lengths[i]`` instead of ``t``.
+        The keys of a row are its cache (``cache.lengths``: the valid key lengths). Static
+        values out of range raise; traced values are clipped to ``[0, t]``.
 
     Returns:
       ``(out, cache)``: ``out (b, t, h, d)`` in ``q.dtype`` and the cache with the new
-      positions written and ``lengths + t``.
+      positions written and ``lengths + t`` (``+ query_seq_lengths`` when given).
 
     Raises:
       ValueError / TypeError: ``t == 0``, ``t > max_len``, concrete ``lengths + t > max_len``,
@@ -322,13 +335,9 @@ def dilated_attention_decode(
     q, k, v = V.check_qkv(q, k, v)
     ws, rs, mode, _, scale, _ = V.check_dilated_call(
         q, segment_lengths, dilation_rates, mode, True, scale, None)
-    if local_window is not None:
-        local_window = V.static_int(local_window, "local_window")
-        if local_window < 0:
-            raise ValueError(f"local_window must be >= 0 (or None), got {local_window}")
-        if mode == "grouped":
-            raise ValueError("local_window is a branch of mode='mixture'; mode='grouped' "
-                             "does not take it")
+    local_window = V.check_local_window(local_window, mode)
+    new_lengths = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", q.shape[0],
+                                      q.shape[1])
     implementation = V.check_implementation(implementation)
     if implementation not in (None, "xla"):
         raise ValueError(
@@ -337,4 +346,4 @@ def dilated_attention_decode(
             f"implementation={implementation!r}")
     cache = _check_cache(cache, k)
     branches = _branches(q.shape[2], ws, rs, mode, local_window, cache.max_len)
-    return _decode(q, k, v, cache, branches, mode, scale)
+    return _decode(q, k, v, cache, new_lengths, branches, mode, scale)

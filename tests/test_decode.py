@@ -130,6 +130,28 @@ def test_decode_errors():
         call(q, k, v, KVCache.init(B, 4, HK, 2 * D))
     with pytest.raises(ValueError, match="grouped"):
         call(q, k, v, cache, mode="grouped", local_window=2)
+    with pytest.raises(ValueError, match="query_seq_lengths must lie in"):
+        call(q, k, v, cache, query_seq_lengths=np.array([3, 0]))
+
+
+def test_decode_query_seq_lengths_pad_a_chunk():
+    """A padded chunk: row i brings only its first q_len[i] positions. Valid rows equal the
+    causal op over the row's own sequence, padded rows are 0, and each row
+    advances by its own count (the next chunk continues right after it)."""
+    q, k, v = _inputs(seed=2)
+    t, q_len = 7, np.array([7, 3])
+    step = jax.jit(functools.partial(dilated_attention_decode, segment_lengths=WS,
+                                     dilation_rates=RS), donate_argnums=3)
+    cache = KVCache.init(B, N, HK, D)
+    out1, cache = step(q[:, :t], k[:, :t], v[:, :t], cache, query_seq_lengths=q_len)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), q_len)
+    take = lambda x: np.stack([np.asarray(x)[i, q_len[i]:q_len[i] + t] for i in range(B)])
+    out2, cache = step(take(q), take(k), take(v), cache, query_seq_lengths=np.array([t, t]))
+    want = np.asarray(dilax.dilated_attention(q, k, v, WS, RS, is_causal=True))
+    for i in range(B):
+        assert_scaled_close(out1[i, :q_len[i]], want[i, :q_len[i]], FP32)
+        np.testing.assert_array_equal(np.asarray(out1[i, q_len[i]:]), 0.0)
+        assert_scaled_close(out2[i], want[i, q_len[i]:q_len[i] + t], FP32)
 
 
 # --- models: LongNetLM.decode and generate -----------------------------------------------
