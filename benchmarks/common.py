@@ -83,6 +83,10 @@ class MatmulProbe:
         return self.flops / t / 1e9
 
 
+# calls at least this long need no warmup run (time_interleaved)
+LONG_CALL_S = 1.0
+
+
 def time_interleaved(fn: Callable[[], Any], probe: MatmulProbe, repeats: int,
                      warmup: int = 1) -> tuple[list[float], float]:
     """``(seconds of each of fn's repeats, the probe's GFLOP/s)``.
@@ -90,13 +94,22 @@ def time_interleaved(fn: Callable[[], Any], probe: MatmulProbe, repeats: int,
     One probe call is timed before each call of ``fn`` and one after the last (after
     ``warmup`` calls of both), so the probe samples the same stretch of time as ``fn``. The
     probe's figure is its best call: a busy moment can then only lower a row's "% matmul",
-    never raise it above what the machine's matmul does.
+    never raise it above what the machine's matmul does. A warmup call that takes at least
+    :data:`LONG_CALL_S` (``fn`` is compiled beforehand) counts as the first timed call.
     """
+    times, probe_times = [], []
     for _ in range(warmup):
         block(probe.call())
+        t1 = time.perf_counter()
         block(fn())
-    times, probe_times = [], []
-    for _ in range(repeats):
+        if time.perf_counter() - t1 >= LONG_CALL_S:
+            # A call this long (compiled before) gains nothing from a warmup run: count it,
+            # with the probe timed just before it.
+            times.append(time.perf_counter() - t1)
+            t0 = time.perf_counter()
+            block(probe.call())
+            probe_times.append(time.perf_counter() - t0)
+    for _ in range(repeats - len(times)):
         t0 = time.perf_counter()
         block(probe.call())
         t1 = time.perf_counter()
