@@ -2,9 +2,10 @@
 ``dilated_attention`` with the same arguments (SPEC.md, "Valid lengths", "Local window
 branch", "Ring"): forward output and input gradients.
 
-Needs 8 host devices (``tests/conftest.py`` sets ``XLA_FLAGS``). One geometry covers the three
-kinds of ring branch: on ``P = 8`` devices of ``n/P = 12`` positions, ``w = 12`` is local,
-``w = 8`` (not aligned with shards) is a halo branch and ``w = 28`` spans devices (ring).
+Needs 4 host devices (``tests/conftest.py`` sets ``XLA_FLAGS``). One geometry covers the three
+kinds of ring branch: on ``P = 4`` devices of ``n/P = 24`` positions, ``w = 12`` is local,
+``w = 16`` (not aligned with shards) is a halo branch and ``w = 40`` spans devices (ring, two
+segment candidates per block, last segment shorter).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from tolerance import assert_scaled_close
 
 from dilax import dilated_attention, sharded_dilated_attention
 
-P, N = 8, 96
-WS, RS = (8, 12, 28), (1, 2, 2)
+P, N = 4, 96
+WS, RS = (12, 16, 40), (1, 2, 2)
 # Rows of different lengths, 0 and n included; query and key lengths differ.
 Q_LEN = np.array([96, 0, 50], np.int32)
 KV_LEN = np.array([37, 96, 0], np.int32)
@@ -27,7 +28,7 @@ KV_LEN = np.array([37, 96, 0], np.int32)
 
 @pytest.fixture(autouse=True, scope="module")
 def _eight_devices():
-    assert jax.device_count() >= 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    assert jax.device_count() >= P, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
 
 
 def _inputs(b=3, h=4, hk=2, d=8, seed=0):
@@ -39,24 +40,29 @@ def _inputs(b=3, h=4, hk=2, d=8, seed=0):
     return q, k, v, g
 
 
+# Compile time dominates these small programs: skip the expensive LLVM passes (as test_ring).
+_FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
 def _value_and_grads(fn, q, k, v, g, q_len, kv_len):
-    @jax.jit
     def run(q, k, v, g, q_len, kv_len):  # lengths traced: one compile for any values
         out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, q_len, kv_len), q, k, v)
         return out, vjp(g)
 
-    return run(q, k, v, g, q_len, kv_len)
+    args = (q, k, v, g, q_len, kv_len)
+    return jax.jit(run).lower(*args).compile(compiler_options=_FAST)(*args)
 
 
-def _check(is_causal, layout="contiguous", window=None, q_len=Q_LEN, kv_len=KV_LEN):
+def _check(is_causal, layout="contiguous", window=None, q_len=Q_LEN, kv_len=KV_LEN, ws=WS,
+           rs=RS):
     q, k, v, g = _inputs()
     mesh = jax.make_mesh((P,), ("sp",), axis_types=(AxisType.Auto,),
                          devices=jax.devices()[:P])
     ring = lambda q, k, v, ql, kl: sharded_dilated_attention(
-        q, k, v, WS, RS, mesh=mesh, is_causal=is_causal, layout=layout, local_window=window,
+        q, k, v, ws, rs, mesh=mesh, is_causal=is_causal, layout=layout, local_window=window,
         query_seq_lengths=ql, key_value_seq_lengths=kl)
     ref = lambda q, k, v, ql, kl: dilated_attention(
-        q, k, v, WS, RS, is_causal=is_causal, implementation="reference", local_window=window,
+        q, k, v, ws, rs, is_causal=is_causal, implementation="reference", local_window=window,
         query_seq_lengths=ql, key_value_seq_lengths=kl)
     out, grads = _value_and_grads(ring, q, k, v, g, q_len, kv_len)
     ref_out, ref_grads = _value_and_grads(ref, q, k, v, g, q_len, kv_len)
@@ -69,12 +75,29 @@ def _check(is_causal, layout="contiguous", window=None, q_len=Q_LEN, kv_len=KV_L
     assert np.all(np.isfinite(np.asarray(out)))
 
 
-@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-def test_lengths_match_single_device(is_causal):
-    _check(is_causal)
+# Two compiles, both with valid lengths and the local window (W = 5 <= the local chunk, 12 with
+# zigzag: halos from both neighbouring chunks, from the left one only when causal). Causal
+# contiguous: all three kinds of ring branch. Zigzag (two chunks per device, so chunk starts
+# that are not device starts): a local and a single-segment ring branch (the zigzag halo and
+# two-candidate ring programs take several times longer to compile on CPU).
+def test_lengths_and_window_contiguous_causal():
+    _check(True, window=5)
 
 
-@pytest.mark.parametrize("layout, is_causal", [("zigzag", False), ("contiguous", True)])
-def test_local_window_matches_single_device(layout, is_causal):
-    # W = 5 <= the chunk length (6 with zigzag): halos from both neighbours (one when causal)
-    _check(is_causal, layout=layout, window=5)
+def test_lengths_and_window_zigzag():
+    _check(False, layout="zigzag", window=5, ws=(12, 96), rs=(2, 4))
+
+
+def test_errors():
+    q, k, v, _ = _inputs()
+    mesh = jax.make_mesh((P,), ("sp",), axis_types=(AxisType.Auto,),
+                         devices=jax.devices()[:P])
+    call = lambda **kw: sharded_dilated_attention(q, k, v, WS, RS, mesh=mesh, **kw)
+    with pytest.raises(ValueError, match="local_window=13 must be at most the local chunk"):
+        call(local_window=13, layout="zigzag")  # chunk of n/(2P) = 12
+    with pytest.raises(ValueError, match="local_window"):
+        call(local_window=2, mode="grouped")
+    with pytest.raises(ValueError, match=r"key_value_seq_lengths must lie in \[0, n=96\]"):
+        call(key_value_seq_lengths=np.array([1, 97, 3]))
+    with pytest.raises(ValueError, match="query_seq_lengths must have shape"):
+        call(query_seq_lengths=np.array([1, 2]))
