@@ -13,6 +13,12 @@ The sequence axis of ``q, k, v`` is split over the ``P`` devices of a mesh axis.
   a second ring for the backward pass. Communication per device is ``O(w / r)`` rows per
   branch, independent of ``n``.
 
+Valid lengths (global positions) bound the keys of every branch: the local branches get each
+chunk's own lengths, the spanning ones a per-batch-row count of valid dilated rows; query
+rows past their length are zeroed after the merge (cotangent 0: no gradient from them). The
+local window (``local_window=W``) is one more branch: each chunk receives ``W`` boundary rows
+from the devices holding its neighbouring chunks (:class:`_WindowBranch`).
+
 Branches are merged exactly like the single-device function (log-sum-exp weights in
 ``mode="mixture"``, ``1/G`` in ``mode="grouped"``), so the result equals
 :func:`dilax.dilated_attention` on the gathered inputs, forward and backward
