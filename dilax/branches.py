@@ -52,8 +52,9 @@ class CoreBranch:
 
     ``fold``: the sequence is ``fold`` independent pieces of ``n / fold`` (the ring's local
     branches: the chunks of a shard); ``plan`` is the plan of one piece. ``aux``: ``None`` or
-    the valid lengths ``(q_len, kv_len, key_valid)`` of :func:`dilax.layout.branch_io`
-    (``fold == 1`` only)."""
+    the valid lengths ``(q_len, kv_len, key_valid)`` of :func:`dilax.layout.branch_io`; with
+    ``fold > 1`` those of the pieces, ``(b * fold,)`` in piece coordinates (piece ``c`` of
+    batch row ``i`` is row ``i * fold + c``)."""
 
     plan: BranchPlan
     scale: float
@@ -71,11 +72,9 @@ class CoreBranch:
     def _io(self, q, k, v, aux):
         if self.fold == 1:
             return branch_io(q, k, v, self.plan, self.is_causal, aux)
-        if aux is not None:
-            raise NotImplementedError("valid lengths with fold > 1")
         fold = lambda x: x.reshape(x.shape[0] * self.fold, x.shape[1] // self.fold,
                                    *x.shape[2:])
-        return branch_io(fold(q), fold(k), fold(v), self.plan, self.is_causal)
+        return branch_io(fold(q), fold(k), fold(v), self.plan, self.is_causal, aux)
 
     def forward(self, q, k, v, aux):
         ops, view, mask = self._io(q, k, v, aux)

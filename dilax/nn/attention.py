@@ -49,8 +49,8 @@ class DilatedAttention(nnx.Module):
         attention over the devices (:func:`dilax.sharded_dilated_attention`; XLA core, so
         ``implementation`` must be None or ``"xla"``); None: one device.
       local_window: optional ``W >= 0`` (``mode="mixture"``): one more branch attending the
-        keys ``|p - t| <= W`` (see :func:`dilax.dilated_attention`); not yet with
-        ``sequence_parallel``.
+        keys ``|p - t| <= W`` (see :func:`dilax.dilated_attention`); with
+        ``sequence_parallel`` at most the local chunk length ``n/P`` (``n/(2P)`` zigzag).
 
     ``__call__(q, k, v, *, query_seq_lengths=None, key_value_seq_lengths=None)`` takes
     ``q (b, n, h, d)``, ``k``/``v (b, n, hk, d)`` with ``h % hk == 0`` and optional int
@@ -76,9 +76,6 @@ class DilatedAttention(nnx.Module):
         self.sequence_parallel: SequenceParallel | None = check_sequence_parallel(
             sequence_parallel, cfg["implementation"])
         self.local_window: int | None = V.check_local_window(local_window, cfg["mode"])
-        if self.local_window is not None and self.sequence_parallel is not None:
-            raise ValueError("local_window is not supported with sequence_parallel yet "
-                             "(ring attention has no window branch); pass local_window=None")
         self.segment_lengths: tuple[int, ...] = cfg["segment_lengths"]
         self.dilation_rates: tuple[int, ...] = cfg["dilation_rates"]
         self.mode: str = cfg["mode"]
@@ -94,16 +91,13 @@ class DilatedAttention(nnx.Module):
     ) -> jax.Array:
         causal = self.is_causal if is_causal is None else V.check_bool(is_causal, "is_causal")
         sp = self.sequence_parallel
-        if sp is not None and (query_seq_lengths is not None
-                               or key_value_seq_lengths is not None):
-            raise ValueError("query_seq_lengths / key_value_seq_lengths are not supported "
-                             "with sequence_parallel yet")
         if sp is not None:
             return sharded_dilated_attention(
                 q, k, v, self.segment_lengths, self.dilation_rates, mesh=sp.mesh,
                 seq_axis=sp.seq_axis, batch_axis=sp.batch_axis, layout=sp.layout,
                 is_causal=causal, scale=self.scale, mode=self.mode,
-                block_sizes=self.block_sizes)
+                block_sizes=self.block_sizes, query_seq_lengths=query_seq_lengths,
+                key_value_seq_lengths=key_value_seq_lengths, local_window=self.local_window)
         return dilated_attention(
             q, k, v, self.segment_lengths, self.dilation_rates, is_causal=causal,
             scale=self.scale, mode=self.mode, implementation=self.implementation,

@@ -13,6 +13,12 @@ The sequence axis of ``q, k, v`` is split over the ``P`` devices of a mesh axis.
   a second ring for the backward pass. Communication per device is ``O(w / r)`` rows per
   branch, independent of ``n``.
 
+Valid lengths (global positions) bound the keys of every branch: the local branches get each
+chunk's own lengths, the spanning ones a per-batch-row count of valid dilated rows; query
+rows past their length are zeroed after the merge (cotangent 0: no gradient from them). The
+local window (``local_window=W``) is one more branch: each chunk receives ``W`` boundary rows
+from the devices holding its neighbouring chunks (:class:`_WindowBranch`).
+
 Branches are merged exactly like the single-device function (log-sum-exp weights in
 ``mode="mixture"``, ``1/G`` in ``mode="grouped"``), so the result equals
 :func:`dilax.dilated_attention` on the gathered inputs, forward and backward
@@ -36,16 +42,17 @@ from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
 from dilax import _validation as V
 from dilax.branches import CoreBranch, attend_branches
-from dilax.core import BlockSizes, attention_core, static_take
-from dilax.layout import BranchPlan, dilated_branches
+from dilax.core import BlockSizes, Mask, attention, attention_core, static_take
+from dilax.layout import BranchPlan, dilated_branches, slot_view, window_plan
 from dilax.layout import plan_branch as _plan_branch
 from dilax.sp.dilate import dilate, undilate, valid_rows
-from dilax.sp.layout import check_layout, lookup, relayout, vshift
+from dilax.sp.layout import check_layout, lookup, relayout, vblock, vshift
 from dilax.sp.mesh import axis_size, check_mesh, check_sharded_shape, shard_sequence
 from dilax.sp.ring_vjp import (
     RING_BLOCKS,
@@ -98,8 +105,9 @@ def _halo_branch(qd, kd, vd, geo: Geometry, n_u, axis_name, scale, is_causal, bl
     kw = jnp.stack([window(kd, *halos["k"], c) for c in range(C)], axis=1)
     vw = jnp.stack([window(vd, *halos["v"], c) for c in range(C)], axis=1)
     seg_start = jnp.stack([(F[c] // L + jnp.arange(s_w)) * L for c in range(C)])  # (C, s_w)
-    kv_len = jnp.clip(n_u[None, None, :] - seg_start[..., None], 0, L)  # (C, s_w, U)
-    kv_len = jnp.broadcast_to(kv_len[None], (b, C, s_w, U)).reshape(b * C * s_w, U)
+    n_u = jnp.broadcast_to(n_u, (b, U))  # (U,) or, with valid key lengths, (b, U)
+    kv_len = jnp.clip(n_u[:, None, None, :] - seg_start[None, :, :, None], 0, L)
+    kv_len = kv_len.reshape(b * C * s_w, U)
     out, lse = attention_core(
         qw.reshape(b * C * s_w, L, U, G, d),
         kw.reshape(b * C * s_w, L, U, d),
@@ -168,15 +176,27 @@ class _SpanningBranch:
     def _post_lse(self, lse):
         return self._post(lse, -jnp.inf, jnp.maximum)
 
-    def _raw(self, q, k, v):
+    def _valid_rows(self, aux):
+        """``None``, or with valid key lengths ``L (b,)`` (global, ``aux[0]``) the valid
+        dilated rows ``(b, U)`` of each virtual kv head: ``ceil((L - o) / r)`` for slot ``o``
+        (a prefix, as positions grow with the row), at most the ragged bound ``n_u``."""
+        if aux is None:
+            return None
+        slots = jnp.asarray(np.asarray(self.plan.kv_slots, np.int32))
+        rows = jnp.clip(-(-(aux[0][:, None] - slots[None]) // self.plan.r), 0, None)
+        return jnp.minimum(rows, jnp.asarray(self.n_u, jnp.int32)[None])
+
+    def _raw(self, q, k, v, aux):
+        n_u = self._valid_rows(aux)
         if self.ring is not None:
-            return ring_forward(self.ring, q, k, v)
-        return _halo_branch(*self._dilate(q, k, v), self.geo, jnp.asarray(self.n_u, jnp.int32),
+            return ring_forward(self.ring, q, k, v, n_u)
+        if n_u is None:
+            n_u = jnp.asarray(self.n_u, jnp.int32)
+        return _halo_branch(*self._dilate(q, k, v), self.geo, n_u,
                             self.axis_name, self.scale, self.is_causal, self.block_sizes)
 
     def forward(self, q, k, v, aux):
-        del aux  # no valid lengths on the ring (yet)
-        out, lse = self._raw(q, k, v)
+        out, lse = self._raw(q, k, v, aux)
         # The ring's backward needs its own lse layout: keep it (rows x heads, small).
         return self._post_out(out), self._post_lse(lse), lse if self.ring is not None else None
 
@@ -191,8 +211,101 @@ class _SpanningBranch:
             zeros = _varying_like(jnp.zeros(lse_raw.shape + dout.shape[-1:], _F32), q, k, v)
             dout_raw = jax.vjp(self._post_out, zeros)[1](dout)[0]
             delta_raw = jax.vjp(self._post_lse, lse_raw)[1](delta)[0]
-            grads = ring_backward(self.ring, q, k, v, lse_raw, dout_raw, delta_raw)
+            grads = ring_backward(self.ring, q, k, v, lse_raw, dout_raw, delta_raw,
+                                  self._valid_rows(aux))
         grads = tuple(g.astype(_F32) for g in grads)
+        return grads if acc is None else tuple(a + g for a, g in zip(acc, grads, strict=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class _LocalBranch:
+    """A local branch: ``op`` (a :class:`~dilax.branches.CoreBranch` folded over the chunks)
+    with the chunks' own key lengths, ``aux[1]`` (``(b * C,)`` in chunk coordinates)."""
+
+    op: CoreBranch
+
+    @property
+    def result_plan(self) -> BranchPlan:
+        return self.op.result_plan
+
+    @staticmethod
+    def _aux(aux):
+        return None if aux is None else (None, aux[1])
+
+    def forward(self, q, k, v, aux):
+        return self.op.forward(q, k, v, self._aux(aux))
+
+    def backward(self, q, k, v, aux, res, lse, dout, dlse, delta, acc):
+        return self.op.backward(q, k, v, self._aux(aux), res, lse, dout, dlse, delta, acc)
+
+
+def _chunk_starts(P: int, C: int, mc: int, axis_name) -> list[jax.Array]:
+    """Global position of the first row of each local chunk of ``mc`` rows."""
+    idx = lax.axis_index(axis_name)
+    return [lookup([vblock(P, C, i, c) * mc for i in range(P)], idx) for c in range(C)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _WindowBranch:
+    """The local-window branch ``|p - t| <= W`` on the ring (docs: "Local window branch"):
+    each chunk receives the ``W`` rows before it (and after it, when not causal) from the
+    devices holding its neighbouring chunks (one ``ppermute`` each), then one core call per
+    device with the band mask. ``O(m W)`` work and ``O(W)`` rows sent per device. Backward:
+    the VJP of this forward (recomputed; the transfers transpose to the reverse ones).
+    ``aux``: ``None`` or ``(kv_len (b,) global, ...)``."""
+
+    plan: BranchPlan  # window_plan of one chunk
+    P: int
+    C: int
+    n: int
+    axis_name: Hashable
+    scale: float
+    is_causal: bool
+    block_sizes: BlockSizes | None
+
+    @property
+    def result_plan(self) -> BranchPlan:
+        return dataclasses.replace(self.plan, num_segments=self.C)
+
+    def _run(self, q, k, v, aux):
+        b, m, h, d = q.shape
+        C, P, W = self.C, self.P, self.plan.window
+        mc = m // C
+
+        def halo(x):
+            xc = x.reshape(b, C, mc, *x.shape[2:])
+            parts = [xc]
+            if W:
+                parts.insert(0, vshift(xc[:, :, mc - W:], 1, P, C, self.axis_name))
+                if not self.is_causal:
+                    parts.append(vshift(xc[:, :, :W], -1, P, C, self.axis_name))
+            buf = jnp.concatenate(parts, axis=2)
+            return buf.reshape(b * C, buf.shape[2], *x.shape[2:])
+
+        kb, vb = halo(k), halo(v)
+        lk = kb.shape[1]
+        # Buffer row t of chunk c is global key position start_c - W + t: valid iff in
+        # [0, kv_len) (the halo of the first chunk lies before the sequence).
+        starts = jnp.stack(_chunk_starts(P, C, mc, self.axis_name)) - W  # (C,)
+        limit = (jnp.full((b,), self.n, jnp.int32) if aux is None else aux[0])  # (b,)
+        pos = starts[:, None] + jnp.arange(lk)[None]  # (C, lk)
+        valid = (pos[None] >= 0) & (pos[None] < limit[:, None, None])  # (b, C, lk)
+        kv_len = jnp.clip(limit[:, None] - starts[None], 0, lk).reshape(b * C, 1)
+        mask = Mask(kv_len, W, 0, self.is_causal, window=W,
+                    kv_valid=valid.reshape(b * C, 1, lk))
+        qf = q.reshape(b * C, mc, h, d)
+        return attention(qf, kb, vb, view=slot_view(self.plan, h, k.shape[2]),
+                         scale=self.scale, mask=mask, block_sizes=self.block_sizes,
+                         out_dtype=_F32)
+
+    def forward(self, q, k, v, aux):
+        out, lse = self._run(q, k, v, aux)
+        return out, lse, None
+
+    def backward(self, q, k, v, aux, res, lse, dout, dlse, delta, acc):
+        del res, lse, delta
+        _, vjp = jax.vjp(lambda q, k, v: self._run(q, k, v, aux), q, k, v)
+        grads = tuple(g.astype(_F32) for g in vjp((dout, dlse)))
         return grads if acc is None else tuple(a + g for a, g in zip(acc, grads, strict=True))
 
 
@@ -205,7 +318,7 @@ def _branch_op(plan: BranchPlan, P, C, m, h, hk, axis_name, scale, is_causal, bl
     bs = block_sizes or RING_BLOCKS
     if _is_local(plan, P, C, m):
         loc = _plan_branch(geo.mc, h, hk, plan.w, plan.r, plan.q_heads, plan.q_slots)
-        return CoreBranch(loc, scale, is_causal, bs, fold=C)
+        return _LocalBranch(CoreBranch(loc, scale, is_causal, bs, fold=C))
     n_u = tuple(-(-(n - o) // plan.r) for o in plan.kv_slots)
     cfg = None
     if geo.L > min(geo.cnt) + 1:
@@ -238,6 +351,9 @@ def ring_dilated_attention(
     scale: float | None = None,
     layout: str = "contiguous",
     block_sizes: BlockSizes | None = None,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window: int | None = None,
 ) -> jax.Array:
     """Dilated attention on a sequence sharded over mesh axis ``axis_name`` (per-device view).
 
@@ -256,13 +372,21 @@ def ring_dilated_attention(
       layout: ``"contiguous"`` (device ``i`` holds positions ``[i n/P, (i+1) n/P)``) or
         ``"zigzag"`` (device ``i`` holds chunks ``i`` and ``2P-1-i`` of ``n/(2P)`` positions,
         see :func:`zigzag_permutation`; balances causal work). The output has the same layout.
+      query_seq_lengths, key_value_seq_lengths: optional int ``(b,)`` valid lengths in GLOBAL
+        positions (the same on every device of ``axis_name``), as in
+        :func:`dilax.dilated_attention`: query rows past them output 0 with zero gradient,
+        keys past them get no weight (key blocks past them are skipped).
+      local_window: optional int ``W`` (``mode="mixture"``), as in
+        :func:`dilax.dilated_attention`; each device receives ``W`` boundary rows from its
+        neighbours. Needs ``W <= n/P`` (``n/(2P)`` with ``layout="zigzag"``).
 
     Returns:
       The local shard of the output, ``(b, n/P, h, d)`` in ``q.dtype``.
 
     Raises:
       ValueError: ``axis_name`` not bound by an enclosing ``shard_map``, a bad ``layout``,
-        ``layout="zigzag"`` with an odd local length, and every input error of
+        ``layout="zigzag"`` with an odd local length, ``local_window`` longer than a local
+        chunk, and every input error of
         :func:`dilax.dilated_attention`. TypeError: as there (dtypes, non-static config).
     """
     q, k, v = V.check_qkv(q, k, v)
@@ -278,7 +402,16 @@ def ring_dilated_attention(
             f"layout='zigzag' splits each shard into two chunks and needs an even local "
             f"seq_len, got n/P={m} on mesh axis {axis_name!r}"
         )
-    plans = dilated_branches(P * m, h, k.shape[2], ws, rs, mode)
+    n = P * m
+    window = V.check_local_window(local_window, mode)
+    if window is not None and window > m // C:
+        raise ValueError(
+            f"local_window={window} must be at most the local chunk length "
+            f"{m // C} (n/P{'/2 with layout=zigzag' if C == 2 else ''}) on the ring"
+        )
+    q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n)
+    kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)
+    plans = dilated_branches(n, h, k.shape[2], ws, rs, mode)
     # Spanning branches first, sparsest (largest r, smallest dilated copies) first, local ones
     # last, each fenced behind the previous one (attend_branches): only finished (dilated, so
     # small) branch outputs are live next to the branch being computed, whatever the XLA
@@ -287,7 +420,20 @@ def ring_dilated_attention(
     order = sorted(plans, key=lambda p: (_is_local(p, P, C, m), -p.r))
     ops = tuple(_branch_op(p, P, C, m, h, k.shape[2], axis_name, scale, is_causal, block_sizes)
                 for p in order)
-    out, _ = attend_branches(q, k, v, ops, mode, out_dtype=q.dtype)
+    if window is not None:
+        ops += (_WindowBranch(window_plan(m // C, h, k.shape[2], window), P, C, n, axis_name,
+                              scale, is_causal, block_sizes or RING_BLOCKS),)
+    starts = _chunk_starts(P, C, m // C, axis_name) if (q_len, kv_len) != (None, None) else None
+    aux = None
+    if kv_len is not None:
+        # global lengths (spanning and window branches) and each chunk's own (local ones)
+        local = jnp.stack([jnp.clip(kv_len - s0, 0, m // C) for s0 in starts], axis=1)
+        aux = (kv_len, local.reshape(b * C))
+    out, _ = attend_branches(q, k, v, ops, mode, out_dtype=q.dtype, aux=aux)
+    if q_len is not None:
+        # Rows past q_len: 0, and (cotangent 0) no gradient from them.
+        pos = jnp.concatenate([s0 + jnp.arange(m // C) for s0 in starts])  # (m,)
+        out = jnp.where((pos[None] < q_len[:, None])[..., None, None], out, 0)
     return out
 
 
@@ -306,6 +452,9 @@ def sharded_dilated_attention(
     scale: float | None = None,
     layout: str = "contiguous",
     block_sizes: BlockSizes | None = None,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window: int | None = None,
 ) -> jax.Array:
     """Sequence-parallel dilated attention over ``mesh`` (global view; builds the shard_map).
 
@@ -316,6 +465,9 @@ def sharded_dilated_attention(
       layout: ``"contiguous"`` or ``"zigzag"``. With ``"zigzag"`` the shards are permuted to the
         zigzag layout with point-to-point transfers inside the shard_map (``n % 2P == 0``) and
         the output is permuted back, so the caller always sees natural order.
+      query_seq_lengths, key_value_seq_lengths: optional int ``(b,)`` valid lengths (sharded
+        over ``batch_axis`` with the batch); local_window: optional ``W <= n/P`` (``n/(2P)``
+        with zigzag).
       Other arguments: as in :func:`dilax.dilated_attention`.
 
     Returns:
@@ -327,7 +479,8 @@ def sharded_dilated_attention(
         :func:`dilax.dilated_attention`.
       ValueError: ``seq_axis``/``batch_axis`` not mesh axes or equal, ``n % P != 0``,
         ``layout="zigzag"`` with ``n % 2P != 0``, batch not divisible by the ``batch_axis``
-        size, and every input error of :func:`dilax.dilated_attention`.
+        size, ``local_window`` longer than a local chunk, and every input error of
+        :func:`dilax.dilated_attention`.
     """
     q, k, v = V.check_qkv(q, k, v)
     layout = check_layout(layout)
@@ -341,25 +494,34 @@ def sharded_dilated_attention(
         )
     ws, rs, mode, is_causal, scale, block_sizes = V.check_dilated_call(
         q, segment_lengths, dilation_rates, mode, is_causal, scale, block_sizes)
-    return _sharded_jit(q, k, v, ws, rs, mesh, seq_axis, batch_axis, is_causal, mode, scale,
-                        layout, block_sizes)
+    window = V.check_local_window(local_window, mode)
+    b = q.shape[0]
+    q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n)
+    kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)
+    mc = n // P // (2 if layout == "zigzag" and P > 1 else 1)
+    if window is not None and window > mc:
+        raise ValueError(f"local_window={window} must be at most the local chunk length {mc} "
+                         f"(n/P{'/2 with layout=zigzag' if mc != n // P else ''}) on the ring")
+    return _sharded_jit(q, k, v, q_len, kv_len, ws, rs, mesh, seq_axis, batch_axis, is_causal,
+                        mode, scale, layout, block_sizes, window)
 
 
 # One compiled program per static configuration (cached across eager calls, and bitwise the
 # same result as a call under the caller's jax.jit).
-@functools.partial(jax.jit, static_argnums=tuple(range(3, 13)))
-def _sharded_jit(q, k, v, segment_lengths, dilation_rates, mesh, seq_axis, batch_axis,
-                 is_causal, mode, scale, layout, block_sizes):
+@functools.partial(jax.jit, static_argnums=tuple(range(5, 16)))
+def _sharded_jit(q, k, v, q_len, kv_len, segment_lengths, dilation_rates, mesh, seq_axis,
+                 batch_axis, is_causal, mode, scale, layout, block_sizes, window):
     P = mesh.shape[seq_axis]
     zigzag = layout == "zigzag" and P > 1
 
-    def body(q, k, v):
+    def body(q, k, v, q_len=None, kv_len=None):
         if zigzag:
             q, k, v = (relayout(x, P, seq_axis, True) for x in (q, k, v))
         out = ring_dilated_attention(
             q, k, v, segment_lengths, dilation_rates, axis_name=seq_axis, is_causal=is_causal,
             mode=mode, scale=scale, layout=layout, block_sizes=block_sizes,
+            query_seq_lengths=q_len, key_value_seq_lengths=kv_len, local_window=window,
         )
         return relayout(out, P, seq_axis, False) if zigzag else out
 
-    return shard_sequence(body, mesh, seq_axis, batch_axis, q, k, v)
+    return shard_sequence(body, mesh, seq_axis, batch_axis, q, k, v, q_len, kv_len)

@@ -88,11 +88,12 @@ def _unshift_rows(x, lo):
     return lax.dynamic_update_slice_in_dim(buf, x, lo, axis=1)[:, :R]
 
 
-def _candidates(cfg: RingConfig, Fq, cq, Fk, ck, ok, R):
+def _candidates(cfg: RingConfig, Fq, cq, Fk, ck, ok, R, n_u=None):
     """Per candidate segment of the ``R`` query rows starting at dilated index ``Fq`` (``cq`` of
-    them valid): (key shift or None, kv_len (U,), run?, row mask)."""
+    them valid): (key shift or None, kv_len (U,) or (b, U), run?, row mask). ``n_u``: valid
+    dilated rows per virtual kv head, ``(b, U)`` with valid key lengths, default ``cfg.n_u``."""
     L = cfg.geo.L
-    n_u = jnp.asarray(cfg.n_u, jnp.int32)
+    n_u = jnp.asarray(cfg.n_u, jnp.int32) if n_u is None else n_u
     if cfg.single_segment:
         kv_len = jnp.clip(jnp.minimum(ck, n_u - Fk), 0, None)
         pred = ok & (Fk // L == Fq // L) & (cq > 0) & (jnp.max(kv_len) > 0)
@@ -115,11 +116,11 @@ def _candidates(cfg: RingConfig, Fq, cq, Fk, ck, ok, R):
     return cands
 
 
-def _pair_forward(cfg: RingConfig, q, k, v, Fq, cq, Fk, ck, ok):
+def _pair_forward(cfg: RingConfig, q, k, v, Fq, cq, Fk, ck, ok, n_u=None):
     """Attention of one query chunk ``q: (b, R, U, G, d)`` to one key chunk: (out f32, lse)."""
     b, R, U, G, d = q.shape
     results = []
-    for lo, kv_len, pred, rows in _candidates(cfg, Fq, cq, Fk, ck, ok, R):
+    for lo, kv_len, pred, rows in _candidates(cfg, Fq, cq, Fk, ck, ok, R, n_u):
         ks = k if lo is None else _shift_rows(k, lo)
         vs = v if lo is None else _shift_rows(v, lo)
         k_off = Fk if lo is None else Fk + lo
@@ -145,13 +146,13 @@ def _pair_forward(cfg: RingConfig, q, k, v, Fq, cq, Fk, ck, ok):
     return out, lse
 
 
-def _pair_backward(cfg: RingConfig, q, k, v, lse, dout, delta, Fq, cq, Fk, ck, ok):
+def _pair_backward(cfg: RingConfig, q, k, v, lse, dout, delta, Fq, cq, Fk, ck, ok, n_u=None):
     """Gradient contributions of one (query chunk, key chunk) pair, float32."""
     b, R, U, G, d = q.shape
     dq = jnp.zeros(q.shape, _F32)
     dk = jnp.zeros(k.shape, _F32)
     dv = jnp.zeros(v.shape, _F32)
-    for lo, kv_len, pred, rows in _candidates(cfg, Fq, cq, Fk, ck, ok, R):
+    for lo, kv_len, pred, rows in _candidates(cfg, Fq, cq, Fk, ck, ok, R, n_u):
         ks = k if lo is None else _shift_rows(k, lo)
         vs = v if lo is None else _shift_rows(v, lo)
         k_off = Fk if lo is None else Fk + lo
@@ -193,20 +194,22 @@ def _row_chunk(R: int) -> int:
     return best if best >= _ROW_CHUNK // 4 else R
 
 
-def _fold_pair(cfg: RingConfig, q, k, v, Fq, cq, Fk, ck, ok, state):
+def _fold_pair(cfg: RingConfig, q, k, v, Fq, cq, Fk, ck, ok, state, n_u=None):
     """Merges the attention of queries ``q: (b, R, U, G, d)`` to one key chunk into ``state``
     (float32 ``out``, ``lse``), a chunk of query rows at a time."""
     out, lse = state
     R = q.shape[1]
     rc = _row_chunk(R)
     if rc == R:
-        return merge_attention_states(out, lse, *_pair_forward(cfg, q, k, v, Fq, cq, Fk, ck, ok))
+        return merge_attention_states(out, lse, *_pair_forward(cfg, q, k, v, Fq, cq, Fk, ck, ok,
+                                                                    n_u))
 
     def body(i, carry):
         out, lse = carry
         s = i * rc
         rows = lambda x: lax.dynamic_slice_in_dim(x, s, rc, axis=1)
-        o, l = _pair_forward(cfg, rows(q), k, v, Fq + s, jnp.clip(cq - s, 0, rc), Fk, ck, ok)
+        o, l = _pair_forward(cfg, rows(q), k, v, Fq + s, jnp.clip(cq - s, 0, rc), Fk, ck, ok,
+                             n_u)
         o, l = merge_attention_states(rows(out), rows(lse), o, l)
         return (lax.dynamic_update_slice_in_dim(out, o, s, axis=1),
                 lax.dynamic_update_slice_in_dim(lse, l, s, axis=1))
@@ -239,7 +242,7 @@ def _stream_loop(st: Stream, idx, step, carry, transfer):
     return step(carry, src[hops - 1, idx])
 
 
-def _ring_forward(qd, kd, vd, cfg: RingConfig):
+def _ring_forward(qd, kd, vd, cfg: RingConfig, n_u=None):
     C = cfg.geo.C
     F_t, cnt_t, idx, Fq, cq = _tables(cfg)
 
@@ -251,7 +254,7 @@ def _ring_forward(qd, kd, vd, cfg: RingConfig):
             Fk, ck = lookup(F_t[cp], j), lookup(cnt_t[cp], j)
             for c in range(C):
                 state[c] = _fold_pair(cfg, qd[:, c], kb[:, cp], vb[:, cp], Fq[c], cq[c], Fk, ck,
-                                      ok, state[c])
+                                      ok, state[c], n_u)
         return tuple(state)
 
     b, _, R, U, G, d = qd.shape
@@ -281,7 +284,7 @@ def _stack_state(state):
     return jnp.stack([s[0] for s in state], axis=1), jnp.stack([s[1] for s in state], axis=1)
 
 
-def _ring_backward(cfg: RingConfig, qd, kd, vd, lse, dout, delta):
+def _ring_backward(cfg: RingConfig, qd, kd, vd, lse, dout, delta, n_u=None):
     C = cfg.geo.C
     F_t, cnt_t, idx, Fq, cq = _tables(cfg)
 
@@ -297,7 +300,8 @@ def _ring_backward(cfg: RingConfig, qd, kd, vd, lse, dout, delta):
                 # One pass over all query rows: row chunks (as in the forward) would need
                 # extra dK/dV accumulators, which cost more than the per-hop dQ they save.
                 gq, gk, gv = _pair_backward(cfg, qd[:, c], kb[:, cp], vb[:, cp], lse[:, c],
-                                            dout[:, c], delta[:, c], Fq[c], cq[c], Fk, ck, ok)
+                                            dout[:, c], delta[:, c], Fq[c], cq[c], Fk, ck, ok,
+                                            n_u)
                 dq[c] = dq[c] + gq
                 dk_c = gk if dk_c is None else dk_c + gk
                 dv_c = gv if dv_c is None else dv_c + gv
@@ -328,17 +332,19 @@ def _ring_backward(cfg: RingConfig, qd, kd, vd, lse, dout, delta):
     return dq, dk, dv
 
 
-def ring_forward(cfg: RingConfig, q, k, v):
+def ring_forward(cfg: RingConfig, q, k, v, n_u=None):
     """Ring attention of the local shards ``q, k, v`` in the dilated layout of ``cfg.dilate``:
-    ``out (b, C, R, U, G, d)`` float32 and ``lse (b, C, R, U, G)``."""
-    return _ring_forward(*cfg.dilate(q, k, v), cfg)
+    ``out (b, C, R, U, G, d)`` float32 and ``lse (b, C, R, U, G)``. ``n_u``: optional int
+    ``(b, U)`` valid dilated rows per batch row and virtual kv head (valid key lengths),
+    at most ``cfg.n_u``."""
+    return _ring_forward(*cfg.dilate(q, k, v), cfg, n_u)
 
 
-def ring_backward(cfg: RingConfig, q, k, v, lse, dout, delta):
+def ring_backward(cfg: RingConfig, q, k, v, lse, dout, delta, n_u=None):
     """Float32 gradients of the local shards from the cotangent ``dout`` of the dilated
     output and ``delta = rowsum(dout * out) - dlse`` (layout of :func:`ring_forward`). The
     dilated copies are recomputed; the dilated gradients go back through the transpose of
     the (linear) dilation, in float32."""
     # Only the transpose of this vjp is used: XLA drops its (float32) forward.
     _, undilate = jax.vjp(cfg.dilate, *(x.astype(_F32) for x in (q, k, v)))
-    return undilate(_ring_backward(cfg, *cfg.dilate(q, k, v), lse, dout, delta))
+    return undilate(_ring_backward(cfg, *cfg.dilate(q, k, v), lse, dout, delta, n_u))
