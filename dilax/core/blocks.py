@@ -64,7 +64,8 @@ def _clamp(x: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, x))
 
 
-def default_block_sizes(len_q: int, len_k: int, num_heads: int, is_causal: bool) -> BlockSizes:
+def default_block_sizes(len_q: int, len_k: int, num_heads: int, is_causal: bool,
+                        window: int | None = None) -> BlockSizes:
     """Per-shape defaults tuned on a 2-core x86 CPU (AVX-512) with ``python -m benchmarks
     speed`` and per-tile sweeps at segment length 2048.
 
@@ -74,9 +75,15 @@ def default_block_sizes(len_q: int, len_k: int, num_heads: int, is_causal: bool)
     with the head count. The backward iterates 128-query blocks against a column of up to
     2048 keys, ~4 MiB per tile over all heads because four tiles are live at once.
     Causal: 256 against up to 512 so that blocks entirely in the future are skipped at a fine
-    grain, all heads per step.
+    grain, all heads per step. A local ``window`` (the band ``|p - t| <= window``) gets square
+    tiles of about the window, so that the blocks outside the band are skipped.
     """
     h = max(1, num_heads)
+    if window is not None:
+        # A band |p - t| <= W: square tiles of about W (128 .. 1024), so a query block meets
+        # only ~3 key blocks and the work stays within ~2x of the n (2W + 1) pairs.
+        t = _clamp(_pow2_at_most(max(window, 1)), 128, 1024)
+        return BlockSizes(min(t, len_q), min(t, len_k), min(t, len_q), min(t, len_k), None)
     if is_causal:
         short = 256
         long = max(short, min(512, _pow2_at_most(_SCORE_BUDGET // (h * short))))

@@ -74,7 +74,8 @@ class XlaCore:
     def _resolve(q, k, view, mask, block_sizes):
         B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
         if block_sizes is None:
-            block_sizes = default_block_sizes(Lq, Lk, len(view.q_index), bool(mask.is_causal))
+            block_sizes = default_block_sizes(Lq, Lk, len(view.q_index), bool(mask.is_causal),
+                                              mask.window)
         return mask.resolve(B, len(view.kv_index), Lk, Lq), block_sizes.clipped(Lq, Lk)
 
     def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):
