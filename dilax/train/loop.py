@@ -244,14 +244,12 @@ def boundary_report(losses: np.ndarray, segment_lengths: tuple[int, ...]) -> dic
 def save_position_plot(path: str, curves: dict[str, np.ndarray],
                        segment_lengths: tuple[int, ...]) -> bool:
     """Per-position eval loss curves as a PNG at ``path`` (False if matplotlib is missing)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:  # a bare Figure: no pyplot, so a notebook's backend is left alone
+        from matplotlib.figure import Figure
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(7, 3.2), dpi=80)
+    fig = Figure(figsize=(7, 3.2), dpi=80)
+    ax = fig.subplots()
     for label, losses in curves.items():
         ax.plot(np.arange(len(losses)), losses, label=label, lw=1.2)
     for p in range(min(segment_lengths), len(next(iter(curves.values()))), min(segment_lengths)):
@@ -261,7 +259,6 @@ def save_position_plot(path: str, curves: dict[str, np.ndarray],
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
     return True
 
 
