@@ -11,10 +11,11 @@ segment candidates per block, last segment shorter).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType
+from test_ring import _FAST
+from test_ring import _inputs as ring_inputs
 from tolerance import assert_scaled_close
 
 from dilax import dilated_attention, sharded_dilated_attention
@@ -32,16 +33,7 @@ def _eight_devices():
 
 
 def _inputs(b=3, h=4, hk=2, d=8, seed=0):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-    q = jax.random.normal(ks[0], (b, N, h, d), jnp.float32)
-    k = jax.random.normal(ks[1], (b, N, hk, d), jnp.float32)
-    v = jax.random.normal(ks[2], (b, N, hk, d), jnp.float32)
-    g = jax.random.normal(ks[3], (b, N, h, d), jnp.float32)
-    return q, k, v, g
-
-
-# Compile time dominates these small programs: skip the expensive LLVM passes (as test_ring).
-_FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+    return ring_inputs(b, N, h, hk, d, seed)
 
 
 def _value_and_grads(fn, q, k, v, g, q_len, kv_len):
