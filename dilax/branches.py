@@ -70,8 +70,6 @@ class CoreBranch:
         return dataclasses.replace(self.plan, num_segments=self.fold * self.plan.num_segments)
 
     def _io(self, q, k, v, aux):
-        if self.fold == 1:
-            return branch_io(q, k, v, self.plan, self.is_causal, aux)
         fold = lambda x: x.reshape(x.shape[0] * self.fold, x.shape[1] // self.fold,
                                    *x.shape[2:])
         return branch_io(fold(q), fold(k), fold(v), self.plan, self.is_causal, aux)

@@ -37,6 +37,17 @@ def _head_groups(num_kv: int, q_per_kv: int, heads_per_step: int | None):
     return tuple((u, min(num_kv, u + size)) for u in range(0, num_kv, size))
 
 
+def _pad_keys(k, v, kv_len, kv_valid, size, U):
+    """K, V and the per-key validity padded to ``size`` keys; ``kv_len (B, U)`` made explicit
+    when padding adds keys that must get no weight."""
+    Lk = k.shape[1]
+    if kv_len is None and size != Lk:
+        kv_len = jnp.full((k.shape[0], U), Lk, jnp.int32)
+    if kv_valid is not None:
+        kv_valid = _pad_axis(kv_valid, 2, size)
+    return _pad_axis(k, 1, size), _pad_axis(v, 1, size), kv_len, kv_valid
+
+
 def _pad_axis(x, axis, size):
     extra = size - x.shape[axis]
     if extra == 0:
@@ -153,12 +164,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
     U, G = len(view.kv_index), view.q_per_kv
     nq, nk = _cdiv(Lq, block_q), _cdiv(Lk, block_k)
     qp = _pad_axis(q, 1, nq * block_q)
-    kp = _pad_axis(k, 1, nk * block_k)
-    vp = _pad_axis(v, 1, nk * block_k)
-    if kv_len is None and nk * block_k != Lk:
-        kv_len = jnp.full((B, U), Lk, jnp.int32)
-    if kv_valid is not None:
-        kv_valid = _pad_axis(kv_valid, 2, nk * block_k)
+    kp, vp, kv_len, kv_valid = _pad_keys(k, v, kv_len, kv_valid, nk * block_k, U)
     axes = _varying_axes(q, k, v, kv_len, q_offset, k_offset, q_len)
 
     groups = _head_groups(U, G, heads_per_step)
@@ -262,12 +268,7 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
     lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
     pad_q = functools.partial(_pad_axis, axis=1, size=nq * block_q)
     qp, dop, lsep, deltap = pad_q(q), pad_q(dout), pad_q(lse_safe), pad_q(delta)
-    kp = _pad_axis(k, 1, nk * block_k)
-    vp = _pad_axis(v, 1, nk * block_k)
-    if kv_len is None and nk * block_k != Lk:
-        kv_len = jnp.full((B, U), Lk, jnp.int32)
-    if kv_valid is not None:
-        kv_valid = _pad_axis(kv_valid, 2, nk * block_k)
+    kp, vp, kv_len, kv_valid = _pad_keys(k, v, kv_len, kv_valid, nk * block_k, U)
     axes = _varying_axes(q, k, v, kv_len, q_offset, k_offset, dout, delta, q_len)
     out_view = view.output_view()  # reads dout, lse, delta (output layout) per block
 
