@@ -54,79 +54,82 @@ def needs_matrix(P: int, needed: Callable[[int, int], bool]) -> np.ndarray:
     return needs
 
 
-def _groups(needs: np.ndarray) -> list[list[int]]:
-    """Connected components of the symmetric ``needs`` graph (union-find), members ascending."""
+def _rows(a: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    return tuple(map(tuple, a.tolist()))
+
+
+def _labels(needs: np.ndarray) -> np.ndarray:
+    """Per device, the smallest device of its connected component of the symmetric ``needs``
+    graph (label propagation with pointer jumping, vectorized: O(P^2) per round)."""
     P = needs.shape[0]
     sym = needs | needs.T
-    comp = list(range(P))
+    label = np.arange(P)
+    while True:
+        nxt = np.minimum(label, np.where(sym, label[None, :], P).min(axis=1))
+        nxt = nxt[nxt]
+        if np.array_equal(nxt, label):
+            return label
+        label = nxt
 
-    def find(a):
-        while comp[a] != a:
-            comp[a] = comp[comp[a]]
-            a = comp[a]
-        return a
 
-    for i in range(P):
-        for j in range(P):
-            if sym[i, j]:
-                comp[find(i)] = find(j)
-    groups: dict[int, list[int]] = {}
-    for i in range(P):
-        groups.setdefault(find(i), []).append(i)
-    return list(groups.values())
+def _groups(needs: np.ndarray) -> list[list[int]]:
+    """Connected components of the symmetric ``needs`` graph, ordered by their smallest
+    member, members ascending."""
+    label = _labels(needs)
+    return [np.flatnonzero(label == g).tolist() for g in np.unique(label)]
 
 
 def _shift_lengths(needs: np.ndarray) -> tuple[int, int]:
     """Fewest hops ``(A, B)`` of a right and a left cyclic shift covering every needed pair
     (the smallest ``A`` among ties)."""
     P = needs.shape[0]
-    offsets = {int((j - i) % P) for i in range(P) for j in range(P) if needs[i, j]}
-    best = None
-    for A in range(P):
-        B = max([d for d in offsets if d < P - A], default=0)
-        if best is None or A + B < best[0] + best[1]:
-            best = (A, B)
-    return best
+    i, j = np.nonzero(needs)
+    has = np.zeros(P, bool)
+    has[(j - i) % P] = True
+    # B(A) = largest needed offset d < P - A (0 if none): a running max over offsets.
+    top = np.maximum.accumulate(np.where(has, np.arange(P), 0))
+    A = np.arange(P)
+    total = A + top[P - 1 - A]
+    a = int(np.argmin(total))  # first minimum: the smallest A among ties
+    return a, int(top[P - 1 - a])
 
 
 def _group_ring_stream(needs: np.ndarray, groups: list[list[int]], steps: int) -> Stream:
     P = needs.shape[0]
-    members = {i: g for g in groups for i in g}
-    perm, ret, src = [], [], []
+    order = np.concatenate([np.asarray(g) for g in groups])  # devices group by group
+    start, size, pos = np.zeros(P, int), np.zeros(P, int), np.zeros(P, int)
+    at = 0
+    perm, ret = [], []
     for g in groups:
+        start[g], size[g], pos[g] = at, len(g), np.arange(len(g))
+        at += len(g)
         if len(g) > 1:
             perm += [(g[p], g[(p + 1) % len(g)]) for p in range(len(g))]
             ret += [(g[p], g[(p - steps) % len(g)]) for p in range(len(g))]
-    for s in range(1, steps + 1):
-        row = []
-        for i in range(P):
-            g = members[i]
-            j = g[(g.index(i) - s) % len(g)]
-            row.append(j if s < len(g) and needs[i, j] else -1)
-        src.append(tuple(row))
-    return Stream(tuple(perm), tuple(src), tuple(ret))
+    s = np.arange(1, steps + 1)[:, None]
+    dev = np.arange(P)[None, :]
+    j = order[start[None] + (pos[None] - s) % size[None]]  # (steps, P)
+    ok = (s < size[None]) & needs[dev, j]
+    return Stream(tuple(perm), _rows(np.where(ok, j, -1)), tuple(ret))
 
 
 def _shift_streams(needs: np.ndarray, A: int, B: int) -> tuple[Stream, ...]:
     P = needs.shape[0]
+    dev = np.arange(P)[None, :]
     streams = []
     if A:
-        src = tuple(
-            tuple((i - s) % P if needs[i, (i - s) % P] else -1 for i in range(P))
-            for s in range(1, A + 1)
-        )
-        streams.append(Stream(tuple((i, (i + 1) % P) for i in range(P)), src,
+        s = np.arange(1, A + 1)[:, None]
+        j = (dev - s) % P
+        streams.append(Stream(tuple((i, (i + 1) % P) for i in range(P)),
+                              _rows(np.where(needs[dev, j], j, -1)),
                               tuple((i, (i - A) % P) for i in range(P))))
     if B:
         # Offsets the right shift already brings (s >= P - A) are not visited twice.
-        src = tuple(
-            tuple(
-                (i + s) % P if needs[i, (i + s) % P] and not s >= P - A else -1
-                for i in range(P)
-            )
-            for s in range(1, B + 1)
-        )
-        streams.append(Stream(tuple((i, (i - 1) % P) for i in range(P)), src,
+        s = np.arange(1, B + 1)[:, None]
+        j = (dev + s) % P
+        ok = needs[dev, j] & ~(s >= P - A)
+        streams.append(Stream(tuple((i, (i - 1) % P) for i in range(P)),
+                              _rows(np.where(ok, j, -1)),
                               tuple((i, (i + B) % P) for i in range(P))))
     return tuple(streams)
 
@@ -223,10 +226,24 @@ def geometry(n: int, P: int, C: int, w: int, r: int) -> Geometry:
 def ring_streams(geo: Geometry, is_causal: bool) -> tuple[Stream, ...]:
     """The streams of a dilated branch: device ``i`` needs device ``j`` when a query chunk of
     ``i`` attends a key chunk of ``j``."""
+    return plan_streams(ring_needs(geo, is_causal))
+
+
+def ring_needs(geo: Geometry, is_causal: bool) -> np.ndarray:
+    """``(P, P)`` bool ``needs`` of a dilated branch: :meth:`Geometry.pair_needed` for every
+    pair of chunks, vectorized (``O(V^2)`` numpy, V = P C)."""
     P, C = geo.P, geo.C
-
-    def needed(i, j):
-        return any(geo.pair_needed(vblock(P, C, i, c), vblock(P, C, j, cp), is_causal)
-                   for c in range(C) for cp in range(C))
-
-    return plan_streams(needs_matrix(P, needed))
+    F = np.asarray(geo.F, np.int64)
+    cnt = F[1:] - F[:-1]
+    first, last = F[:-1] // geo.L, (F[:-1] + cnt - 1) // geo.L
+    pair = ((np.maximum(first[:, None], first[None]) <= np.minimum(last[:, None], last[None]))
+            & (cnt[:, None] > 0) & (cnt[None] > 0))
+    if is_causal:
+        pair &= np.tri(geo.V, dtype=bool)  # key block u <= query block v
+    blocks = np.asarray([[vblock(P, C, i, c) for c in range(C)] for i in range(P)])
+    needs = np.zeros((P, P), bool)
+    for c in range(C):
+        for cp in range(C):
+            needs |= pair[blocks[:, c][:, None], blocks[:, cp][None, :]]
+    np.fill_diagonal(needs, False)
+    return needs
