@@ -354,7 +354,12 @@ print("JSON" + json.dumps(rows(n=cfg["n"], h=cfg["h"], d=cfg["d"], repeats=cfg["
 
 
 def cmd_ring(args) -> dict[str, Any]:
-    """Ring rows on 8 fake host devices (a subprocess sets XLA_FLAGS before jax starts)."""
+    """Ring rows on 8 fake host devices (a subprocess sets XLA_FLAGS before jax starts);
+    ``--plan``: the model at scale (:mod:`benchmarks.ring_plan_cli`)."""
+    if args.plan:
+        from benchmarks.ring_plan_cli import cmd_plan
+
+        return cmd_plan(args)
     n = args.n[0] if args.n else 16384
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
@@ -439,7 +444,7 @@ PRESETS = {
     "demo": dict(n=[2048, 4096], repeats=3, segment_lengths=[512, 1024, 2048]),
     "all": dict(n=[8192, 16384, 32768]),
     "block-sparse": dict(n=[16384], repeats=3),
-    "ring": dict(n=[16384], repeats=3),
+    "ring": dict(n=None, repeats=3, segment_lengths=None),
     "decode": dict(n=[2**i for i in range(12, 21)], segment_lengths=[1024, 2048, 4096]),
 }
 
@@ -465,7 +470,7 @@ _EXTRA = {
     "demo": ("compare_torch",),
     "all": ("rows", "backward", "compare_torch"),
     "block-sparse": (),
-    "ring": ("timeout",),
+    "ring": ("timeout", "plan"),
     "decode": ("mode",),
 }
 _FIXED = dict(rows=list(DEFAULT_ROWS), backward=False, compare_torch=False, mode="mixture",
@@ -501,10 +506,12 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 def _add_command(sub, name: str) -> None:
     preset = PRESETS[name]
     seg = preset.get("segment_lengths", [2048, 4096, 8192])
+    rates = None if seg is None else [1, 2, 4]
     p = sub.add_parser(name, help=HELP[name], description=HELP[name],
                        formatter_class=_Formatter)
     p.add_argument("--n", type=_ints, default=preset["n"], metavar="N,N,...",
-                   help=f"sequence lengths (default: {_csv(preset['n'])})")
+                   help="sequence lengths (default: "
+                        f"{_csv(preset['n'] or ['16384; with --plan 2^30'])})")
     p.add_argument("--batch", type=int, default=1, help="batch size b")
     p.add_argument("--heads", type=int, default=8, help="query heads h")
     p.add_argument("--kv-heads", type=int, default=None,
@@ -513,9 +520,11 @@ def _add_command(sub, name: str) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="q, k, v dtype")
     p.add_argument("--segment-lengths", type=_ints, default=seg, metavar="W,W,...",
-                   help=f"dilated attention segment lengths (default: {_csv(seg)})")
-    p.add_argument("--dilation-rates", type=_ints, default=[1, 2, 4], metavar="R,R,...",
-                   help="one dilation rate per segment length (default: 1,2,4)")
+                   help="dilated attention segment lengths (default: "
+                        f"{_csv(seg) if seg else 'n/8,n/4,n/2,n; with --plan 2048*2^i up to n'})")
+    p.add_argument("--dilation-rates", type=_ints, default=rates, metavar="R,R,...",
+                   help="one dilation rate per segment length (default: "
+                        f"{_csv(rates) if rates else '1,2,4,8; with --plan 2^i'})")
     p.add_argument("--causal", action="store_true", help="causal attention")
     p.add_argument("--implementation", default=None,
                    help="dilax implementation: xla, pallas, cudnn, reference "
@@ -538,6 +547,17 @@ def _add_command(sub, name: str) -> None:
     if "mode" in extra:
         p.add_argument("--mode", default="mixture", choices=["mixture", "grouped"],
                        help="dilax mode to push to its longest n")
+    if "plan" in extra:
+        p.add_argument("--plan", action="store_true",
+                       help="no measurement: per-device memory, bytes sent and hops from the "
+                            "static schedule for --n (default 2^30) on --devices, LongNet "
+                            "branches w = 2048 2^i, r = 2^i unless --segment-lengths/"
+                            "--dilation-rates; results ring-plan.{json,md}")
+        p.add_argument("--devices", type=_ints, default=None, metavar="P,P,...",
+                       help="ring sizes of the plan (default: 64,128,256,512,1024)")
+        p.add_argument("--no-validate", dest="validate", action="store_false",
+                       help="skip the plan's validation against compiled programs on 8-64 "
+                            "fake host devices (a few minutes)")
     if "timeout" in extra:
         p.add_argument("--timeout", type=int, default=1800,
                        help="seconds per attempt (a subprocess each)")
@@ -570,16 +590,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return gpu_compile.main(argv[1:])
     args = build_parser().parse_args(argv)
-    if len(args.segment_lengths) != len(args.dilation_rates):
+    if len(args.segment_lengths or ()) != len(args.dilation_rates or ()):
         raise SystemExit("--segment-lengths and --dilation-rates need the same number of values")
+    name = "ring-plan" if getattr(args, "plan", False) else args.command
     if args.out is None:
-        args.out = default_out(args.command)
+        args.out = default_out(name)
     t0 = time.time()
     result = COMMANDS[args.command](args)
     result["machine"] = common.machine_description()
     result["probe"] = "interleaved"
     result["wall_seconds"] = time.time() - t0
-    paths = write_outputs(result, args.out, args.command)
+    paths = write_outputs(result, args.out, name)
     print(paths["markdown_text"])
     out = os.path.relpath(args.out) if not os.path.relpath(args.out).startswith("..") else args.out
     print(f"results in {out}/:")

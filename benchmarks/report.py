@@ -14,6 +14,10 @@ def _fmt(x: Any, spec: str = ".1f") -> str:
 
 
 def markdown(result: dict[str, Any]) -> str:
+    if result["command"] == "ring-plan":
+        from benchmarks.ring_plan_cli import markdown as plan_markdown
+
+        return plan_markdown(result)
     cfg = result.get("config", {})
     m = result.get("machine", {})
     lines = [

@@ -1,0 +1,291 @@
+"""``python -m benchmarks ring --plan``: the ring at scales past this machine, on paper.
+
+Everything here is computed from shapes and the STATIC ring schedule, nothing is compiled
+(:mod:`benchmarks.ring_plan_validate` checks the model against compiled programs).
+
+Configuration: ``b, n, h, hk, d``, branches ``(w_i, r_i)``, causal, contiguous layout, P
+devices, mixture mode (every branch covers all ``h`` heads). Per device ``m = n / P``. Branch
+kinds as in :func:`dilax.sp.dilated_ring._branch_op`: *local* (``m % w == 0``), *halo* or
+*ring*. A branch has ``R = ceil(m / r)`` dilated rows per device (modelled for ``r | m``),
+``U`` virtual kv heads of ``G`` query heads (``U G = h``, :func:`dilax.layout.plan_branch`).
+
+Communication (exact, from :func:`dilax.sp.schedule.ring_streams`): a ring branch's stream of
+``H`` hops sends the dilated K and V chunk ``b R U d`` (input dtype) ``H`` times forward; the
+backward ring sends K, V once, then K, V and the float32 dK, dV accumulators ``H - 1`` more
+times, then dK, dV home once (``ret``). Hops = ppermute rounds. A halo branch sends
+``2 (L - 1)`` dilated rows of K and V per device (``L = w / r``).
+
+Memory per device (bytes) = inputs + the largest phase, a phase being the sum of named
+terms live together (each a function below; ``s`` = input itemsize, float32 state = 4):
+
+forward
+  inputs        q, k, v shards ``b m (h + 2 hk) d s``
+  results       every finished branch keeps ``out`` float32 + ``lse``: ``b R h (d + 1) 4``
+  ring branch   dilated q ``b R h d s`` x3 (the chunk and two per-hop copies seen in the
+                buffer assignment), K/V chunks ``b R U d s`` x4 (K and V, in use and in
+                flight), the online-softmax state ``b R h (d + 1) 4``, the fold's work
+                (row chunk of queries and partial output, score tiles)
+  local branch  its result plus one copy (loop carry) and the core's tiles
+  merge         all results, the merged output float32 ``b m h d 4`` (+ the output in the
+                input dtype if that is not float32) and the per-position statistics
+training step (grad of sum(out) w.r.t. q, k, v)
+  forward       as above, the results kept as residuals
+  backward      the float32 accumulators dq, dk, dv ``b m (h + 2 hk) d 4``, the cotangent
+                ``b m h d s``, the row statistics; per ring branch the recomputed dilated q,
+                k, v, dO and dq float32, K/V chunks x4 (in use and in flight), dK/dV float32
+                x4 (in use and in flight), the pair's float32 gradients; per local branch
+                dO float32, the updated copy of the float32 dq accumulator and the core's
+                tiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+from dilax.layout import plan_branch
+from dilax.sp.ring_vjp import RING_BLOCKS, _row_chunk
+from dilax.sp.schedule import geometry, ring_streams
+
+F32 = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    n: int
+    P: int
+    ws: tuple[int, ...]
+    rs: tuple[int, ...]
+    b: int = 1
+    h: int = 8
+    hk: int = 2
+    d: int = 64
+    s: int = 4  # input itemsize: 4 float32, 2 bfloat16
+    causal: bool = True
+
+    @property
+    def m(self) -> int:
+        return self.n // self.P
+
+
+@dataclasses.dataclass(frozen=True)
+class Branch:
+    w: int  # effective segment length
+    r: int
+    kind: str  # "local", "halo" or "ring"
+    R: int  # dilated rows per device
+    U: int
+    G: int
+    hops: tuple[int, ...]  # per stream (ring)
+    L: int  # w / r
+
+
+def longnet_config(n: int, base: int = 2048) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """LongNet-style branches ``w_i = base 2^i``, ``r_i = 2^i`` (``w_i / r_i = base``), up to
+    ``w = n``."""
+    k = int(math.log2(n // base))
+    return tuple(base << i for i in range(k + 1)), tuple(1 << i for i in range(k + 1))
+
+
+@functools.lru_cache(maxsize=4096)
+def _heads(h: int, hk: int, r: int) -> tuple[int, int]:
+    """``(U, G)`` of a mixture branch of rate ``r`` (depends only on the heads)."""
+    p = plan_branch(r, h, hk, r, r, tuple(range(h)), tuple(j % r for j in range(h)))
+    return len(p.kv_heads), p.q_per_kv
+
+
+def branches(cfg: Config) -> list[Branch]:
+    """The branches in execution order (spanning, largest r first, then local)."""
+    out = []
+    for w, r in zip(cfg.ws, cfg.rs, strict=True):
+        w_eff = min(w, -(-cfg.n // r) * r)
+        U, G = _heads(cfg.h, cfg.hk, r)
+        R = -(-cfg.m // r)
+        local = cfg.P == 1 or cfg.m % w_eff == 0
+        hops: tuple[int, ...] = ()
+        kind = "local"
+        if not local:
+            geo = geometry(cfg.n, cfg.P, 1, w_eff, r)
+            kind = "ring" if geo.L > min(geo.cnt) + 1 else "halo"
+            if kind == "ring":
+                hops = tuple(st.hops for st in ring_streams(geo, cfg.causal))
+        out.append(Branch(w_eff, r, kind, R, U, G, hops, w_eff // r))
+    return sorted(out, key=lambda br: (br.kind == "local", -br.r))
+
+
+# ------------------------------------------------------------------ communication (exact)
+
+
+def chunk_bytes(cfg: Config, br: Branch, itemsize: int) -> int:
+    """One dilated K (or V) chunk ``(b, R, U, d)``."""
+    return cfg.b * br.R * br.U * cfg.d * itemsize
+
+
+def sent_forward(cfg: Config, br: Branch) -> int:
+    if br.kind == "ring":
+        return sum(br.hops) * 2 * chunk_bytes(cfg, br, cfg.s)
+    if br.kind == "halo":
+        return 4 * cfg.b * (br.L - 1) * br.U * cfg.d * cfg.s
+    return 0
+
+
+def sent_backward(cfg: Config, br: Branch) -> int:
+    """Bytes the backward of a branch sends (the training step adds it to the forward's)."""
+    if br.kind == "ring":
+        kv, acc = 2 * chunk_bytes(cfg, br, cfg.s), 2 * chunk_bytes(cfg, br, F32)
+        return sum(kv + (H - 1) * (kv + acc) + acc for H in br.hops)
+    if br.kind == "halo":  # the VJP of the forward: recomputed, then the transposed sends
+        return sent_forward(cfg, br) + 4 * cfg.b * (br.L - 1) * br.U * cfg.d * F32
+    return 0
+
+
+def hops_forward(br: Branch) -> int:
+    return sum(br.hops) if br.kind == "ring" else (2 if br.kind == "halo" else 0)
+
+
+def hops_backward(br: Branch) -> int:
+    return sum(H + 1 for H in br.hops) if br.kind == "ring" else (
+        4 if br.kind == "halo" else 0)
+
+
+# ------------------------------------------------------------------ memory terms (bytes)
+
+
+def inputs(cfg: Config) -> int:
+    return cfg.b * cfg.m * (cfg.h + 2 * cfg.hk) * cfg.d * cfg.s
+
+
+def result(cfg: Config, br: Branch) -> int:
+    """A finished branch: float32 out and lse in its dilated layout."""
+    return cfg.b * br.R * cfg.h * (cfg.d + 1) * F32
+
+
+def tiles(cfg: Config, br: Branch) -> int:
+    """The core's work on one block pair: two score tiles and three row blocks, float32."""
+    bq = min(RING_BLOCKS.block_q, br.R)
+    return cfg.b * cfg.h * bq * (2 * bq + 3 * cfg.d) * F32
+
+
+def ring_forward_work(cfg: Config, br: Branch) -> dict[str, int]:
+    rc = _row_chunk(br.R)
+    return {
+        "dilated q x3": 3 * cfg.b * br.R * cfg.h * cfg.d * cfg.s,
+        "K/V chunks in use + in flight": 4 * chunk_bytes(cfg, br, cfg.s),
+        "softmax state": result(cfg, br),
+        "row chunk (q rows, partial out)": 2 * cfg.b * rc * cfg.h * cfg.d * F32,
+        "score tiles": tiles(cfg, br),
+    }
+
+
+def local_forward_work(cfg: Config, br: Branch) -> dict[str, int]:
+    return {"result being built x2": 2 * result(cfg, br), "score tiles": tiles(cfg, br)}
+
+
+def merge_work(cfg: Config) -> dict[str, int]:
+    full = cfg.b * cfg.m * cfg.h
+    out = {"merged out f32": full * cfg.d * F32, "merge statistics": 3 * full * F32}
+    if cfg.s != F32:
+        out["output"] = full * cfg.d * cfg.s
+    return out
+
+
+def backward_base(cfg: Config, brs: list[Branch]) -> dict[str, int]:
+    """Live through the whole backward: accumulators, cotangent, row statistics."""
+    full = cfg.b * cfg.m * cfg.h
+    return {
+        "dq, dk, dv accumulators f32": cfg.b * cfg.m * (cfg.h + 2 * cfg.hk) * cfg.d * F32,
+        "cotangent": full * cfg.d * cfg.s,
+        "row statistics": 3 * full * F32 + sum(3 * cfg.b * br.R * cfg.h * F32 for br in brs),
+    }
+
+
+def ring_backward_work(cfg: Config, br: Branch) -> dict[str, int]:
+    rows = cfg.b * br.R
+    return {
+        "dilated q, k, v": rows * (cfg.h + 2 * br.U) * cfg.d * cfg.s,
+        "dO, dq f32": 2 * rows * cfg.h * cfg.d * F32,
+        "K/V chunks in use + in flight": 4 * chunk_bytes(cfg, br, cfg.s),
+        "dK/dV f32 in use + in flight": 4 * chunk_bytes(cfg, br, F32),
+        "pair gradients f32": rows * (cfg.h + 2 * br.U) * cfg.d * F32,
+        "score tiles": tiles(cfg, br),
+    }
+
+
+def local_backward_work(cfg: Config, br: Branch) -> dict[str, int]:
+    return {"dO f32": cfg.b * br.R * cfg.h * cfg.d * F32,
+            "dq accumulator, updated copy": cfg.b * cfg.m * cfg.h * cfg.d * F32,
+            "score tiles": tiles(cfg, br)}
+
+
+def _phases(cfg: Config, train: bool) -> list[tuple[str, dict[str, int]]]:
+    brs = branches(cfg)
+    phases = []
+    held = 0
+    for br in brs:
+        work = (ring_forward_work if br.kind == "ring" else local_forward_work)(cfg, br)
+        phases.append((f"forward w={br.w} r={br.r} ({br.kind})",
+                       {"finished results": held, **work}))
+        held += result(cfg, br)
+    phases.append(("merge", {"finished results": held, **merge_work(cfg)}))
+    if train:
+        base = backward_base(cfg, brs)
+        for br in brs:
+            work = (ring_backward_work if br.kind == "ring" else local_backward_work)(cfg, br)
+            phases.append((f"backward w={br.w} r={br.r} ({br.kind})", {**base, **work}))
+        s_out = 0 if cfg.s == F32 else cfg.b * cfg.m * (cfg.h + 2 * cfg.hk) * cfg.d * cfg.s
+        phases.append(("gradients out", {**base, "gradients in input dtype": s_out}))
+    return phases
+
+
+def memory(cfg: Config, train: bool) -> dict[str, Any]:
+    """Per-device bytes: inputs + the largest phase; returns the total, the peak phase and
+    its terms."""
+    name, terms = max(_phases(cfg, train), key=lambda p: sum(p[1].values()))
+    total = inputs(cfg) + sum(terms.values())
+    return dict(bytes=total, phase=name, terms={"inputs": inputs(cfg), **terms})
+
+
+def communication(cfg: Config, train: bool) -> dict[str, int]:
+    brs = branches(cfg)
+    sent = sum(sent_forward(cfg, br) for br in brs)
+    hops = sum(hops_forward(br) for br in brs)
+    if train:
+        sent += sum(sent_backward(cfg, br) for br in brs)
+        hops += sum(hops_backward(br) for br in brs)
+    return dict(bytes_sent=sent, hops=hops)
+
+
+def plan_rows(n: int, devices, ws, rs, *, b=1, h=8, hk=2, d=64, causal=True,
+              dtypes=(("bfloat16", 2), ("float32", 4))) -> list[dict[str, Any]]:
+    """One row per (P, dtype): memory (forward, training step), bytes sent, hops, and the
+    per-branch schedule."""
+    rows = []
+    for P in devices:
+        for name, s in dtypes:
+            cfg = Config(n, P, tuple(ws), tuple(rs), b, h, hk, d, s, causal)
+            fwd, trn = memory(cfg, False), memory(cfg, True)
+            rows.append(dict(
+                P=P, n=n, m=cfg.m, dtype=name,
+                forward_bytes=fwd["bytes"], forward_phase=fwd["phase"],
+                train_bytes=trn["bytes"], train_phase=trn["phase"],
+                forward_terms=fwd["terms"], train_terms=trn["terms"],
+                sent_forward=communication(cfg, False)["bytes_sent"],
+                sent_train=communication(cfg, True)["bytes_sent"],
+                hops_forward=communication(cfg, False)["hops"],
+                hops_train=communication(cfg, True)["hops"],
+                branches=[dict(w=br.w, r=br.r, kind=br.kind, rows=br.R, hops=sum(br.hops),
+                               sent_forward=sent_forward(cfg, br),
+                               sent_backward=sent_backward(cfg, br)) for br in branches(cfg)],
+            ))
+    return rows
+
+
+def gib(x: float) -> str:
+    return f"{x / 2**30:.2f} GiB" if x >= 2**30 else f"{x / 2**20:.2f} MiB"
+
+
+def model_text() -> str:
+    return __doc__.split("Memory per device (bytes)")[1].strip()
+

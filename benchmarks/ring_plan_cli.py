@@ -1,0 +1,114 @@
+"""``python -m benchmarks ring --plan``: the plan table (:mod:`benchmarks.ring_plan`) and its
+validation against compiled programs (:mod:`benchmarks.ring_plan_validate`), as the CLI's
+result dict and Markdown."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from benchmarks import ring_plan as RP
+
+PLAN_N = 2**30
+PLAN_DEVICES = (64, 128, 256, 512, 1024)
+
+SEEDS_CLAIM = (
+    "The seeds' claim: DarcStar-Solutions-Tech/dilated-attention-pytorch, "
+    "`doc/billion-token-benchmark-results-2024.md`: \"1,073,741,824 tokens processed "
+    "successfully\" with ring size 262,144, chunk 4,096, \"Memory/Device 0.03GB\", \"tested "
+    "up to 262,144 device simulation\" (one GTX 1080, float16, forward only: the devices are "
+    "simulated one after another on one GPU; attention per 4,096-token chunk). LongNet "
+    "(Ding et al. 2023) claims \"scaling sequence length to more than 1 billion tokens\". "
+    "Below: what dilax's ring needs for n = 2^30, per device, from its static schedule.")
+
+
+def cmd_plan(args) -> dict[str, Any]:
+    n = args.n[0] if args.n else PLAN_N
+    if args.segment_lengths is None:
+        ws, rs = RP.longnet_config(n)
+    else:
+        ws, rs = tuple(args.segment_lengths), tuple(args.dilation_rates)
+    h = args.heads
+    hk = args.kv_heads or max(1, h // 4)
+    devices = tuple(args.devices or PLAN_DEVICES)
+    bad = [P for P in devices if n % P]
+    if bad:
+        raise SystemExit(f"--devices {bad}: n={n} is not divisible by them")
+    t0 = time.perf_counter()
+    rows = RP.plan_rows(n, devices, ws, rs, b=args.batch, h=h, hk=hk, d=args.head_dim)
+    plan_seconds = time.perf_counter() - t0
+    result: dict[str, Any] = dict(
+        command="ring-plan", name="ring-plan",
+        config=dict(n=n, batch=args.batch, heads=h, kv_heads=hk, head_dim=args.head_dim,
+                    segment_lengths=list(ws), dilation_rates=list(rs), causal=True,
+                    layout="contiguous", mode="mixture", devices=list(devices)),
+        model=RP.model_text(), seeds_claim=SEEDS_CLAIM, rows=rows,
+        plan_seconds=plan_seconds)
+    if args.validate:
+        from benchmarks.ring_plan_validate import validate
+
+        val = validate()
+        result["validation"] = val
+        result["summary"] = {
+            "max |memory error|": max(abs(v["memory_error"]) for v in val),
+            "max |bytes sent error|": max(abs(v["sent_error"]) for v in val),
+            "cases": len(val)}
+    return result
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:,.2f}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    cfg = result["config"]
+    lines = [
+        f"### `ring --plan` — n = {cfg['n']:,}, b={cfg['batch']}, h={cfg['heads']}, "
+        f"hk={cfg['kv_heads']}, d={cfg['head_dim']}, causal, contiguous layout, mixture",
+        "",
+        f"Branches: w = {tuple(cfg['segment_lengths'])}, r = {tuple(cfg['dilation_rates'])} "
+        f"({len(cfg['segment_lengths'])} branches). Planned in {result['plan_seconds']:.1f} s.",
+        "",
+        result["seeds_claim"],
+        "",
+        "| P | n/P | dtype | forward / device | training step / device | peak phase (train) "
+        "| sent fwd / device | sent train / device | hops fwd | hops train |",
+        "|---:|---:|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['P']} | {r['m']:,} | {r['dtype']} | {RP.gib(r['forward_bytes'])} | "
+            f"{RP.gib(r['train_bytes'])} | {r['train_phase']} | {RP.gib(r['sent_forward'])} | "
+            f"{RP.gib(r['sent_train'])} | {r['hops_forward']} | {r['hops_train']} |")
+    lines += ["", "Per spanning branch (bfloat16; local branches send nothing):", "",
+              "| P | w | r | kind | rows / device | hops | sent fwd | sent bwd |",
+              "|---:|---:|---:|---|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        if r["dtype"] != "bfloat16":
+            continue
+        local = sum(b["kind"] == "local" for b in r["branches"])
+        for b in r["branches"]:
+            if b["kind"] != "local":
+                lines.append(f"| {r['P']} | {b['w']:,} | {b['r']:,} | {b['kind']} | "
+                             f"{b['rows']:,} | {b['hops']} | {RP.gib(b['sent_forward'])} | "
+                             f"{RP.gib(b['sent_backward'])} |")
+        lines.append(f"| {r['P']} | | | {local} local | | 0 | 0 | 0 |")
+    lines += ["", "Memory model (per device):", "", "```", result["model"], "```"]
+    val = result.get("validation")
+    if val:
+        lines += ["", "Validation against compiled programs (`memory_analysis`: temp + argument "
+                  "+ output - alias; permute bytes from the optimized HLO):", "",
+                  "| family | P | n | dtype | pass | compiled MiB | model MiB | error | "
+                  "permute compiled | permute model | model's peak phase |",
+                  "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---|"]
+        for v in val:
+            lines.append(
+                f"| {v['family']} | {v['P']} | {v['n']:,} | {v['dtype']} | "
+                f"{'train' if v['train'] else 'fwd'} | {_mib(v['compiled_bytes'])} | "
+                f"{_mib(v['model_bytes'])} | {100 * v['memory_error']:+.1f} % | "
+                f"{v['compiled_sent']:,} | {v['model_sent']:,} | {v['model_phase']} |")
+        s = result["summary"]
+        lines += ["", f"{s['cases']} cases: max |memory error| "
+                  f"{100 * s['max |memory error|']:.1f} %, max |bytes sent error| "
+                  f"{100 * s['max |bytes sent error|']:.1f} %."]
+    return "\n".join(lines) + "\n"

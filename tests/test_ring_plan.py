@@ -1,0 +1,52 @@
+"""The ring plan (benchmarks.ring_plan): its schedule counts and memory model against one
+tiny compiled program, and its closed forms at n = 2^30."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from benchmarks import ring_plan as RP
+from benchmarks.hlo import collective_permute_bytes
+from dilax import sharded_dilated_attention
+
+
+def test_plan_at_one_billion_tokens_closed_form():
+    """LongNet branches at n = 2^30 on P = 1024: branch (w, r) spans w / m devices of one
+    causal group ring (w/m - 1 hops), each hop sends K and V of R = m / r rows."""
+    n, P = 2**30, 1024
+    ws, rs = RP.longnet_config(n)
+    cfg = RP.Config(n, P, ws, rs, s=2)
+    m = n // P
+    brs = RP.branches(cfg)
+    assert [br.kind for br in brs] == ["ring"] * 10 + ["local"] * 10
+    for br in brs[:10]:
+        assert br.hops == (br.w // m - 1,)
+        assert RP.sent_forward(cfg, br) == (br.w // m - 1) * 2 * (m // br.r) * 8 * 64 * 2
+    comm = RP.communication(cfg, False)
+    assert comm["hops"] == sum(2**i - 1 for i in range(1, 11))
+    mem = RP.memory(cfg, True)
+    assert mem["bytes"] == sum(mem["terms"].values())
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_model_matches_compiled_tiny(train):
+    """P = 4, n = 2048, w = n/8 .. n, r = 1 .. 8 (two local, two ring branches): bytes sent
+    exactly, memory within 10 % of memory_analysis."""
+    P, n = 4, 2048
+    ws, rs = (256, 512, 1024, 2048), (1, 2, 4, 8)
+    mesh = jax.make_mesh((P,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:P])
+    sh = NamedSharding(mesh, PartitionSpec(None, "sp"))
+    f = lambda q, k, v: sharded_dilated_attention(q, k, v, ws, rs, mesh=mesh, is_causal=True)
+    if train:
+        f = jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v)), argnums=(0, 1, 2))
+    spec = [jax.ShapeDtypeStruct((1, n, x, 64), jnp.float32, sharding=sh) for x in (8, 2, 2)]
+    compiled = jax.jit(f, in_shardings=(sh,) * 3).lower(*spec).compile()
+    ma = compiled.memory_analysis()
+    got = (ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes
+           - ma.alias_size_in_bytes)
+    cfg = RP.Config(n, P, ws, rs)
+    assert RP.communication(cfg, train)["bytes_sent"] == collective_permute_bytes(
+        compiled.as_text())
+    model = RP.memory(cfg, train)["bytes"]
+    assert abs(model / got - 1) <= 0.10, (model, got)
