@@ -8,6 +8,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from benchmarks import ring_plan as RP
 from benchmarks.hlo import collective_permute_bytes
+from benchmarks.ring_plan_validate import live_peak
 from dilax import sharded_dilated_attention
 
 
@@ -26,13 +27,14 @@ def test_plan_at_one_billion_tokens_closed_form():
     comm = RP.communication(cfg, False)
     assert comm["hops"] == sum(2**i - 1 for i in range(1, 11))
     mem = RP.memory(cfg, True)
-    assert mem["bytes"] == sum(mem["terms"].values())
+    assert mem["live"] == sum(mem["terms"].values())
 
 
 @pytest.mark.parametrize("train", [False, True])
-def test_model_matches_compiled_tiny(train):
+def test_model_matches_compiled_tiny(train, tmp_path):
     """P = 4, n = 2048, w = n/8 .. n, r = 1 .. 8 (two local, two ring branches): bytes sent
-    exactly, memory within 10 % of memory_analysis."""
+    exactly; the model's live bytes within 10 % of the compiled program's (XLA's buffer
+    assignment), its total (with the packing allowance) within 15 % of memory_analysis."""
     P, n = 4, 2048
     ws, rs = (256, 512, 1024, 2048), (1, 2, 4, 8)
     mesh = jax.make_mesh((P,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:P])
@@ -41,12 +43,15 @@ def test_model_matches_compiled_tiny(train):
     if train:
         f = jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v)), argnums=(0, 1, 2))
     spec = [jax.ShapeDtypeStruct((1, n, x, 64), jnp.float32, sharding=sh) for x in (8, 2, 2)]
-    compiled = jax.jit(f, in_shardings=(sh,) * 3).lower(*spec).compile()
+    compiled = jax.jit(f, in_shardings=(sh,) * 3).lower(*spec).compile(compiler_options=dict(
+        xla_dump_to=str(tmp_path), xla_dump_hlo_as_text=True, xla_dump_hlo_pass_re="NONE"))
     ma = compiled.memory_analysis()
     got = (ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes
            - ma.alias_size_in_bytes)
     cfg = RP.Config(n, P, ws, rs)
     assert RP.communication(cfg, train)["bytes_sent"] == collective_permute_bytes(
         compiled.as_text())
-    model = RP.memory(cfg, train)["bytes"]
-    assert abs(model / got - 1) <= 0.10, (model, got)
+    model = RP.memory(cfg, train)
+    live = live_peak(str(tmp_path))
+    assert abs(model["live"] / live - 1) <= 0.10, (model, live)
+    assert abs(model["bytes"] / got - 1) <= 0.15, (model, got)
