@@ -548,16 +548,9 @@ def _add_command(sub, name: str) -> None:
         p.add_argument("--mode", default="mixture", choices=["mixture", "grouped"],
                        help="dilax mode to push to its longest n")
     if "plan" in extra:
-        p.add_argument("--plan", action="store_true",
-                       help="no measurement: per-device memory, bytes sent and hops from the "
-                            "static schedule for --n (default 2^30) on --devices, LongNet "
-                            "branches w = 2048 2^i, r = 2^i unless --segment-lengths/"
-                            "--dilation-rates; results ring-plan.{json,md}")
-        p.add_argument("--devices", type=_ints, default=None, metavar="P,P,...",
-                       help="ring sizes of the plan (default: 64,128,256,512,1024)")
-        p.add_argument("--no-validate", dest="validate", action="store_false",
-                       help="skip the plan's validation against compiled programs on 8-64 "
-                            "fake host devices (a few minutes)")
+        from benchmarks.ring_plan_cli import add_plan_flags
+
+        add_plan_flags(p)
     if "timeout" in extra:
         p.add_argument("--timeout", type=int, default=1800,
                        help="seconds per attempt (a subprocess each)")

@@ -10,7 +10,7 @@ kinds as in :func:`dilax.sp.dilated_ring._branch_op`: *local* (``m % w == 0``), 
 ``U`` virtual kv heads of ``G`` query heads (``U G = h``, :func:`dilax.layout.plan_branch`).
 
 Communication (exact, from :func:`dilax.sp.schedule.ring_streams`): a ring branch's stream of
-``H`` hops sends the dilated K and V chunk ``b R U d`` (input dtype) ``H`` times forward; the
+``H`` hops sends the dilated K and V chunk ``b R U d`` (itemsize ``sw``) ``H`` times forward; the
 backward ring sends K, V once, then K, V and the float32 dK, dV accumulators ``H - 1`` more
 times, then dK, dV home once (``ret``). Hops = ppermute rounds. A halo branch sends
 ``2 (L - 1)`` dilated rows of K and V per device (``L = w / r``).
@@ -24,7 +24,7 @@ the live bytes in the validation programs): a stated allowance, not a fit.
 
 forward
   inputs        q, k, v shards ``b m (h + 2 hk) d s`` (+ their float32 copies if upcast,
-                while the branches run)
+                while the local branches run)
   results       every finished branch keeps ``out`` float32 + ``lse``: ``b R h (d + 1) 4``
   ring branch   dilated q ``b R h d sw`` (none for r = 1, a view; one more when the hops
                 run in a loop, > 1 hop), K/V chunks ``b R U d sw`` x2 in flight (x4 in a
@@ -40,11 +40,15 @@ training step (grad of sum(out) w.r.t. q, k, v)
   backward      the float32 accumulators dq, dk, dv ``b m (h + 2 hk) d 4``, the cotangent
                 ``b m h d sw``, the row statistics; per ring branch the recomputed dilated
                 q (a view for r = 1), k, v, float32 dO, dq, the pair's dq (and the dq update
-                in a loop),
-                K/V chunks x2 in flight (x4 in a loop), float32 dK/dV accumulators and the
-                pair's dK, dV, five score tiles; per local branch five score tiles (dO and
-                the gradients are formed block by block, the accumulators updated in place)
+                in a loop), K/V chunks x2 in flight (x4 in a loop), float32 dK/dV
+                accumulators and the pair's dK, dV, five score tiles; per local branch its
+                float32 dO, five score tiles and four row blocks ``b h bq d 4`` (3-7 and
+                2-5 in the dumps, with XLA's fusion), the accumulators updated in place
   end           the gradients in the input dtype (if not float32) beside the accumulators
+
+After a change to the ring (e.g. its backward, :mod:`dilax.sp.ring_vjp`), re-check the terms
+with one command: ``python -m benchmarks ring --plan`` (validation included) or
+``python -m benchmarks.ring_plan_validate 8,16,32,64 float32,bfloat16``.
 """
 
 from __future__ import annotations
@@ -154,7 +158,7 @@ def sent_backward(cfg: Config, br: Branch) -> int:
         kv, acc = 2 * chunk_bytes(cfg, br, cfg.sw), 2 * chunk_bytes(cfg, br, F32)
         return sum(kv + (H - 1) * (kv + acc) + acc for H in br.hops)
     if br.kind == "halo":  # the VJP of the forward: recomputed, then the transposed sends
-        return sent_forward(cfg, br) + 4 * cfg.b * (br.L - 1) * br.U * cfg.d * F32
+        return 2 * sent_forward(cfg, br)
     return 0
 
 
@@ -248,9 +252,11 @@ def ring_backward_work(cfg: Config, br: Branch) -> dict[str, int]:
 
 
 def local_backward_work(cfg: Config, br: Branch) -> dict[str, int]:
-    # dO and the gradients are formed block by block inside the core's loops; the float32
-    # accumulators are updated in place.
-    return {"score tiles": tiles(cfg, br, 5)}
+    # The float32 accumulators are updated in place; the core's block work varies with
+    # XLA's fusion (3-7 score tiles, 2-5 row blocks in the dumps): the middle.
+    bq = min(RING_BLOCKS.block_q, br.R)
+    return {"dO f32": cfg.b * br.R * cfg.h * cfg.d * F32, "score tiles": tiles(cfg, br, 5),
+            "row blocks": 4 * cfg.b * cfg.h * bq * cfg.d * F32}
 
 
 def _phases(cfg: Config, train: bool) -> list[tuple[str, dict[str, int]]]:
@@ -261,7 +267,8 @@ def _phases(cfg: Config, train: bool) -> list[tuple[str, dict[str, int]]]:
     for br in brs:
         work = (ring_forward_work if br.kind == "ring" else local_forward_work)(cfg, br)
         phases.append((f"forward w={br.w} r={br.r} ({br.kind})",
-                       {**up, "finished results": held, **work}))
+                       {**(up if br.kind == "local" else {}), "finished results": held,
+                        **work}))
         held += result(cfg, br)
     phases.append(("merge", {"finished results": held, **merge_work(cfg)}))
     if train:
@@ -317,6 +324,8 @@ def plan_rows(n: int, devices, ws, rs, *, b=1, h=8, hk=2, d=64, causal=True,
                 sent_train=communication(cfg, True)["bytes_sent"],
                 hops_forward=communication(cfg, False)["hops"],
                 hops_train=communication(cfg, True)["hops"],
+                irregular=[br.r for br in branches(cfg)
+                           if br.kind != "local" and cfg.m % br.r],
                 branches=[dict(w=br.w, r=br.r, kind=br.kind, rows=br.R, hops=sum(br.hops),
                                sent_forward=sent_forward(cfg, br),
                                sent_backward=sent_backward(cfg, br)) for br in branches(cfg)],

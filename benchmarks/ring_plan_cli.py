@@ -15,11 +15,27 @@ PLAN_DEVICES = (64, 128, 256, 512, 1024)
 SEEDS_CLAIM = (
     "The seeds' claim: DarcStar-Solutions-Tech/dilated-attention-pytorch, "
     "`doc/billion-token-benchmark-results-2024.md`: \"1,073,741,824 tokens processed "
-    "successfully\" with ring size 262,144, chunk 4,096, \"Memory/Device 0.03GB\", \"tested "
-    "up to 262,144 device simulation\" (one GTX 1080, float16, forward only: the devices are "
-    "simulated one after another on one GPU; attention per 4,096-token chunk). LongNet "
-    "(Ding et al. 2023) claims \"scaling sequence length to more than 1 billion tokens\". "
-    "Below: what dilax's ring needs for n = 2^30, per device, from its static schedule.")
+    "successfully\", ring size 262,144, chunk size 4,096, \"Memory/Device 0.03GB\", "
+    "\"tested up to 262,144 device simulation\" (hardware: one GTX 1080, float16; success "
+    "criterion: a completed forward pass). LongNet (Ding et al. 2023) claims \"scaling "
+    "sequence length to more than 1 billion tokens\". Below: what dilax's ring "
+    "holds and sends per device, from its static schedule (forward and training step; the "
+    "planner is O(P^2) numpy, so ring sizes up to a few thousand).")
+
+
+def add_plan_flags(p) -> None:
+    """The ``ring`` command's ``--plan`` flags."""
+    p.add_argument("--plan", action="store_true",
+                   help="no measurement: per-device memory, bytes sent and hops from the "
+                        "static schedule for --n (default 2^30) on --devices, LongNet "
+                        "branches w = 2048 2^i, r = 2^i unless --segment-lengths/"
+                        "--dilation-rates; results ring-plan.{json,md}")
+    p.add_argument("--devices", type=lambda t: [int(x) for x in t.split(",") if x],
+                   default=None, metavar="P,P,...",
+                   help="ring sizes of the plan (default: 64,128,256,512,1024)")
+    p.add_argument("--no-validate", dest="validate", action="store_false",
+                   help="skip the plan's validation against compiled programs on 8-64 fake "
+                        "host devices (minutes)")
 
 
 def cmd_plan(args) -> dict[str, Any]:
@@ -82,6 +98,10 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {r['P']} | {r['m']:,} | {r['dtype']} | {RP.gib(r['forward_bytes'])} | "
             f"{RP.gib(r['train_bytes'])} | {r['train_phase']} | {RP.gib(r['sent_forward'])} | "
             f"{RP.gib(r['sent_train'])} | {r['hops_forward']} | {r['hops_train']} |")
+    odd = sorted({x for r in result["rows"] for x in r.get("irregular", ())})
+    if odd:
+        lines += ["", f"Dilation rates {odd} do not divide n/P: their dilation halos (< r rows "
+                  "per branch) are not counted in the bytes sent, and R = ceil(n/P / r)."]
     lines += ["", "Per spanning branch (bfloat16; local branches send nothing):", "",
               "| P | w | r | kind | rows / device | hops | sent fwd | sent bwd |",
               "|---:|---:|---:|---|---:|---:|---:|---:|"]

@@ -55,3 +55,19 @@ def test_model_matches_compiled_tiny(train, tmp_path):
     live = live_peak(str(tmp_path))
     assert abs(model["live"] / live - 1) <= 0.10, (model, live)
     assert abs(model["bytes"] / got - 1) <= 0.15, (model, got)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_halo_bytes_match_compiled(train):
+    """A halo branch (segments shorter than a shard, not aligned with it): bytes sent."""
+    P, n, ws, rs = 4, 1536, (256,), (2,)
+    cfg = RP.Config(n, P, ws, rs)
+    assert [br.kind for br in RP.branches(cfg)] == ["halo"]
+    mesh = jax.make_mesh((P,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:P])
+    sh = NamedSharding(mesh, PartitionSpec(None, "sp"))
+    f = lambda q, k, v: sharded_dilated_attention(q, k, v, ws, rs, mesh=mesh, is_causal=True)
+    if train:
+        f = jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v)), argnums=(0, 1, 2))
+    spec = [jax.ShapeDtypeStruct((1, n, x, 64), jnp.float32, sharding=sh) for x in (8, 2, 2)]
+    text = jax.jit(f, in_shardings=(sh,) * 3).lower(*spec).compile().as_text()
+    assert RP.communication(cfg, train)["bytes_sent"] == collective_permute_bytes(text)
