@@ -338,5 +338,5 @@ def gib(x: float) -> str:
 
 
 def model_text() -> str:
-    return __doc__.split("Memory per device (bytes)")[1].strip()
+    return "Memory per device (bytes)" + __doc__.split("Memory per device (bytes)")[1].rstrip()
 

@@ -85,7 +85,11 @@ def markdown(result: dict[str, Any]) -> str:
         f"hk={cfg['kv_heads']}, d={cfg['head_dim']}, causal, contiguous layout, mixture",
         "",
         f"Branches: w = {tuple(cfg['segment_lengths'])}, r = {tuple(cfg['dilation_rates'])} "
-        f"({len(cfg['segment_lengths'])} branches). Planned in {result['plan_seconds']:.1f} s.",
+        f"({len(cfg['segment_lengths'])} branches). Planned in {result['plan_seconds']:.1f} s"
+        + (f"; the whole command (validation included) took {result['wall_seconds']:.0f} s"
+           if "wall_seconds" in result else "")
+        + (f" on {m.get('cpu', '')} ({m.get('cores', '?')} cores, jax {m.get('jax', '')}), "
+           f"{m.get('date', '')}" if (m := result.get("machine")) else "") + ".",
         "",
         result["seeds_claim"],
         "",

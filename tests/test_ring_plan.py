@@ -71,3 +71,16 @@ def test_halo_bytes_match_compiled(train):
     spec = [jax.ShapeDtypeStruct((1, n, x, 64), jnp.float32, sharding=sh) for x in (8, 2, 2)]
     text = jax.jit(f, in_shardings=(sh,) * 3).lower(*spec).compile().as_text()
     assert RP.communication(cfg, train)["bytes_sent"] == collective_permute_bytes(text)
+
+
+def test_committed_plan_markdown_is_its_json():
+    import json
+    import pathlib
+
+    from benchmarks.report import markdown
+
+    results = pathlib.Path(__file__).parent.parent / "benchmarks" / "results"
+    result = json.loads((results / "ring-plan.json").read_text())
+    assert markdown(result) == (results / "ring-plan.md").read_text()
+    assert result["config"]["n"] == 2**30 and len(result["validation"]) == 24
+    assert all(v["compiled_sent"] == v["model_sent"] for v in result["validation"])
