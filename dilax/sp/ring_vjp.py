@@ -13,7 +13,9 @@ The backward pass (:func:`ring_backward`, called from the one custom_vjp of all 
 :func:`dilax.branches.attend_branches`) is a second ring that sends K, V and the dK, dV
 accumulators, so it also keeps ``O(n / P)`` memory per device. The hops run in a
 ``lax.fori_loop`` whose body sends the next chunk while it computes the current one: one chunk
-in use and one in flight per device.
+in use and one in flight per device. Every pair's gradients are added by the core into the
+running float32 dQ and travelling dK, dV in place (no per-pair gradient buffers), and the own
+chunk is visited last, straight into the returned dK, dV.
 """
 
 from __future__ import annotations
@@ -146,37 +148,40 @@ def _pair_forward(cfg: RingConfig, q, k, v, Fq, cq, Fk, ck, ok, n_u=None):
     return out, lse
 
 
-def _pair_backward(cfg: RingConfig, q, k, v, lse, dout, delta, Fq, cq, Fk, ck, ok, n_u=None):
-    """Gradient contributions of one (query chunk, key chunk) pair, float32."""
-    b, R, U, G, d = q.shape
-    dq = jnp.zeros(q.shape, _F32)
-    dk = jnp.zeros(k.shape, _F32)
-    dv = jnp.zeros(v.shape, _F32)
+def _pair_backward(cfg: RingConfig, q, k, v, lse, dout, delta, Fq, cq, Fk, ck, ok, acc,
+                   n_u=None):
+    """Adds the gradients of one (query chunk, key chunk) pair into ``acc = (dq, dk, dv)``
+    (float32, the shapes of ``q, k, v``) and returns it. Query-side arrays have the core's
+    flat heads: ``q, dout (b, R, U * G, d)``, ``lse, delta (b, R, U * G)``; ``k, v (b, R, U,
+    d)``. In the aligned case the core adds into ``acc`` in place (no gradient buffers of the
+    pair's own); a skipped pair returns it as is."""
+    b, R, U = k.shape[:3]
     for lo, kv_len, pred, rows in _candidates(cfg, Fq, cq, Fk, ck, ok, R, n_u):
         ks = k if lo is None else _shift_rows(k, lo)
         vs = v if lo is None else _shift_rows(v, lo)
         k_off = Fk if lo is None else Fk + lo
         # Rows of another segment: lse = +inf makes their probabilities exactly 0.
-        lse_c = lse if rows is None else jnp.where(rows[None, :, None, None], lse, jnp.inf)
+        lse_c = lse if rows is None else jnp.where(rows[None, :, None], lse, jnp.inf)
         kv_len_b = jnp.broadcast_to(kv_len, (b, U))
 
-        def run(ops, kv_len_b=kv_len_b, k_off=k_off):
-            qq, kk, vv, ll, do, dd = ops
-            flat = lambda x: x.reshape(b, R, U * G, *x.shape[4:])
-            g = XLA.backward(flat(qq), kk, vv, view=identity_view(U, G),
-                             mask=Mask(kv_len_b, Fq, k_off, cfg.is_causal), scale=cfg.scale,
-                             lse=flat(ll), dout=flat(do), delta=flat(dd),
-                             block_sizes=cfg.block_sizes, grad_dtype=_F32)
-            return g[0].reshape(q.shape), g[1], g[2]
+        def grads(qq, kk, vv, ll, do, dd, into, kv_len_b=kv_len_b, k_off=k_off):
+            return XLA.backward(qq, kk, vv, view=identity_view(U, qq.shape[2] // U),
+                                mask=Mask(kv_len_b, Fq, k_off, cfg.is_causal), scale=cfg.scale,
+                                lse=ll, dout=do, delta=dd, block_sizes=cfg.block_sizes,
+                                grad_dtype=_F32, acc=into)
+
+        if lo is None:
+            acc = lax.cond(pred, lambda ops, grads=grads: grads(*ops[:6], ops[6:]),
+                           lambda ops: ops[6:], (q, ks, vs, lse_c, dout, delta, *acc))
+            continue
 
         def skip(ops):
             return tuple(_varying_like(jnp.zeros(x.shape, _F32), *ops) for x in ops[:3])
 
-        gq, gk, gv = lax.cond(pred, run, skip, (q, ks, vs, lse_c, dout, delta))
-        dq = dq + gq
-        dk = dk + (gk if lo is None else _unshift_rows(gk, lo))
-        dv = dv + (gv if lo is None else _unshift_rows(gv, lo))
-    return dq, dk, dv
+        gq, gk, gv = lax.cond(pred, lambda ops, grads=grads: grads(*ops, None), skip,
+                              (q, ks, vs, lse_c, dout, delta))
+        acc = (acc[0] + gq, acc[1] + _unshift_rows(gk, lo), acc[2] + _unshift_rows(gv, lo))
+    return acc
 
 
 _ROW_CHUNK = 256
@@ -287,31 +292,32 @@ def _stack_state(state):
 def _ring_backward(cfg: RingConfig, qd, kd, vd, lse, dout, delta, n_u=None):
     C = cfg.geo.C
     F_t, cnt_t, idx, Fq, cq = _tables(cfg)
+    b, _, R, U, G, d = qd.shape
+    split = lambda x: tuple(x[:, c] for c in range(C))
+    # The query side with the core's flat heads, carried as is through the hops.
+    flat = lambda x: tuple(y.reshape(b, R, U * G, *x.shape[5:]) for y in split(x))
+    qs, ls, dos, des = flat(qd), flat(lse), flat(dout), flat(delta)
 
-    def visit(dq, kb, vb, src):
+    def visit(acc, kb, vb, src):
+        """Adds the gradients of this device's queries to the visiting block ``kb, vb``
+        (tuples of ``C`` chunks) into ``acc = (dq, dk, dv)`` (tuples of ``C`` chunks)."""
         ok = src >= 0
         j = jnp.maximum(src, 0)
-        dq = list(dq)
-        dks, dvs = [], []
+        dq, dk, dv = (list(a) for a in acc)
         for cp in range(C):
             Fk, ck = lookup(F_t[cp], j), lookup(cnt_t[cp], j)
-            dk_c = dv_c = None
             for c in range(C):
                 # One pass over all query rows: row chunks (as in the forward) would need
                 # extra dK/dV accumulators, which cost more than the per-hop dQ they save.
-                gq, gk, gv = _pair_backward(cfg, qd[:, c], kb[:, cp], vb[:, cp], lse[:, c],
-                                            dout[:, c], delta[:, c], Fq[c], cq[c], Fk, ck, ok,
-                                            n_u)
-                dq[c] = dq[c] + gq
-                dk_c = gk if dk_c is None else dk_c + gk
-                dv_c = gv if dv_c is None else dv_c + gv
-            dks.append(dk_c)
-            dvs.append(dv_c)
-        return jnp.stack(dq, axis=1), jnp.stack(dks, axis=1), jnp.stack(dvs, axis=1)
+                dq[c], dk[cp], dv[cp] = _pair_backward(
+                    cfg, qs[c], kb[cp], vb[cp], ls[c], dos[c], des[c], Fq[c], cq[c], Fk, ck,
+                    ok, (dq[c], dk[cp], dv[cp]), n_u)
+        return tuple(dq), tuple(dk), tuple(dv)
 
-    dq0 = [_varying_like(jnp.zeros(qd.shape[:1] + qd.shape[2:], _F32), qd, kd, dout)
-           for _ in range(C)]
-    dq, dk, dv = visit(dq0, kd, vd, idx)
+    zeros = lambda x: tuple(_varying_like(jnp.zeros(x[0].shape, _F32), qd, kd, dout)
+                            for _ in range(C))
+    dq, dk, dv = zeros(qs), None, None
+    kc, vc = split(kd), split(vd)
     for st in cfg.streams:
         def transfer(carry, first, st=st):
             kb, vb, dkb, dvb, dq = carry
@@ -322,14 +328,21 @@ def _ring_backward(cfg: RingConfig, qd, kd, vd, lse, dout, delta, n_u=None):
 
         def step(carry, src):
             kb, vb, dkb, dvb, dq = carry
-            dq, gk, gv = visit(list(jnp.moveaxis(dq, 1, 0)), kb, vb, src)
-            return kb, vb, dkb + gk, dvb + gv, dq
+            dq, dkb, dvb = visit((dq, dkb, dvb), kb, vb, src)
+            return kb, vb, dkb, dvb, dq
 
-        zeros = _varying_like(jnp.zeros(kd.shape, _F32), qd, kd, dout)
-        _, _, dkb, dvb, dq = _stream_loop(st, idx, step, (kd, vd, zeros, zeros, dq), transfer)
-        dk = dk + lax.ppermute(dkb, cfg.axis_name, st.ret)
-        dv = dv + lax.ppermute(dvb, cfg.axis_name, st.ret)
-    return dq, dk, dv
+        _, _, dkb, dvb, dq = _stream_loop(st, idx, step, (kc, vc, zeros(kc), zeros(vc), dq),
+                                          transfer)
+        dkb, dvb = (lax.ppermute(x, cfg.axis_name, st.ret) for x in (dkb, dvb))
+        dk, dv = (dkb, dvb) if dk is None else (tuple(map(jnp.add, dk, dkb)),
+                                                tuple(map(jnp.add, dv, dvb)))
+    # The own block last: its gradients go straight into the returned accumulators, which
+    # are not held next to the travelling ones.
+    if dk is None:
+        dk, dv = zeros(kc), zeros(vc)
+    dq, dk, dv = visit((dq, dk, dv), kc, vc, idx)
+    dq = tuple(x.reshape(b, R, U, G, d) for x in dq)
+    return tuple(jnp.stack(x, axis=1) for x in (dq, dk, dv))
 
 
 def ring_forward(cfg: RingConfig, q, k, v, n_u=None):
