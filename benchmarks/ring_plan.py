@@ -38,12 +38,15 @@ forward
 training step (grad of sum(out) w.r.t. q, k, v)
   forward       as above, the results kept as residuals
   backward      the float32 accumulators dq, dk, dv ``b m (h + 2 hk) d 4``, the cotangent
-                ``b m h d sw``, the row statistics; per ring branch the recomputed dilated
-                q (a view for r = 1), k, v, float32 dO, dq, the pair's dq (and the dq update
-                in a loop), K/V chunks x2 in flight (x4 in a loop), float32 dK/dV
-                accumulators and the pair's dK, dV, five score tiles; per local branch its
-                float32 dO, five score tiles and four row blocks ``b h bq d 4`` (3-7 and
-                2-5 in the dumps, with XLA's fusion), the accumulators updated in place
+                ``b m h d s`` (output dtype), the row statistics; per ring branch
+                (:mod:`dilax.sp.ring_vjp`: every pair's gradients go into the running dq and
+                the travelling dK/dV in place, the own chunk is visited last) the dilated q
+                ``b R h d sw`` (a view for r = 1), float32 dO and dq ``b R h d 4``, the K/V
+                chunks in use (+ the next ones in flight, > 1 hop), the travelling float32
+                dK/dV (sent after the pair's work), five score tiles (+ float32 copies of
+                the k, v shards if upcast); per local branch five score tiles and 14 row
+                blocks ``b h bq d 4`` (the cotangent's weighting fused into them; if
+                upcast: float32 copies of the shards and of dO, three tiles, three blocks)
   end           the gradients in the input dtype (if not float32) beside the accumulators
 
 After a change to the ring (e.g. its backward, :mod:`dilax.sp.ring_vjp`), re-check the terms
@@ -233,30 +236,44 @@ def backward_base(cfg: Config, brs: list[Branch]) -> dict[str, int]:
     full = cfg.b * cfg.m * cfg.h
     return {
         "dq, dk, dv accumulators f32": cfg.b * cfg.m * (cfg.h + 2 * cfg.hk) * cfg.d * F32,
-        "cotangent": full * cfg.d * cfg.sw,
+        "cotangent (output dtype)": full * cfg.d * cfg.s,
         "row statistics": 3 * full * F32 + sum(3 * cfg.b * br.R * cfg.h * F32 for br in brs),
     }
 
 
 def ring_backward_work(cfg: Config, br: Branch) -> dict[str, int]:
+    """:func:`dilax.sp.ring_vjp._ring_backward`: the core adds every pair's gradients into
+    the running dQ and the travelling dK/dV in place; the own chunk is visited last, straight
+    into the returned dK/dV (its dilated K/V are recomputed there, not held through the
+    hops)."""
     q_rows = cfg.b * br.R * cfg.h * cfg.d
-    return {
-        "dilated q, k, v": (br.r > 1) * q_rows * cfg.sw + 2 * chunk_bytes(cfg, br, cfg.sw),
-        "dO, dq, pair dq (+ dq update, looped) f32": (3 + _looped(br)) * q_rows * F32,
-        "K/V chunks in flight (+ in use, looped)":
+    out = {
+        "dilated q (a view for r = 1)": (br.r > 1) * q_rows * cfg.sw,
+        "dO f32, dq accumulator f32": 2 * q_rows * F32,
+        "K/V chunks in use (+ in flight, looped)":
             (2 + 2 * _looped(br)) * chunk_bytes(cfg, br, cfg.sw),
-        "dK/dV f32 accumulators": 2 * chunk_bytes(cfg, br, F32),
-        "pair dK, dV f32": 2 * chunk_bytes(cfg, br, F32),
+        # sent after the pair's work, so their in-flight copies miss the score tiles
+        "dK/dV f32 travelling": 2 * chunk_bytes(cfg, br, F32),
         "score tiles": tiles(cfg, br, 5),
     }
+    if cfg.sw > cfg.s:  # XLA:CPU: float32 copies of the k, v shards (dilated from them)
+        out["f32 copies of the k, v shards (upcast)"] = (
+            cfg.b * cfg.m * 2 * cfg.hk * cfg.d * F32)
+    return out
 
 
 def local_backward_work(cfg: Config, br: Branch) -> dict[str, int]:
-    # The float32 accumulators are updated in place; the core's block work varies with
-    # XLA's fusion (3-7 score tiles, 2-5 row blocks in the dumps): the middle.
+    """The float32 accumulators are updated in place. As the dumps show it: without upcast
+    the cotangent's mixture weighting is fused into the core's blocks (no float32 dO; five
+    score tiles and 14 row blocks ``b h bq d 4``); with XLA:CPU's bfloat16 upcast, float32
+    copies of the shards and of dO, three score tiles and three row blocks."""
     bq = min(RING_BLOCKS.block_q, br.R)
-    return {"dO f32": cfg.b * br.R * cfg.h * cfg.d * F32, "score tiles": tiles(cfg, br, 5),
-            "row blocks": 4 * cfg.b * cfg.h * bq * cfg.d * F32}
+    block = cfg.b * cfg.h * bq * cfg.d * F32
+    if cfg.sw == cfg.s:
+        return {"score tiles": tiles(cfg, br, 5), "row blocks": 14 * block}
+    return {"f32 copies of the shards (upcast)": upcast_copies(cfg),
+            "dO f32": cfg.b * br.R * cfg.h * cfg.d * F32,
+            "score tiles": tiles(cfg, br, 3), "row blocks": 3 * block}
 
 
 def _phases(cfg: Config, train: bool) -> list[tuple[str, dict[str, int]]]:
