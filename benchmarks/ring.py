@@ -12,9 +12,14 @@ show the overhead of the decomposition, not a speed-up.
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -125,3 +130,52 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+_RING_CHILD = r"""
+import json, sys
+from benchmarks.ring import rows
+cfg = json.loads(sys.argv[1])
+print("JSON" + json.dumps(rows(n=cfg["n"], h=cfg["h"], d=cfg["d"], repeats=cfg["repeats"]),
+                          default=str))
+"""
+
+
+def cmd(args, base_config: dict[str, Any]) -> dict[str, Any]:
+    """``python -m benchmarks ring``: :func:`rows` on 8 fake host devices (a subprocess sets
+    XLA_FLAGS before jax starts), as the CLI's result dict; ``--plan``: the model at scale
+    (:mod:`benchmarks.ring_plan_cli`). ``base_config``: the CLI's common configuration."""
+    if args.plan:
+        from benchmarks.ring_plan_cli import cmd_plan
+
+        return cmd_plan(args)
+    n = args.n[0] if args.n else 16384
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        " --xla_force_host_platform_device_count=8").strip()
+    proc = subprocess.run(
+        [sys.executable, "-c", _RING_CHILD,
+         json.dumps(dict(n=n, h=args.heads, d=args.head_dim, repeats=args.repeats))],
+        capture_output=True, text=True, env=env, timeout=args.timeout)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("JSON")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"ring benchmark failed:\n{proc.stderr[-2000:]}")
+    raw = json.loads(lines[-1][4:])
+    rows = [dict(r, row=f"ring P={r['P']}", pass_="fwd",
+                 memory_bytes=r["memory_bytes_per_device"]) for r in raw]
+    # The training step (gradients w.r.t. q, k, v) per device: compiled for memory only.
+    rows += [dict(row=f"ring P={r['P']}", n=r["n"], P=r["P"], pass_="fwd+bwd (memory only)",
+                  memory_bytes=r["train_step_memory_bytes_per_device"]) for r in raw]
+    base = next((r for r in raw if r["P"] == 1), None)
+    summary = {}
+    if base:
+        for key, label in (("memory_bytes_per_device", "forward"),
+                           ("train_step_memory_bytes_per_device", "training step")):
+            summary.update({f"P={r['P']}: {label} memory per device / (single / P)":
+                            round(r[key] / (base[key] / r["P"]), 3) for r in raw})
+        summary["permute bytes per device"] = {f"P={r['P']}": r["permute_bytes_per_device"]
+                                               for r in raw}
+    first = raw[0]  # the ring's own configuration (LongNet-style w = n/8 .. n, GQA)
+    config = dict(base_config, kv_heads=first["hk"], segment_lengths=first["segment_lengths"],
+                  dilation_rates=first["dilation_rates"], causal=first["is_causal"])
+    return dict(command="ring", config=config, rows=rows, summary=summary)
