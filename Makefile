@@ -32,7 +32,7 @@ demo: $(DEMO_STAMP)
 
 ## make test: install the dev extras (first time) and run the whole test suite
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist load
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 lint: $(STAMP)
 	$(PY) -m ruff check dilax pallas_kernels benchmarks tests docs notebooks
