@@ -52,11 +52,3 @@ if _DEVICE_COUNT in os.environ.get("XLA_FLAGS", ""):  # a device count the user 
 else:
     _count = 8
 os.environ["XLA_FLAGS"] = xla_flags(_count)
-
-
-def pytest_collection_modifyitems(config, items):
-    """Tests marked ``heavy`` first (stable order otherwise): with two xdist workers the wall
-    time is bound by the longest tests, so they start first and short ones fill in behind.
-    ``make test`` uses ``--dist loadgroup``: tests marked ``xdist_group`` (those sharing a
-    module fixture or compiled programs) run on one worker, so shared work happens once."""
-    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)

@@ -31,8 +31,6 @@ from dilax.block_sparse import block_sparse_attention
 from dilax.sp.block_sparse_ring import plan_ring
 
 N, BSZ, D = 128, 8, 8
-# One worker runs this module (make test: --dist loadgroup), so the report is computed once.
-pytestmark = pytest.mark.xdist_group("block_sparse_ring")
 
 
 def _mask_with_empty_rows():

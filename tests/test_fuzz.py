@@ -976,7 +976,6 @@ def run_family(tally: Tally, make: Callable, examples: int) -> None:
     inner()
 
 
-@pytest.mark.heavy
 def test_fuzz_all_entry_points(capsys):
     tally = Tally()
     for _, make, examples in FAMILIES:

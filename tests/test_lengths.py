@@ -198,7 +198,6 @@ def test_attention_fn_padding_mask_equals_flax_attention():
         ours(x, mask=nnx.make_attention_mask(key_valid, key_valid))
 
 
-@pytest.mark.heavy
 def test_modules_and_models_take_lengths_and_window():
     b, n, e = 2, 12, 16
     x = jax.random.normal(jax.random.PRNGKey(3), (b, n, e))

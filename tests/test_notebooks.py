@@ -73,7 +73,6 @@ def test_python3_kernel_is_this_interpreter():
     assert Path(cmd[0]).resolve() == Path(sys.executable).resolve(), cmd
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("name", sorted(BUDGET_S))
 def test_notebook_runs(name):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)

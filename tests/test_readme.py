@@ -18,7 +18,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
 from conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,7 +125,6 @@ print("--- all README python blocks ran", flush=True)
 """
 
 
-@pytest.mark.heavy
 def test_python_blocks_run_in_order(tmp_path):
     blocks = [b for b in BLOCKS if b.lang == "python" and b.not_run is None]
     assert blocks
@@ -146,7 +144,6 @@ def test_not_run_python_blocks_compile():
             compile(b.code, f"README.md:{b.line}", "exec")
 
 
-@pytest.mark.heavy
 def test_bash_blocks_run(tmp_path):
     blocks = [b for b in BLOCKS if b.lang == "bash" and b.not_run is None]
     assert blocks

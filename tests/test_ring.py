@@ -110,7 +110,6 @@ def test_matches_single_device(P, mode, is_causal):
     _check(P, MATRIX_SHAPE, (8, 64), (1, 4), mode, is_causal)
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize(
     "P, n, ws, rs, is_causal, mode",
     [
@@ -137,13 +136,11 @@ def test_user_block_sizes_with_head_groups(is_causal):
            block_sizes=BlockSizes(8, 16, 8, 16, heads_per_step=2))
 
 
-@pytest.mark.heavy
 def test_zigzag_layout():
     """layout='zigzag' (causal load balance) gives the same result in natural order."""
     _check(4, (1, 96, 4, 2, 8), (8, 48), (2, 4), "mixture", True, layout="zigzag")
 
 
-@pytest.mark.heavy
 def test_zigzag_permutation_and_direct_call():
     """ring_dilated_attention(layout='zigzag') on pre-permuted shards = permuted reference."""
     P, n = 4, 64
@@ -165,7 +162,6 @@ def test_zigzag_permutation_and_direct_call():
     assert_scaled_close(out, ref[:, perm])
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("check_vma", [True, False], ids=["default_checks", "no_vma_check"])
 def test_direct_call_under_shard_map_checks(check_vma):
     """``jax.shard_map(partial(ring_dilated_attention, ..., axis_name="sp"))`` as a user writes
@@ -186,7 +182,6 @@ def test_direct_call_under_shard_map_checks(check_vma):
         assert_scaled_close(a, e, err_msg=f"d{name}")
 
 
-@pytest.mark.heavy
 def test_batch_axis_and_2d_mesh():
     """Batch sharded on 'dp' and sequence on 'sp' of a 2x4 mesh."""
     q, k, v, g = _inputs(2, 64, 4, 2, 8, seed=5)
@@ -276,7 +271,6 @@ def _bytes(compiled):
 MEM_CFG = dict(n=16384, h=8, hk=2, d=32, ws=(2048, 4096, 8192, 16384), rs=(1, 2, 4, 8))
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize("grad", [True, False], ids=["train_step", "forward"])
 def test_memory_per_device(grad):
     """Per-device memory at P=8 vs the single-device program (memory_analysis).
@@ -307,7 +301,6 @@ def test_memory_per_device(grad):
     assert ratio <= (1.30 if grad else 1.15), ratio
 
 
-@pytest.mark.heavy
 def test_memory_scales_with_ring_size():
     """O(n / P): doubling the ring size at fixed n halves the per-device bytes of the training
     step (up to the fixed per-block scratch)."""
@@ -331,7 +324,6 @@ def _comm(n, P, ws, rs, grad=False, h=4, hk=2, d=16):
     return collective_permute_bytes(text)
 
 
-@pytest.mark.heavy
 def test_communication_independent_of_n():
     """Bytes sent per device by collective-permutes (from the compiled HLO, loop trip counts
     included) do not grow with n, match the analytic count, and are unchanged when n and P

@@ -72,12 +72,10 @@ def _check(is_causal, layout="contiguous", window=None, q_len=Q_LEN, kv_len=KV_L
 # contiguous: all three kinds of ring branch. Zigzag (two chunks per device, so chunk starts
 # that are not device starts): a local and a single-segment ring branch (the zigzag halo and
 # two-candidate ring programs take several times longer to compile on CPU).
-@pytest.mark.heavy
 def test_lengths_and_window_contiguous_causal():
     _check(True, window=5)
 
 
-@pytest.mark.heavy
 def test_lengths_and_window_zigzag():
     _check(False, layout="zigzag", window=5, ws=(12, 96), rs=(2, 4))
 

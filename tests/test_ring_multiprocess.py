@@ -15,8 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 150
 
@@ -27,7 +25,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.heavy
 def test_two_processes_match_single_process():
     port = _free_port()
     env = dict(os.environ)

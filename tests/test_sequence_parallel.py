@@ -59,7 +59,6 @@ def test_multihead_module_sequence_parallel_equals_one_device():
     assert_trees_close(grads_r, grads_1)
 
 
-@pytest.mark.heavy
 def test_longnet_lm_sequence_parallel_equals_one_device():
     """Decoder-only LM, causal, two layers: every layer's attention runs as a ring."""
     cfg = dict(num_tokens=17, d_model=32, num_heads=4, num_encoder_layers=0,
@@ -99,7 +98,6 @@ def test_factory_ring_multihead_and_batch_axis():
     assert_scaled_close(both(q, kv, kv), ref)
 
 
-@pytest.mark.heavy
 def test_factory_block_sparse_ring_multihead_equals_one_device():
     """A pattern and a mesh: create_attention builds the block-sparse multi-head module on the
     block-sparse ring (8 devices, 32 positions each); same output and parameter gradients.
@@ -126,7 +124,6 @@ def test_factory_block_sparse_ring_multihead_equals_one_device():
     assert_trees_close(grads_r["inner"], grads_1)  # the factory wraps the module
 
 
-@pytest.mark.heavy
 def test_block_sparse_module_ring_batch_axis_forward_and_gradient():
     """BlockSparseAttention(sequence_parallel=...) on a 2 x 4 mesh (batch over "dp"), causal,
     per-head pattern, GQA: output and q/k/v gradients equal the single-device op."""

@@ -26,11 +26,6 @@ SHORT = T.TrainConfig(steps=80, batch_size=8, seq_len=32, lr=1e-2, warmup=10, ev
                       eval_batches=2, checkpoint_every=3, sample_tokens=0, stop_after=6)
 
 
-# One worker runs this module (make test: --dist loadgroup): one compiled train step, one
-# `trained` run.
-pytestmark = pytest.mark.xdist_group("train")
-
-
 def _run(cfg: T.TrainConfig, model_cfg: T.ModelConfig = TINY_MODEL) -> T.TrainResult:
     return T.train(cfg, model_cfg, text=TEXT, progress=False, log=lambda s: None)
 

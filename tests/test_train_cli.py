@@ -62,7 +62,6 @@ def interrupted(tmp_path_factory):
     return data, ckpt, "".join(lines), proc.returncode
 
 
-@pytest.mark.xdist_group("train_cli_interrupted")  # one worker: one interrupted run
 def test_sigint_saves_a_checkpoint_and_exits_130_without_traceback(interrupted):
     _, ckpt, out, rc = interrupted
     assert rc == 130, out
@@ -74,7 +73,6 @@ def test_sigint_saves_a_checkpoint_and_exits_130_without_traceback(interrupted):
     assert f"resume with: python -m dilax.train --resume --checkpoint-dir {ckpt}" in out
 
 
-@pytest.mark.xdist_group("train_cli_interrupted")  # one worker: one interrupted run
 def test_sample_from_the_interrupted_checkpoint(interrupted, capsys):
     data, ckpt, _, _ = interrupted
     text = data.read_text(encoding="utf-8")
@@ -120,7 +118,6 @@ def test_top_k_draws_only_among_the_k_largest_logits():
     assert set(np.asarray(pick_tokens(logits, jax.random.key(0), 0.0, 2)).tolist()) == {1}
 
 
-@pytest.mark.xdist_group("train_cli_interrupted")  # one worker: one interrupted run
 def test_resume_with_only_checkpoint_dir_and_steps_continues_the_same_model(interrupted,
                                                                            capsys, tmp_path):
     data, ckpt, _, _ = interrupted

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import pytest
 
 from dilax import train as T
 from dilax.data import load_corpus
@@ -59,7 +58,6 @@ def _kill_after_checkpoint(ckpt: Path) -> list[int]:
     return [int(s) for s in re.findall(r"checkpoint saved: step (\d+)", "".join(lines))]
 
 
-@pytest.mark.heavy
 def test_killed_run_resumes_without_losing_a_completed_step(tmp_path):
     ckpt = tmp_path / "killed"
     logged = _kill_after_checkpoint(ckpt)
