@@ -31,8 +31,11 @@ demo: $(DEMO_STAMP)
 	$(PY) -m benchmarks demo
 
 ## make test: install the dev extras (first time) and run the whole test suite
+## (--dist loadfile: a module's tests share one worker, so its module-scoped fixtures and cached
+## compiled programs are built once, not once per worker; modules start costliest first,
+## tests/conftest.py)
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist load
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 lint: $(STAMP)
 	$(PY) -m ruff check dilax pallas_kernels benchmarks tests docs notebooks

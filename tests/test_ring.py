@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as Ps
+from oracle import dilated as dilated_oracle
 from tolerance import HALF, assert_scaled_close
 
 from benchmarks.hlo import collective_permute_bytes
@@ -73,14 +74,13 @@ def _value_and_grads(fn, q, k, v, g):
 
 @functools.cache
 def _reference(shape, ws, rs, mode, is_causal, seed=0):
-    """Single-device dilated_attention on the full inputs, through the mask-based reference
-    implementation (SPEC.md's definition; the blockwise XLA path is tested against it in
-    test_dilated.py and is compared with the ring directly in the memory tests' programs)."""
+    """Single-device dilated attention on the full inputs, output and d{q,k,v}: the float64
+    NumPy oracle of the mask-based reference (SPEC.md's definition, ``tests/oracle.py``; the
+    blockwise XLA path is tested against it in test_dilated.py). NumPy: nothing to compile."""
     b, n, h, hk, d = shape
     q, k, v, g = _inputs(b, n, h, hk, d, seed)
-    fn = lambda q, k, v: dilated_attention(q, k, v, ws, rs, is_causal=is_causal, mode=mode,
-                                           implementation="reference")
-    return _value_and_grads(fn, q, k, v, g)
+    ref = dilated_oracle(q, k, v, ws, rs, mode, is_causal, dout=g)
+    return ref.out, (ref.dq, ref.dk, ref.dv)
 
 
 def _check(P, shape, ws, rs, mode, is_causal, layout="contiguous", seed=0, block_sizes=None):

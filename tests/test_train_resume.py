@@ -19,8 +19,11 @@ from dilax.data import load_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = load_corpus()
+# Each step writes a checkpoint; 12 leaves 9 steps after the kill point, so the run cannot end
+# before the SIGKILL lands, and 9 steps to resume (was 30: the same checks, 2.5x the steps).
+STEPS = 12
 FLAGS = ["--d-model", "32", "--num-heads", "2", "--num-layers", "1", "--dim-feedforward", "64",
-         "--segment-lengths", "16,32", "--dilation-rates", "1,2", "--steps", "30",
+         "--segment-lengths", "16,32", "--dilation-rates", "1,2", "--steps", str(STEPS),
          "--batch-size", "4", "--seq-len", "32", "--lr", "1e-2", "--warmup", "3",
          "--eval-every", "0", "--checkpoint-every", "1", "--keep-checkpoints", "2",
          "--sample-tokens", "0", "--no-progress"]
@@ -63,7 +66,7 @@ def test_killed_run_resumes_without_losing_a_completed_step(tmp_path):
     resumed = T.train(tcfg, mcfg, text=TEXT, progress=False, log=lambda s: None)
     # every step whose checkpoint was reported is kept: the run goes on after the last one
     assert resumed.start_step >= logged[-1]
-    assert sorted(resumed.losses) == list(range(resumed.start_step + 1, 31))
+    assert sorted(resumed.losses) == list(range(resumed.start_step + 1, STEPS + 1))
     full = T.train(dataclasses.replace(tcfg, checkpoint_dir=str(tmp_path / "full"),
                                        resume=False), mcfg, text=TEXT, progress=False,
                    log=lambda s: None)
@@ -72,7 +75,7 @@ def test_killed_run_resumes_without_losing_a_completed_step(tmp_path):
                     _bits(T._state_tree(full.model, full.optimizer)), strict=True):
         np.testing.assert_array_equal(a, b)
     meta = [T.read_checkpoint_meta(d)[1] for d in (ckpt, tmp_path / "full")]
-    assert meta[0]["step"] == meta[1]["step"] == 30
+    assert meta[0]["step"] == meta[1]["step"] == STEPS
     assert meta[0]["checksum"] == meta[1]["checksum"]
 
 
