@@ -187,9 +187,11 @@ def _attend_bwd(cfg: _Attend, res, cts):
 
         # Each branch waits for the previous one's accumulators (the first for the row
         # statistics): unfenced, zero-initialized accumulators (constants) would be scheduled
-        # -- and held -- during the forward.
+        # -- and held -- during the forward. The accumulators are the cond's carry, updated
+        # in place (as operands they were copied: two sets of float32 gradients).
         fence = fence_after(acc[0] if acc else (g_out if mixture else dots[-1]))
-        acc = tuple(when(fence, run, (q, k, v, aux, g, g_lse, g_out, lse, extra, a, s) + acc))
+        acc = tuple(when(fence, run, (q, k, v, aux, g, g_lse, g_out, lse, extra, a, s),
+                         carry=acc))
     grads = tuple(x.astype(y.dtype) for x, y in zip(acc, (q, k, v), strict=True))
     return (*sum_invariant_axes((q, k, v), grads), None, None)
 

@@ -18,14 +18,22 @@ def fence_after(x: jax.Array) -> jax.Array:
     return (x0 <= jnp.inf) | jnp.isnan(x0)
 
 
-def when(fence, fn, operands: tuple):
-    """``fn(*operands)``, inside a ``lax.cond`` on ``fence`` (:func:`fence_after`) if given.
+def when(fence, fn, operands: tuple, carry: tuple = ()):
+    """``fn(*operands, *carry)``, inside a ``lax.cond`` on ``fence`` (:func:`fence_after`) if
+    given.
 
     Nothing of ``fn`` can be hoisted out of the conditional, so its working buffers are
     allocated only once ``fence`` is known. Use it on primal computations only (inside a
-    ``custom_vjp``): differentiating through the cond would copy its inputs as residuals."""
+    ``custom_vjp``): differentiating through the cond would copy its inputs as residuals.
+    ``carry``: arrays that ``fn`` returns updated, as a tuple of the same types (e.g.
+    accumulators). The other branch returns them as they are, so XLA updates them in place;
+    a branch of zeros would give the cond's results buffers of their own, a second copy of
+    every carried array while ``fn`` runs."""
     if fence is None:
-        return fn(*operands)
+        return fn(*operands, *carry)
+    if carry:
+        return lax.cond(fence, lambda ops, c: fn(*ops, *c), lambda ops, c: tuple(c), operands,
+                        tuple(carry))
     skip = lambda ops: jax.tree.map(_zeros_like_type, jax.eval_shape(lambda o: fn(*o), ops))
     return lax.cond(fence, lambda ops: fn(*ops), skip, operands)
 

@@ -141,9 +141,24 @@ def _scaled(qb, scale):
     return qb.astype(_F32) * jnp.asarray(scale, _F32)
 
 
-def _slice_rows(x, b, start, size):
-    """``x[b, start:start+size]`` for ``x: (B, L, ...)``."""
-    return lax.dynamic_slice(x, (b, start) + (0,) * (x.ndim - 2), (1, size) + x.shape[2:])[0]
+def _as_bits(x):
+    """bf16/fp16 ``x`` as its uint16 bits (a free bitcast, on every backend); others as is.
+
+    XLA:CPU's float normalization widens every half-precision op to float32, the slices that
+    the loops take of a whole input included; the widening of a loop-invariant input is then
+    hoisted out of the loops: a float32 copy of the whole input, per input and per branch.
+    Integers are sliced as they are, so the loops read the bits and widen one block at a time
+    (:func:`_slice_rows`). Zero bits are +0.0, so the bits can be padded as they are."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 2:
+        return lax.bitcast_convert_type(x, jnp.uint16)
+    return x
+
+
+def _slice_rows(x, b, start, size, dtype=None):
+    """``x[b, start:start+size]`` for ``x: (B, L, ...)``, read as ``dtype`` (``x`` may hold
+    the bits of a ``dtype`` array, :func:`_as_bits`)."""
+    x = lax.dynamic_slice(x, (b, start) + (0,) * (x.ndim - 2), (1, size) + x.shape[2:])[0]
+    return x if dtype is None or x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
 
 
 # forward and backward are ~90 lines each on purpose: their loop bodies are closures over the
@@ -163,8 +178,9 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
     Lk, d = k.shape[1], k.shape[-1]
     U, G = len(view.kv_index), view.q_per_kv
     nq, nk = _cdiv(Lq, block_q), _cdiv(Lk, block_k)
-    qp = _pad_axis(q, 1, nq * block_q)
-    kp, vp, kv_len, kv_valid = _pad_keys(k, v, kv_len, kv_valid, nk * block_k, U)
+    qp = _pad_axis(_as_bits(q), 1, nq * block_q)
+    kp, vp, kv_len, kv_valid = _pad_keys(_as_bits(k), _as_bits(v), kv_len, kv_valid,
+                                         nk * block_k, U)
     axes = _varying_axes(q, k, v, kv_len, q_offset, k_offset, q_len)
 
     groups = _head_groups(U, G, heads_per_step)
@@ -181,7 +197,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
     def row_heads(idx, view, u0, u1):
         U = u1 - u0
         bi, qi = idx // nq, idx % nq
-        qb = view.select_q(_slice_rows(qp, bi, qi * block_q, block_q))  # (U, G, bq, d)
+        qb = view.select_q(_slice_rows(qp, bi, qi * block_q, block_q, q.dtype))  # (U, G, bq, d)
         qb = _scaled(qb, scale)
         kl = None if kv_len is None else kv_len[bi, u0:u1]
         ql = None if q_len is None else q_len[bi, u0:u1]
@@ -209,8 +225,8 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
             def body(j, carry):
                 m, l, acc = carry
                 k0 = j * block_k
-                kb = view.select_kv(_slice_rows(kp, bi, k0, block_k))  # (U, bk, d)
-                vb = view.select_kv(_slice_rows(vp, bi, k0, block_k))
+                kb = view.select_kv(_slice_rows(kp, bi, k0, block_k, k.dtype))  # (U, bk, d)
+                vb = view.select_kv(_slice_rows(vp, bi, k0, block_k, v.dtype))
                 s = jnp.einsum("hgqd,hkd->hgqk", qb, kb, preferred_element_type=_F32)
                 kvb = _key_valid_block(kv_valid, bi, u0, u1, k0, block_k)
                 mask = _mask(k0, block_k, kl, q_pos, k_offset, causal_block and is_causal,
@@ -267,8 +283,10 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
     nq, nk = _cdiv(Lq, block_q), _cdiv(Lk, block_k)
     lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
     pad_q = functools.partial(_pad_axis, axis=1, size=nq * block_q)
-    qp, dop, lsep, deltap = pad_q(q), pad_q(dout), pad_q(lse_safe), pad_q(delta)
-    kp, vp, kv_len, kv_valid = _pad_keys(k, v, kv_len, kv_valid, nk * block_k, U)
+    qp, dop = pad_q(_as_bits(q)), pad_q(_as_bits(dout))
+    lsep, deltap = pad_q(lse_safe), pad_q(delta)
+    kp, vp, kv_len, kv_valid = _pad_keys(_as_bits(k), _as_bits(v), kv_len, kv_valid,
+                                         nk * block_k, U)
     axes = _varying_axes(q, k, v, kv_len, q_offset, k_offset, dout, delta, q_len)
     out_view = view.output_view()  # reads dout, lse, delta (output layout) per block
 
@@ -291,8 +309,10 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
         k0 = kj * block_k
         kl = None if kv_len is None else kv_len[bi]
         kvb = _key_valid_block(kv_valid, bi, 0, U, k0, block_k)
-        kb = _zero_invalid_keys(view.select_kv(_slice_rows(kp, bi, k0, block_k)), k0, kl, kvb)
-        vb = _zero_invalid_keys(view.select_kv(_slice_rows(vp, bi, k0, block_k)), k0, kl, kvb)
+        kb = _zero_invalid_keys(view.select_kv(_slice_rows(kp, bi, k0, block_k, k.dtype)),
+                                k0, kl, kvb)
+        vb = _zero_invalid_keys(view.select_kv(_slice_rows(vp, bi, k0, block_k, v.dtype)),
+                                k0, kl, kvb)
         ql = None if q_len is None else q_len[bi]
         hi = nq if kl is None else jnp.where(k0 < jnp.max(kl), nq, 0)
         if ql is not None:  # query blocks wholly past the valid rows are skipped
@@ -314,8 +334,8 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
             def body(qi, carry):
                 dk, dv, dq = carry
                 q0 = qi * block_q
-                qb = _scaled(view.select_q(_slice_rows(qp, bi, q0, block_q)), scale)
-                dob = out_view.select_q(_slice_rows(dop, bi, q0, block_q))
+                qb = _scaled(view.select_q(_slice_rows(qp, bi, q0, block_q, q.dtype)), scale)
+                dob = out_view.select_q(_slice_rows(dop, bi, q0, block_q, dout.dtype))
                 lse_b = out_view.select_q(_slice_rows(lsep, bi, q0, block_q))
                 del_b = out_view.select_q(_slice_rows(deltap, bi, q0, block_q))
                 s = jnp.einsum("hgqd,hkd->hgqk", qb, kb, preferred_element_type=_F32)
