@@ -46,7 +46,11 @@ training step (grad of sum(out) w.r.t. q, k, v)
                 dK/dV (sent after the pair's work), five score tiles (+ float32 copies of
                 the k, v shards if upcast); per local branch five score tiles and 14 row
                 blocks ``b h bq d 4`` (the cotangent's weighting fused into them; if
-                upcast: float32 copies of the shards and of dO, three tiles, three blocks)
+                upcast: float32 copies of the shards and of dO, three tiles, three blocks);
+                segments of one backward block (``w / r <= 128``): the core's loop bodies
+                do not depend on the loop index and XLA hoists them, so float32 dO, seven
+                tiles, five row blocks and four K/V blocks ``b U bk d 4`` (+ the float32
+                copies of the shards if upcast)
   end           the gradients in the input dtype (if not float32) beside the accumulators
 
 After a change to the ring (e.g. its backward, :mod:`dilax.sp.ring_vjp`), re-check the terms
@@ -262,13 +266,31 @@ def ring_backward_work(cfg: Config, br: Branch) -> dict[str, int]:
     return out
 
 
+def _one_block(br: Branch) -> bool:
+    """A local branch whose segments are one backward block (``w / r <= 128``): the core's
+    two query-block loops (causal-masked, then unmasked) have bodies that do not depend on
+    the loop index, so XLA hoists them out of the loops and keeps their blocks live together
+    (:func:`dilax.core.xla.backward`)."""
+    return br.kind == "local" and br.L <= min(RING_BLOCKS.backward)
+
+
 def local_backward_work(cfg: Config, br: Branch) -> dict[str, int]:
     """The float32 accumulators are updated in place. As the dumps show it: without upcast
     the cotangent's mixture weighting is fused into the core's blocks (no float32 dO; five
     score tiles and 14 row blocks ``b h bq d 4``); with XLA:CPU's bfloat16 upcast, float32
-    copies of the shards and of dO, three score tiles and three row blocks."""
+    copies of the shards and of dO, three score tiles and three row blocks. Segments of one
+    block (:func:`_one_block`), either dtype: float32 dO, the masked pair's work (two tiles,
+    q, dO and K blocks) live across the unmasked loop, which carries its hoisted scores,
+    ``dP - delta``, q, dO and K blocks and computes three tiles, a dO block and the dK/dV
+    block sums: seven tiles, five row blocks, four K/V blocks ``b U bk d 4``."""
     bq = min(RING_BLOCKS.block_q, br.R)
     block = cfg.b * cfg.h * bq * cfg.d * F32
+    if _one_block(br):
+        up = {"f32 copies of the shards (upcast)": upcast_copies(cfg)} if cfg.sw > cfg.s else {}
+        bk = min(RING_BLOCKS.backward[1], br.R)
+        return {**up, "dO f32": cfg.b * br.R * cfg.h * cfg.d * F32,
+                "score tiles": tiles(cfg, br, 7), "row blocks": 5 * block,
+                "K/V blocks": 4 * cfg.b * br.U * bk * cfg.d * F32}
     if cfg.sw == cfg.s:
         return {"score tiles": tiles(cfg, br, 5), "row blocks": 14 * block}
     return {"f32 copies of the shards (upcast)": upcast_copies(cfg),
