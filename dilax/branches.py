@@ -159,13 +159,20 @@ def _attend_bwd(cfg: _Attend, res, cts):
     n, mixture, nb = cfg.n, cfg.mode == "mixture", len(cfg.ops)
     # Pass 1, row statistics only: s_i = <g, o_i> per branch row (and the mixture weights), so
     # the branch outputs die before any branch's backward allocates.
-    alphas, dots = [], []
-    for o, lse, p in zip(outs, lses, cfg.plans, strict=True):
-        dots.append(jnp.sum(gather_dilated(g, p, n).astype(_F32) * o, axis=-1))
-        alphas.append(_alpha(lse, p, n, stats) if mixture else None)
-    # <g, out> = sum_i alpha_i s_i, in the full layout (mixture)
-    g_out = (sum(expand_slots(a * s, p, n, 0.0) for a, s, p in zip(alphas, dots, cfg.plans))
-             if mixture else None)
+    def row_stats(g, outs, lses, stats):
+        alphas, dots = [], []
+        for o, lse, p in zip(outs, lses, cfg.plans, strict=True):
+            dots.append(jnp.sum(gather_dilated(g, p, n).astype(_F32) * o, axis=-1))
+            alphas.append(_alpha(lse, p, n, stats) if mixture else None)
+        # <g, out> = sum_i alpha_i s_i, in the full layout (mixture)
+        g_out = (sum(expand_slots(a * s, p, n, 0.0) for a, s, p in zip(alphas, dots, cfg.plans))
+                 if mixture else None)
+        return alphas, dots, g_out
+
+    # Fenced behind the forward's last result: a constant cotangent (the gradient of a sum)
+    # makes the dilated copies of g operand-free, which XLA's scheduler would otherwise
+    # materialize at the very start, live through the whole forward.
+    alphas, dots, g_out = when(fence_after(lses[-1]), row_stats, (g, outs, lses, stats))
 
     # Pass 2, one branch at a time: d o_i = alpha_i g, d lse_i = alpha_i (s_i - <g, out> +
     # g_lse) (grouped: g / G and g_lse), delta_i = rowsum(d o_i o_i) - d lse_i.

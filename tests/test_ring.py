@@ -275,9 +275,11 @@ MEM_CFG = dict(n=16384, h=8, hk=2, d=32, ws=(2048, 4096, 8192, 16384), rs=(1, 2,
 def test_memory_per_device(grad):
     """Per-device memory at P=8 vs the single-device program (memory_analysis).
 
-    Issue bound: <= 1.15 x (single / 8). Forward: measured 1.085, met. Training step:
-    measured 1.241 (was 1.90 with one custom_vjp per ring branch), NOT met yet; the bound
-    pins the current figure against regressions. Both programs differentiate ``sum(out)``.
+    Issue bound: <= 1.15 x (single / 8) in the benchmark configuration (d = 64, the ring's
+    default blocks; ``python -m benchmarks ring``: forward 1.131, training step 1.105). In
+    this smaller one (d = 32, explicit blocks) measured: forward 1.085, training step 1.212
+    (1.90 with one custom_vjp per ring branch); the bounds pin these figures against
+    regressions. Both programs differentiate ``sum(out)``.
 
     What holds it: all branches and the merge are one custom_vjp
     (:func:`dilax.branches.attend_branches`) whose backward forms each branch's cotangents
@@ -285,7 +287,8 @@ def test_memory_per_device(grad):
     branches run first and one after the other (fenced, so the scheduler cannot hoist every
     branch's dilated copies to the start); partial results are merged into the ring state a
     chunk of query rows at a time; branch outputs stay in the dilated layout until one fused
-    merge; the backward recomputes the dilated copies.
+    merge; the backward recomputes the dilated K/V copies and reads the shard's queries in
+    place, adding dq into the branch accumulator (regular geometry, contiguous layout).
     """
     c = MEM_CFG
     bs = BlockSizes(64, 128, 64, 128)
@@ -298,7 +301,7 @@ def test_memory_per_device(grad):
                      c["n"], c["h"], c["hk"], c["d"], mesh=mesh, grad=grad)
     ratio = _bytes(ring) / (_bytes(single) / 8)
     print(f"per-device / (single / 8) = {ratio:.3f}")
-    assert ratio <= (1.30 if grad else 1.15), ratio
+    assert ratio <= (1.25 if grad else 1.15), ratio
 
 
 def test_memory_scales_with_ring_size():

@@ -188,6 +188,44 @@ def _scatter_static(x, index, size):
     return total
 
 
+@dataclasses.dataclass(frozen=True)
+class SplitView:
+    """Queries (and dq, the output layout) read through ``q``, keys and values (and dk, dv)
+    through ``kv``: e.g. a shard's queries in place through a :class:`SlotView` against
+    gathered key chunks (``identity_view``). Both views have the same virtual heads
+    (``len(kv_index)`` and ``q_per_kv``). The XLA core's backward reads inputs through it."""
+
+    q: SlotView
+    kv: SlotView
+
+    def __post_init__(self):
+        if (len(self.q.kv_index), self.q.q_per_kv) != (len(self.kv.kv_index), self.kv.q_per_kv):
+            raise ValueError("SplitView: q and kv views must have the same virtual heads")
+
+    @property
+    def kv_index(self) -> tuple[int, ...]:
+        return self.kv.kv_index
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.q.q_per_kv
+
+    def select_q(self, x):
+        return self.q.select_q(x)
+
+    def expand_rows_q(self, x):
+        return self.q.expand_rows_q(x)
+
+    def output_view(self) -> SlotView:
+        return self.q.output_view()
+
+    def select_kv(self, x):
+        return self.kv.select_kv(x)
+
+    def expand_kv(self, x):
+        return self.kv.expand_kv(x)
+
+
 def identity_view(num_kv_heads: int, q_per_kv: int) -> SlotView:
     h = num_kv_heads * q_per_kv
     return SlotView(1, h, num_kv_heads, tuple(range(h)), tuple(range(num_kv_heads)))

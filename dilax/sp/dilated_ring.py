@@ -59,6 +59,7 @@ from dilax.sp.ring_vjp import (
     RingConfig,
     _varying_like,
     ring_backward,
+    ring_backward_in_place,
     ring_forward,
 )
 from dilax.sp.schedule import Geometry, geometry, ring_streams
@@ -195,12 +196,22 @@ class _SpanningBranch:
         return _halo_branch(*self._dilate(q, k, v), self.geo, n_u,
                             self.axis_name, self.scale, self.is_causal, self.block_sizes)
 
+    @property
+    def _in_place(self) -> bool:
+        """Whether the ring's backward reads this shard's queries in place (regular geometry,
+        one chunk per device: the ring rows are the single-device dilated layout)."""
+        return self.ring is not None and self.geo.regular and self.geo.C == 1
+
     def forward(self, q, k, v, aux):
         out, lse = self._raw(q, k, v, aux)
-        # The ring's backward needs its own lse layout: keep it (rows x heads, small).
-        return self._post_out(out), self._post_lse(lse), lse if self.ring is not None else None
+        # The ring's backward in the ring layout needs its own lse: keep it (rows x heads).
+        keep = self.ring is not None and not self._in_place
+        return self._post_out(out), self._post_lse(lse), lse if keep else None
 
     def backward(self, q, k, v, aux, res, lse, dout, dlse, delta, acc):
+        if self._in_place:  # dout, lse, delta are already in the layout the core reads
+            return ring_backward_in_place(self.ring, q, k, v, lse, dout, delta,
+                                          self._valid_rows(aux), acc, self.result_plan)
         if self.ring is None:  # the halo branch: differentiate its forward (recomputed)
             _, vjp = jax.vjp(lambda q, k, v: self.forward(q, k, v, aux)[:2], q, k, v)
             grads = vjp((dout, dlse))

@@ -15,7 +15,10 @@ accumulators, so it also keeps ``O(n / P)`` memory per device. The hops run in a
 ``lax.fori_loop`` whose body sends the next chunk while it computes the current one: one chunk
 in use and one in flight per device. Every pair's gradients are added by the core into the
 running float32 dQ and travelling dK, dV in place (no per-pair gradient buffers), and the own
-chunk is visited last, straight into the returned dK, dV.
+chunk is visited last, straight into the returned dK, dV. With a regular geometry and one
+chunk per device (:func:`ring_backward_in_place`) the queries are not even copied: the core
+reads them (and adds dQ) in place through a :class:`~dilax.core.view.SplitView`, as the
+single-device branches do; only K and V, which travel, are dilated copies.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from dilax.core import (
     identity_view,
     merge_attention_states,
 )
+from dilax.core.view import SplitView
+from dilax.layout import BranchPlan, slot_layout, slot_view, unslot
 from dilax.sp.layout import lookup
 from dilax.sp.schedule import Geometry, Stream
 
@@ -148,13 +153,14 @@ def _pair_forward(cfg: RingConfig, q, k, v, Fq, cq, Fk, ck, ok, n_u=None):
     return out, lse
 
 
-def _pair_backward(cfg: RingConfig, q, k, v, lse, dout, delta, Fq, cq, Fk, ck, ok, acc,
+def _pair_backward(cfg: RingConfig, view, q, k, v, lse, dout, delta, Fq, cq, Fk, ck, ok, acc,
                    n_u=None):
     """Adds the gradients of one (query chunk, key chunk) pair into ``acc = (dq, dk, dv)``
-    (float32, the shapes of ``q, k, v``) and returns it. Query-side arrays have the core's
-    flat heads: ``q, dout (b, R, U * G, d)``, ``lse, delta (b, R, U * G)``; ``k, v (b, R, U,
-    d)``. In the aligned case the core adds into ``acc`` in place (no gradient buffers of the
-    pair's own); a skipped pair returns it as is."""
+    (float32, the shapes of ``q, k, v``) and returns it. ``q`` (and ``dq``) are read through
+    ``view`` (the core's flat heads ``(b, R, U * G, d)``, or the shard's slot layout), ``dout,
+    lse, delta`` in its output layout; ``k, v (b, R, U, d)``. The core adds into ``acc`` in
+    place (no gradient buffers of the pair's own; with shifted keys only the chunk-sized dK,
+    dV of the shift); a skipped pair returns it as is."""
     b, R, U = k.shape[:3]
     for lo, kv_len, pred, rows in _candidates(cfg, Fq, cq, Fk, ck, ok, R, n_u):
         ks = k if lo is None else _shift_rows(k, lo)
@@ -164,30 +170,30 @@ def _pair_backward(cfg: RingConfig, q, k, v, lse, dout, delta, Fq, cq, Fk, ck, o
         lse_c = lse if rows is None else jnp.where(rows[None, :, None], lse, jnp.inf)
         kv_len_b = jnp.broadcast_to(kv_len, (b, U))
 
-        def grads(qq, kk, vv, ll, do, dd, into, kv_len_b=kv_len_b, k_off=k_off):
-            return XLA.backward(qq, kk, vv, view=identity_view(U, qq.shape[2] // U),
+        def grads(ops, kv_len_b=kv_len_b, k_off=k_off):
+            qq, kk, vv, ll, do, dd, *into = ops
+            return XLA.backward(qq, kk, vv, view=view,
                                 mask=Mask(kv_len_b, Fq, k_off, cfg.is_causal), scale=cfg.scale,
                                 lse=ll, dout=do, delta=dd, block_sizes=cfg.block_sizes,
-                                grad_dtype=_F32, acc=into)
+                                grad_dtype=_F32, acc=tuple(into))
 
         if lo is None:
-            acc = lax.cond(pred, lambda ops, grads=grads: grads(*ops[:6], ops[6:]),
-                           lambda ops: ops[6:], (q, ks, vs, lse_c, dout, delta, *acc))
-            continue
-
-        def skip(ops):
-            return tuple(_varying_like(jnp.zeros(x.shape, _F32), *ops) for x in ops[:3])
-
-        gq, gk, gv = lax.cond(pred, lambda ops, grads=grads: grads(*ops, None), skip,
-                              (q, ks, vs, lse_c, dout, delta))
-        acc = (acc[0] + gq, acc[1] + _unshift_rows(gk, lo), acc[2] + _unshift_rows(gv, lo))
+            into = acc
+        else:  # the shifted keys' gradients are shifted back before they are added
+            into = (acc[0],) + tuple(_varying_like(jnp.zeros(x.shape, _F32), x, acc[0])
+                                     for x in (ks, vs))
+        out = lax.cond(pred, grads, lambda ops: tuple(ops[6:]),
+                       (q, ks, vs, lse_c, dout, delta, *into))
+        acc = out if lo is None else (out[0], acc[1] + _unshift_rows(out[1], lo),
+                                      acc[2] + _unshift_rows(out[2], lo))
     return acc
 
 
 _ROW_CHUNK = 256
 # Block pair of the spanning branches: per-device memory is the point of the ring, so the score
-# tile stays small next to a shard (a few % slower on CPU than default_block_sizes' tiles).
-RING_BLOCKS = BlockSizes(128, 128, 128, 128)
+# tiles stay small next to a shard (a few % slower on CPU than default_block_sizes' tiles); the
+# backward holds several tiles at once, hence its smaller blocks.
+RING_BLOCKS = BlockSizes(128, 128, 64, 64)
 
 
 def _row_chunk(R: int) -> int:
@@ -289,14 +295,14 @@ def _stack_state(state):
     return jnp.stack([s[0] for s in state], axis=1), jnp.stack([s[1] for s in state], axis=1)
 
 
-def _ring_backward(cfg: RingConfig, qd, kd, vd, lse, dout, delta, n_u=None):
+def _ring_backward(cfg: RingConfig, kd, vd, qside, n_u=None):
+    """The backward ring over the dilated K/V chunks ``kd, vd (b, C, R, U, d)``. ``qside =
+    (view, qs, ls, dos, des, dq)``: per local chunk (tuples of ``C``) the queries, lse, dout,
+    delta and the float32 dq accumulator, read through ``view`` (:func:`_pair_backward`).
+    Returns the tuples ``(dq, dk, dv)``, dk and dv float32 ``(b, R, U, d)`` per chunk."""
     C = cfg.geo.C
     F_t, cnt_t, idx, Fq, cq = _tables(cfg)
-    b, _, R, U, G, d = qd.shape
-    split = lambda x: tuple(x[:, c] for c in range(C))
-    # The query side with the core's flat heads, carried as is through the hops.
-    flat = lambda x: tuple(y.reshape(b, R, U * G, *x.shape[5:]) for y in split(x))
-    qs, ls, dos, des = flat(qd), flat(lse), flat(dout), flat(delta)
+    view, qs, ls, dos, des, dq = qside
 
     def visit(acc, kb, vb, src):
         """Adds the gradients of this device's queries to the visiting block ``kb, vb``
@@ -310,14 +316,13 @@ def _ring_backward(cfg: RingConfig, qd, kd, vd, lse, dout, delta, n_u=None):
                 # One pass over all query rows: row chunks (as in the forward) would need
                 # extra dK/dV accumulators, which cost more than the per-hop dQ they save.
                 dq[c], dk[cp], dv[cp] = _pair_backward(
-                    cfg, qs[c], kb[cp], vb[cp], ls[c], dos[c], des[c], Fq[c], cq[c], Fk, ck,
-                    ok, (dq[c], dk[cp], dv[cp]), n_u)
+                    cfg, view, qs[c], kb[cp], vb[cp], ls[c], dos[c], des[c], Fq[c], cq[c], Fk,
+                    ck, ok, (dq[c], dk[cp], dv[cp]), n_u)
         return tuple(dq), tuple(dk), tuple(dv)
 
-    zeros = lambda x: tuple(_varying_like(jnp.zeros(x[0].shape, _F32), qd, kd, dout)
-                            for _ in range(C))
-    dq, dk, dv = zeros(qs), None, None
-    kc, vc = split(kd), split(vd)
+    kc, vc = tuple(kd[:, c] for c in range(C)), tuple(vd[:, c] for c in range(C))
+    zeros = lambda x: tuple(_varying_like(jnp.zeros(y.shape, _F32), y, dq[0]) for y in x)
+    dk = dv = None
     for st in cfg.streams:
         def transfer(carry, first, st=st):
             kb, vb, dkb, dvb, dq = carry
@@ -340,9 +345,7 @@ def _ring_backward(cfg: RingConfig, qd, kd, vd, lse, dout, delta, n_u=None):
     # are not held next to the travelling ones.
     if dk is None:
         dk, dv = zeros(kc), zeros(vc)
-    dq, dk, dv = visit((dq, dk, dv), kc, vc, idx)
-    dq = tuple(x.reshape(b, R, U, G, d) for x in dq)
-    return tuple(jnp.stack(x, axis=1) for x in (dq, dk, dv))
+    return visit((dq, dk, dv), kc, vc, idx)
 
 
 def ring_forward(cfg: RingConfig, q, k, v, n_u=None):
@@ -360,4 +363,38 @@ def ring_backward(cfg: RingConfig, q, k, v, lse, dout, delta, n_u=None):
     the (linear) dilation, in float32."""
     # Only the transpose of this vjp is used: XLA drops its (float32) forward.
     _, undilate = jax.vjp(cfg.dilate, *(x.astype(_F32) for x in (q, k, v)))
-    return undilate(_ring_backward(cfg, *cfg.dilate(q, k, v), lse, dout, delta, n_u))
+    qd, kd, vd = cfg.dilate(q, k, v)
+    b, C, R, U, G, d = qd.shape
+    # The query side with the core's flat heads, carried as is through the hops.
+    flat = lambda x: tuple(x[:, c].reshape(b, R, U * G, *x.shape[5:]) for c in range(C))
+    dq0 = tuple(_varying_like(jnp.zeros((b, R, U * G, d), _F32), qd, kd, dout)
+                for _ in range(C))
+    qside = (identity_view(U, G), flat(qd), flat(lse), flat(dout), flat(delta), dq0)
+    dq, dk, dv = _ring_backward(cfg, kd, vd, qside, n_u)
+    dq = tuple(x.reshape(b, R, U, G, d) for x in dq)
+    return undilate(tuple(jnp.stack(x, axis=1) for x in (dq, dk, dv)))
+
+
+def ring_backward_in_place(cfg: RingConfig, q, k, v, lse, dout, delta, n_u, acc,
+                           rows_plan: BranchPlan):
+    """:func:`ring_backward` for a regular geometry with one chunk per device, reading the
+    queries in place and adding into ``acc``, as the single-device branches do: ``q (b, m,
+    h, d)`` through the :class:`~dilax.core.SlotView` of ``rows_plan`` (the branch's dilated
+    rows of the shard), ``lse, dout, delta`` in that plan's output layout ``(b, R, H', ...)``,
+    dq added into ``acc[0]`` (float32 ``(b, m, h, d)``, or None) in place; only K and V are
+    dilated copies (they travel). Returns float32 ``(dq, dk, dv)`` of the shards' shapes,
+    ``acc`` added."""
+    b, m, h, d = q.shape
+    _, undilate = jax.vjp(lambda k, v: cfg.dilate(q, k, v)[1:],
+                          *(x.astype(_F32) for x in (k, v)))
+    kd, vd = cfg.dilate(q, k, v)[1:]
+    U = kd.shape[3]
+    view = SplitView(slot_view(rows_plan, h, k.shape[2]),
+                     identity_view(U, len(rows_plan.q_heads) // U))
+    if acc is None:
+        acc = tuple(_varying_like(jnp.zeros(x.shape, _F32), q, k, dout) for x in (q, k, v))
+    dq0 = slot_layout(acc[0], rows_plan)
+    dq, dk, dv = _ring_backward(cfg, kd, vd, (view, (slot_layout(q, rows_plan),), (lse,),
+                                              (dout,), (delta,), (dq0,)), n_u)
+    gk, gv = undilate(tuple(jnp.stack(x, axis=1) for x in (dk, dv)))
+    return unslot(dq[0], rows_plan, m), acc[1] + gk, acc[2] + gv
