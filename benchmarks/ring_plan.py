@@ -66,7 +66,7 @@ import math
 from typing import Any
 
 from dilax.layout import plan_branch
-from dilax.sp.ring_vjp import RING_BLOCKS, _row_chunk
+from dilax.sp.ring_vjp import RING_BACKWARD_BLOCKS, RING_BLOCKS, _row_chunk
 from dilax.sp.schedule import geometry, ring_streams
 
 F32 = 4
@@ -190,11 +190,13 @@ def result(cfg: Config, br: Branch) -> int:
     return cfg.b * br.R * cfg.h * (cfg.d + 1) * F32
 
 
-def tiles(cfg: Config, br: Branch, count: int = 2) -> int:
+def tiles(cfg: Config, br: Branch, count: int = 2, backward: bool = False) -> int:
     """The core's work on one block pair: ``count`` float32 score tiles ``(b, h, bq, bk)``
-    (forward: scores and probabilities; backward: five, P, dP, dS and two copies)."""
-    bq = min(RING_BLOCKS.block_q, br.R)
-    return count * cfg.b * cfg.h * bq * bq * F32
+    (forward: scores and probabilities; backward: five, P, dP, dS and two copies; the ring
+    branches' backward blocks are ``RING_BACKWARD_BLOCKS``)."""
+    bq, bk = ((RING_BACKWARD_BLOCKS if br.kind == "ring" else RING_BLOCKS.backward)
+              if backward else (RING_BLOCKS.block_q, RING_BLOCKS.block_k))
+    return count * cfg.b * cfg.h * min(bq, br.R) * min(bk, br.R) * F32
 
 
 def _looped(br: Branch) -> bool:
@@ -246,19 +248,19 @@ def backward_base(cfg: Config, brs: list[Branch]) -> dict[str, int]:
 
 
 def ring_backward_work(cfg: Config, br: Branch) -> dict[str, int]:
-    """:func:`dilax.sp.ring_vjp._ring_backward`: the core adds every pair's gradients into
-    the running dQ and the travelling dK/dV in place; the own chunk is visited last, straight
+    """:func:`dilax.sp.ring_vjp.ring_backward_in_place` (contiguous layout, ``r | m``): the
+    core reads the shard's queries in place and adds every pair's gradients into the branch's
+    dq accumulator and the travelling dK/dV in place; the own chunk is visited last, straight
     into the returned dK/dV (its dilated K/V are recomputed there, not held through the
-    hops)."""
+    hops). The branch's float32 dO is its only query-sized buffer."""
     q_rows = cfg.b * br.R * cfg.h * cfg.d
     out = {
-        "dilated q (a view for r = 1)": (br.r > 1) * q_rows * cfg.sw,
-        "dO f32, dq accumulator f32": 2 * q_rows * F32,
+        "dO f32": q_rows * F32,
         "K/V chunks in use (+ in flight, looped)":
             (2 + 2 * _looped(br)) * chunk_bytes(cfg, br, cfg.sw),
         # sent after the pair's work, so their in-flight copies miss the score tiles
         "dK/dV f32 travelling": 2 * chunk_bytes(cfg, br, F32),
-        "score tiles": tiles(cfg, br, 5),
+        "score tiles": tiles(cfg, br, 5, backward=True),
     }
     if cfg.sw > cfg.s:  # XLA:CPU: float32 copies of the k, v shards (dilated from them)
         out["f32 copies of the k, v shards (upcast)"] = (
@@ -283,19 +285,19 @@ def local_backward_work(cfg: Config, br: Branch) -> dict[str, int]:
     q, dO and K blocks) live across the unmasked loop, which carries its hoisted scores,
     ``dP - delta``, q, dO and K blocks and computes three tiles, a dO block and the dK/dV
     block sums: seven tiles, five row blocks, four K/V blocks ``b U bk d 4``."""
-    bq = min(RING_BLOCKS.block_q, br.R)
+    bq = min(RING_BLOCKS.backward[0], br.R)
     block = cfg.b * cfg.h * bq * cfg.d * F32
     if _one_block(br):
         up = {"f32 copies of the shards (upcast)": upcast_copies(cfg)} if cfg.sw > cfg.s else {}
         bk = min(RING_BLOCKS.backward[1], br.R)
         return {**up, "dO f32": cfg.b * br.R * cfg.h * cfg.d * F32,
-                "score tiles": tiles(cfg, br, 7), "row blocks": 5 * block,
+                "score tiles": tiles(cfg, br, 7, True), "row blocks": 5 * block,
                 "K/V blocks": 4 * cfg.b * br.U * bk * cfg.d * F32}
     if cfg.sw == cfg.s:
-        return {"score tiles": tiles(cfg, br, 5), "row blocks": 14 * block}
+        return {"score tiles": tiles(cfg, br, 5, True), "row blocks": 14 * block}
     return {"f32 copies of the shards (upcast)": upcast_copies(cfg),
             "dO f32": cfg.b * br.R * cfg.h * cfg.d * F32,
-            "score tiles": tiles(cfg, br, 3), "row blocks": 3 * block}
+            "score tiles": tiles(cfg, br, 3, True), "row blocks": 3 * block}
 
 
 def _phases(cfg: Config, train: bool) -> list[tuple[str, dict[str, int]]]:

@@ -55,6 +55,7 @@ from dilax.sp.dilate import dilate, undilate, valid_rows
 from dilax.sp.layout import check_layout, lookup, relayout, vblock, vshift
 from dilax.sp.mesh import axis_size, check_mesh, check_sharded_shape, shard_sequence
 from dilax.sp.ring_vjp import (
+    RING_BACKWARD_BLOCKS,
     RING_BLOCKS,
     RingConfig,
     _varying_like,
@@ -333,7 +334,8 @@ def _branch_op(plan: BranchPlan, P, C, m, h, hk, axis_name, scale, is_causal, bl
     n_u = tuple(-(-(n - o) // plan.r) for o in plan.kv_slots)
     cfg = None
     if geo.L > min(geo.cnt) + 1:
-        blocks = BlockSizes(*(min(x, geo.R) for x in (bs.block_q, bs.block_k, *bs.backward)))
+        bwd = bs.backward if block_sizes else RING_BACKWARD_BLOCKS
+        blocks = BlockSizes(*(min(x, geo.R) for x in (bs.block_q, bs.block_k, *bwd)))
         cfg = RingConfig(axis_name, geo, n_u, ring_streams(geo, is_causal), scale, is_causal,
                          blocks, None)
     op = _SpanningBranch(plan, geo, n_u, axis_name, scale, is_causal, block_sizes, cfg)

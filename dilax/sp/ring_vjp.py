@@ -191,9 +191,12 @@ def _pair_backward(cfg: RingConfig, view, q, k, v, lse, dout, delta, Fq, cq, Fk,
 
 _ROW_CHUNK = 256
 # Block pair of the spanning branches: per-device memory is the point of the ring, so the score
-# tiles stay small next to a shard (a few % slower on CPU than default_block_sizes' tiles); the
-# backward holds several tiles at once, hence its smaller blocks.
-RING_BLOCKS = BlockSizes(128, 128, 64, 64)
+# tiles stay small next to a shard (a few % slower on CPU than default_block_sizes' tiles).
+RING_BLOCKS = BlockSizes(128, 128, 128, 128)
+# The backward ring's (query, key) blocks: next to its score tiles it holds K/V in use and in
+# flight, the travelling dK/dV and dO, so its tiles are smaller (1.6 MiB less per device at
+# n = 16384, P = 8; ``python -m benchmarks ring``).
+RING_BACKWARD_BLOCKS = (64, 64)
 
 
 def _row_chunk(R: int) -> int:
