@@ -23,8 +23,8 @@ PACKING = 0.10 stands for the gaps XLA's best-fit heap leaves between buffers (0
 the live bytes in the validation programs): a stated allowance, not a fit.
 
 forward
-  inputs        q, k, v shards ``b m (h + 2 hk) d s`` (+ their float32 copies if upcast,
-                while the local branches run)
+  inputs        q, k, v shards ``b m (h + 2 hk) d s`` (never float32 copies of whole
+                shards: the core reads half-precision inputs as uint16 bits in its loops)
   results       every finished branch keeps ``out`` float32 + ``lse``: ``b R h (d + 1) 4``
   ring branch   dilated q ``b R h d sw`` (none for r = 1, a view; one more when the hops
                 run in a loop, > 1 hop), K/V chunks ``b R U d sw`` x2 in flight (x4 in a
@@ -33,24 +33,23 @@ forward
                 score tiles ``b h bq bk 4``
   local branch  its result being built, two score tiles, a query and an output row block
                 ``b h bq d 4``
-  merge         all results, the merged output float32 ``b m h d 4`` (+ the output in the
-                input dtype if that is not float32) and the per-position statistics
+  merge         all results, the merged output ``b m h d s`` (its weighted sum is fused with
+                the rounding to the output dtype) and the per-position statistics
 training step (grad of sum(out) w.r.t. q, k, v)
   forward       as above, the results kept as residuals
   backward      the float32 accumulators dq, dk, dv ``b m (h + 2 hk) d 4``, the cotangent
                 ``b m h d s`` (output dtype), the row statistics; per ring branch
-                (:mod:`dilax.sp.ring_vjp`: every pair's gradients go into the running dq and
-                the travelling dK/dV in place, the own chunk is visited last) the dilated q
-                ``b R h d sw`` (a view for r = 1), float32 dO and dq ``b R h d 4``, the K/V
-                chunks in use (+ the next ones in flight, > 1 hop), the travelling float32
-                dK/dV (sent after the pair's work), five score tiles (+ float32 copies of
-                the k, v shards if upcast); per local branch five score tiles and 14 row
+                (:func:`dilax.sp.ring_vjp.ring_backward_in_place`: the queries are read and
+                dq is added in place, every pair's dK/dV go into the travelling ones, the
+                own chunk is visited last) float32 dO ``b R h d 4``, the K/V chunks in use
+                (+ the next ones in flight, > 1 hop), the travelling float32 dK/dV (sent
+                after the pair's work), five score tiles of the ring's backward blocks
+                (``RING_BACKWARD_BLOCKS``); per local branch five score tiles and 14 row
                 blocks ``b h bq d 4`` (the cotangent's weighting fused into them; if
-                upcast: float32 copies of the shards and of dO, three tiles, three blocks);
+                upcast: float32 dO, three tiles, three blocks);
                 segments of one backward block (``w / r <= 128``): the core's loop bodies
                 do not depend on the loop index and XLA hoists them, so float32 dO, seven
-                tiles, five row blocks and four K/V blocks ``b U bk d 4`` (+ the float32
-                copies of the shards if upcast)
+                tiles, five row blocks and four K/V blocks ``b U bk d 4``
   end           the gradients in the input dtype (if not float32) beside the accumulators
 
 After a change to the ring (e.g. its backward, :mod:`dilax.sp.ring_vjp`), re-check the terms
@@ -206,8 +205,10 @@ def _looped(br: Branch) -> bool:
 
 
 def upcast_copies(cfg: Config) -> int:
-    """Float32 copies of the shards when the work is upcast (XLA:CPU with bfloat16)."""
-    return cfg.b * cfg.m * (cfg.h + 2 * cfg.hk) * cfg.d * F32 if cfg.sw > cfg.s else 0
+    """Float32 copies of the whole shards: none. XLA:CPU upcasts bfloat16 work to float32,
+    but the core reads half-precision inputs as uint16 bits in its loops
+    (:func:`dilax.core.xla._as_bits`), so no float32 copy of a whole shard is hoisted."""
+    return 0
 
 
 def ring_forward_work(cfg: Config, br: Branch) -> dict[str, int]:
@@ -230,11 +231,10 @@ def local_forward_work(cfg: Config, br: Branch) -> dict[str, int]:
 
 
 def merge_work(cfg: Config) -> dict[str, int]:
+    """The merged output (the weighted sum is fused with its rounding to a half-precision
+    output, so float32 only when the output is float32) and the per-position statistics."""
     full = cfg.b * cfg.m * cfg.h
-    out = {"merged out f32": full * cfg.d * F32, "merge statistics": 3 * full * F32}
-    if cfg.s != F32:
-        out["output"] = full * cfg.d * cfg.s
-    return out
+    return {"merged output": full * cfg.d * cfg.s, "merge statistics": 3 * full * F32}
 
 
 def backward_base(cfg: Config, brs: list[Branch]) -> dict[str, int]:
@@ -262,9 +262,6 @@ def ring_backward_work(cfg: Config, br: Branch) -> dict[str, int]:
         "dK/dV f32 travelling": 2 * chunk_bytes(cfg, br, F32),
         "score tiles": tiles(cfg, br, 5, backward=True),
     }
-    if cfg.sw > cfg.s:  # XLA:CPU: float32 copies of the k, v shards (dilated from them)
-        out["f32 copies of the k, v shards (upcast)"] = (
-            cfg.b * cfg.m * 2 * cfg.hk * cfg.d * F32)
     return out
 
 
