@@ -41,6 +41,10 @@ def add_plan_flags(p) -> None:
 def cmd_plan(args) -> dict[str, Any]:
     n = args.n[0] if args.n else PLAN_N
     if args.segment_lengths is None:
+        if n < 2048:
+            raise SystemExit(f"--n {n}: the default LongNet branches (w = 2048 * 2^i, "
+                             f"r = 2^i) need n >= 2048; give --segment-lengths and "
+                             f"--dilation-rates for a shorter sequence")
         ws, rs = RP.longnet_config(n)
     else:
         ws, rs = tuple(args.segment_lengths), tuple(args.dilation_rates)
