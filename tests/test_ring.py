@@ -276,7 +276,7 @@ def test_memory_per_device(grad):
     """Per-device memory at P=8 vs the single-device program (memory_analysis).
 
     Issue bound: <= 1.15 x (single / 8) in the benchmark configuration (d = 64, the ring's
-    default blocks; ``python -m benchmarks ring``: forward 1.131, training step 1.105). In
+    default blocks; ``python -m benchmarks ring``: forward 1.131, training step 1.104). In
     this smaller one (d = 32, explicit blocks) measured: forward 1.085, training step 1.212
     (1.90 with one custom_vjp per ring branch); the bounds pin these figures against
     regressions. Both programs differentiate ``sum(out)``.
