@@ -204,13 +204,6 @@ def _looped(br: Branch) -> bool:
     return max(br.hops, default=0) > 1
 
 
-def upcast_copies(cfg: Config) -> int:
-    """Float32 copies of the whole shards: none. XLA:CPU upcasts bfloat16 work to float32,
-    but the core reads half-precision inputs as uint16 bits in its loops
-    (:func:`dilax.core.xla._as_bits`), so no float32 copy of a whole shard is hoisted."""
-    return 0
-
-
 def ring_forward_work(cfg: Config, br: Branch) -> dict[str, int]:
     rc = _row_chunk(br.R)
     q = cfg.b * br.R * cfg.h * cfg.d * cfg.sw
@@ -277,7 +270,8 @@ def local_backward_work(cfg: Config, br: Branch) -> dict[str, int]:
     """The float32 accumulators are updated in place. As the dumps show it: without upcast
     the cotangent's mixture weighting is fused into the core's blocks (no float32 dO; five
     score tiles and 14 row blocks ``b h bq d 4``); with XLA:CPU's bfloat16 upcast, float32
-    copies of the shards and of dO, three score tiles and three row blocks. Segments of one
+    dO, three score tiles and three row blocks (no float32 copies of the shards: the core
+    reads half-precision inputs as uint16 bits). Segments of one
     block (:func:`_one_block`), either dtype: float32 dO, the masked pair's work (two tiles,
     q, dO and K blocks) live across the unmasked loop, which carries its hoisted scores,
     ``dP - delta``, q, dO and K blocks and computes three tiles, a dO block and the dK/dV
@@ -285,15 +279,13 @@ def local_backward_work(cfg: Config, br: Branch) -> dict[str, int]:
     bq = min(RING_BLOCKS.backward[0], br.R)
     block = cfg.b * cfg.h * bq * cfg.d * F32
     if _one_block(br):
-        up = {"f32 copies of the shards (upcast)": upcast_copies(cfg)} if cfg.sw > cfg.s else {}
         bk = min(RING_BLOCKS.backward[1], br.R)
-        return {**up, "dO f32": cfg.b * br.R * cfg.h * cfg.d * F32,
+        return {"dO f32": cfg.b * br.R * cfg.h * cfg.d * F32,
                 "score tiles": tiles(cfg, br, 7, True), "row blocks": 5 * block,
                 "K/V blocks": 4 * cfg.b * br.U * bk * cfg.d * F32}
     if cfg.sw == cfg.s:
         return {"score tiles": tiles(cfg, br, 5, True), "row blocks": 14 * block}
-    return {"f32 copies of the shards (upcast)": upcast_copies(cfg),
-            "dO f32": cfg.b * br.R * cfg.h * cfg.d * F32,
+    return {"dO f32": cfg.b * br.R * cfg.h * cfg.d * F32,
             "score tiles": tiles(cfg, br, 3, True), "row blocks": 3 * block}
 
 
@@ -301,12 +293,10 @@ def _phases(cfg: Config, train: bool) -> list[tuple[str, dict[str, int]]]:
     brs = branches(cfg)
     phases = []
     held = 0
-    up = {"f32 copies of the shards (upcast)": upcast_copies(cfg)} if cfg.sw > cfg.s else {}
     for br in brs:
         work = (ring_forward_work if br.kind == "ring" else local_forward_work)(cfg, br)
         phases.append((f"forward w={br.w} r={br.r} ({br.kind})",
-                       {**(up if br.kind == "local" else {}), "finished results": held,
-                        **work}))
+                       {"finished results": held, **work}))
         held += result(cfg, br)
     phases.append(("merge", {"finished results": held, **merge_work(cfg)}))
     if train:
