@@ -148,7 +148,7 @@ def compare(done: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for c in done:
         cfg = RP.Config(c["n"], c["P"], tuple(c["ws"]), tuple(c["rs"]), c["b"], c["h"],
                         c["hk"], c["d"], 2 if c["dtype"] == "bfloat16" else 4, True,
-                        work_s=CPU_WORK_ITEMSIZE)
+                        work_s=CPU_WORK_ITEMSIZE, xla_cpu=True)
         mem = RP.memory(cfg, c["train"])
         sent = RP.communication(cfg, c["train"])["bytes_sent"]
         rows.append(dict(c, model_bytes=mem["bytes"], model_phase=mem["phase"],
