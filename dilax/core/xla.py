@@ -142,7 +142,8 @@ def _scaled(qb, scale):
 
 
 def _as_bits(x):
-    """bf16/fp16 ``x`` as its uint16 bits (a free bitcast, on every backend); others as is.
+    """bf16/fp16 ``x`` as its uint16 bits (a bitcast; others as is). XLA:CPU materializes the
+    bits once per core call: a uint16 copy, half the bytes of the float32 copy it replaces.
 
     XLA:CPU's float normalization widens every half-precision op to float32, the slices that
     the loops take of a whole input included; the widening of a loop-invariant input is then
