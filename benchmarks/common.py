@@ -1,4 +1,4 @@
-"""Timing, FLOP and memory helpers shared by every benchmark command."""
+"""Timing, FLOP and memory helpers (and the progress bar) shared by every benchmark command."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import dataclasses
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -161,3 +162,30 @@ def qkvo_bytes(b: int, n: int, h: int, hk: int, d: int, dtype) -> int:
     """Bytes of q, k, v and the output: the floor no attention can go below."""
     item = np.dtype(jnp.dtype(dtype)).itemsize
     return item * b * n * d * (2 * h + 2 * hk)
+
+
+def _progress(total: int, desc: str, quiet: bool):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # progress bars are a dev extra
+        tqdm = None
+    if tqdm is None or quiet:
+        class _Null:
+            def update(self, *_):
+                pass
+
+            def set_postfix_str(self, *_):
+                pass
+
+            def close(self):
+                pass
+
+        return _Null()
+    return tqdm(total=total, desc=desc, unit="run", leave=False, file=sys.stderr)
+
+
+def _memory_limit() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.75)
+    except (ValueError, OSError, AttributeError):
+        return 16 << 30

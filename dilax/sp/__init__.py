@@ -4,9 +4,9 @@
 - :mod:`dilax.sp.schedule`: the static schedule both rings share (which device's chunk each
   device holds at each hop) and the dilated geometry.
 - :mod:`dilax.sp.mesh`: axis size, mesh checks and the ``shard_map`` of both rings.
-- :mod:`dilax.sp.dilate`, :mod:`dilax.sp.ring_vjp`, :mod:`dilax.sp.dilated_ring`: ring
-  dilated attention (dilated layout, the spanning-branch ring with its backward ring, the
-  public functions).
+- :mod:`dilax.sp.dilate`, :mod:`dilax.sp.ring_vjp`, :mod:`dilax.sp.ring_branches`,
+  :mod:`dilax.sp.dilated_ring`: ring dilated attention (dilated layout, the spanning-branch
+  ring with its backward ring, the branch kinds, the public functions).
 - :mod:`dilax.sp.block_sparse_ring`: ring block-sparse attention.
 - :mod:`dilax.sp.config`: :class:`SequenceParallel`, the module option.
 """
