@@ -54,12 +54,15 @@ training step (grad of sum(out) w.r.t. q, k, v)
                 dq is added in place, every pair's dK/dV go into the travelling ones, the
                 own chunk is visited last) float32 dO ``b R h d 4``, the K/V chunks in use
                 (input dtype) (+ the next ones in flight, > 1 hop, ``sw``), (XLA:CPU, half
-                precision) the bits of the q shard and of the chunks, the travelling
+                precision) the bits of the q shard and of the chunks, or float32 copies of
+                them where those and dO's stay within ``dilax.core.xla._WIDEN_LIMIT``
+                (:func:`backward_reads`: the core then reads them plain), the travelling
                 float32 dK/dV (sent after the pair's work), five score tiles of the ring's
                 backward blocks (``RING_BACKWARD_BLOCKS``); per local branch five score
                 tiles and 14 row
                 blocks ``b h bq d 4`` (the cotangent's weighting fused into them; if
-                upcast: float32 dO, three tiles, three blocks), (XLA:CPU) the shards' bits;
+                upcast: float32 dO, three tiles, three blocks), (XLA:CPU) the shards' bits
+                or their float32 copies (as for the ring branches);
                 segments of one backward block (``w / r <= 128``): the core's loop bodies
                 do not depend on the loop index and XLA hoists them, so float32 dO, seven
                 tiles, five row blocks and four K/V blocks ``b U bk d 4``
@@ -77,6 +80,7 @@ import functools
 import math
 from typing import Any
 
+from dilax.core.xla import _WIDEN_LIMIT as WIDEN_LIMIT
 from dilax.layout import plan_branch
 from dilax.sp.ring_vjp import RING_BACKWARD_BLOCKS, RING_BLOCKS, _row_chunk
 from dilax.sp.schedule import geometry, ring_streams
@@ -233,6 +237,19 @@ def bits(cfg: Config, q_rows: int, kv_rows: int, kv_heads: int) -> dict[str, int
             cfg.b * (q_rows * cfg.h + 2 * kv_rows * kv_heads) * cfg.d * cfg.s}
 
 
+def backward_reads(cfg: Config, q_rows: int, kv_rows: int, kv_heads: int) -> dict[str, int]:
+    """XLA:CPU only, half precision: the core's backward reads its operands as uint16 bits
+    (:func:`bits`) only where float32 copies of q, dO, k and v would exceed
+    ``dilax.core.xla._WIDEN_LIMIT`` bytes; below it XLA:CPU hoists float32 copies of them
+    (dO's is the branch's float32 dO, a term of its own)."""
+    if not cfg.xla_cpu or cfg.s != 2:
+        return {}
+    qkv = cfg.b * (q_rows * cfg.h + 2 * kv_rows * kv_heads) * cfg.d * F32
+    if qkv + cfg.b * q_rows * cfg.h * cfg.d * F32 > WIDEN_LIMIT:
+        return bits(cfg, q_rows, kv_rows, kv_heads)
+    return {"float32 copies of q, k, v (XLA:CPU)": qkv}
+
+
 def ring_forward_work(cfg: Config, br: Branch) -> dict[str, int]:
     rc = _row_chunk(br.R)
     q = cfg.b * br.R * cfg.h * cfg.d * cfg.sw
@@ -285,7 +302,7 @@ def ring_backward_work(cfg: Config, br: Branch) -> dict[str, int]:
         # sent after the pair's work, so their in-flight copies miss the score tiles
         "dK/dV f32 travelling": 2 * chunk_bytes(cfg, br, F32),
         "score tiles": tiles(cfg, br, 5, backward=True),
-        **bits(cfg, cfg.m, br.R, br.U),  # the shard's queries, read in place
+        **backward_reads(cfg, cfg.m, br.R, br.U),  # the shard's queries, read in place
     }
     return out
 
@@ -310,7 +327,7 @@ def local_backward_work(cfg: Config, br: Branch) -> dict[str, int]:
     block sums: seven tiles, five row blocks, four K/V blocks ``b U bk d 4``."""
     bq = min(RING_BLOCKS.backward[0], br.R)
     block = cfg.b * cfg.h * bq * cfg.d * F32
-    shards = bits(cfg, cfg.m, cfg.m, cfg.hk)
+    shards = backward_reads(cfg, cfg.m, cfg.m, cfg.hk)
     if _one_block(br):
         bk = min(RING_BLOCKS.backward[1], br.R)
         return {**shards, "dO f32": cfg.b * br.R * cfg.h * cfg.d * F32,

@@ -322,3 +322,29 @@ def test_attended_pairs_equals_reference_mask_count(mode, causal):
                          (19, 3, (64, 4), (4, 2))]:
         expected = dilax.dilated_counts(n, h, ws, rs, mode, causal).sum()
         assert attended_pairs(n, h, ws, rs, mode, causal) == expected
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_backward_bits_and_widened_reads_match(dtype, monkeypatch):
+    """The backward reads half-precision inputs as uint16 bits when float32 copies of them
+    would be large (``dilax.core.xla._WIDEN_LIMIT``; a million-token step) and lets XLA widen
+    them otherwise: both reads against the oracle. Last in this file: it clears jit caches."""
+    from dilax.core import xla as core_xla
+
+    case = DilatedCase(1, 48, 4, 2, 16, (8, 16), (1, 2), "mixture", True, dtype)
+    q, k, v, dout = make_inputs(*case[:5], dtype=jnp.dtype(dtype), seed=1)
+    ref = dilated_oracle(q, k, v, case.ws, case.rs, case.mode, case.causal, dout=dout)
+    bit_casts = []
+    for limit in (0, 1 << 62):
+        monkeypatch.setattr(core_xla, "_WIDEN_LIMIT", limit)
+        jax.clear_caches()  # the core's jitted inner function was traced with the old limit
+        fn = jit_vjp(functools.partial(
+            dilax.dilated_attention, segment_lengths=case.ws, dilation_rates=case.rs,
+            mode=case.mode, is_causal=case.causal, implementation="xla",
+            block_sizes=BlockSizes(8, 8)))
+        bit_casts.append(fn.lower(q, k, v, dout).as_text().count("xui16>"))
+        out, grads = fn(q, k, v, dout)
+        assert_matches_oracle(out, grads, ref, q.dtype)
+    jax.clear_caches()
+    # the forward reads bits either way; only the first backward does too
+    assert bit_casts[0] > bit_casts[1] > 0, bit_casts
