@@ -80,7 +80,7 @@ import functools
 import math
 from typing import Any
 
-from dilax.core.xla import _WIDEN_LIMIT as WIDEN_LIMIT
+from dilax.core.xla import backward_reads_bits
 from dilax.layout import plan_branch
 from dilax.sp.ring_vjp import RING_BACKWARD_BLOCKS, RING_BLOCKS, _row_chunk
 from dilax.sp.schedule import geometry, ring_streams
@@ -244,10 +244,10 @@ def backward_reads(cfg: Config, q_rows: int, kv_rows: int, kv_heads: int) -> dic
     (dO's is the branch's float32 dO, a term of its own)."""
     if not cfg.xla_cpu or cfg.s != 2:
         return {}
-    qkv = cfg.b * (q_rows * cfg.h + 2 * kv_rows * kv_heads) * cfg.d * F32
-    if qkv + cfg.b * q_rows * cfg.h * cfg.d * F32 > WIDEN_LIMIT:
+    q, kv = cfg.b * q_rows * cfg.h * cfg.d, cfg.b * kv_rows * kv_heads * cfg.d
+    if backward_reads_bits(q, kv, kv, q):
         return bits(cfg, q_rows, kv_rows, kv_heads)
-    return {"float32 copies of q, k, v (XLA:CPU)": qkv}
+    return {"float32 copies of q, k, v (XLA:CPU)": (q + 2 * kv) * F32}
 
 
 def ring_forward_work(cfg: Config, br: Branch) -> dict[str, int]:

@@ -163,6 +163,12 @@ def _as_bits(x):
 _WIDEN_LIMIT = 256 << 20
 
 
+def backward_reads_bits(*sizes: int) -> bool:
+    """Whether :func:`backward` reads half-precision operands of these element counts
+    (q, k, v, dO) as bits: when their float32 copies would exceed ``_WIDEN_LIMIT``."""
+    return 4 * sum(sizes) > _WIDEN_LIMIT
+
+
 def _plain(x):
     return x
 
@@ -298,7 +304,7 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
     pad_q = functools.partial(_pad_axis, axis=1, size=nq * block_q)
     # Bits (no float32 copies of the inputs) only where the copies would be large: below
     # the limit the hoisted copies cost little memory and the loops run ~10-20 % faster.
-    bits = _as_bits if 4 * (q.size + k.size + v.size + dout.size) > _WIDEN_LIMIT else _plain
+    bits = _as_bits if backward_reads_bits(q.size, k.size, v.size, dout.size) else _plain
     qp, dop = pad_q(bits(q)), pad_q(bits(dout))
     lsep, deltap = pad_q(lse_safe), pad_q(delta)
     kp, vp, kv_len, kv_valid = _pad_keys(bits(k), bits(v), kv_len, kv_valid, nk * block_k, U)
