@@ -49,12 +49,19 @@ class KVCache:
     Fields:
       k, v: ``(b, max_len, hk, d)``; row ``i`` holds positions ``0 .. lengths[i] - 1``
         (entries past ``lengths[i]`` are never read).
-      lengths: ``(b,)`` int32, the number of positions written per row (rows may differ).
+      lengths: ``(b,)`` int32, the number of positions written per row (rows may differ);
+        never more than ``max_len``.
+      overflow: ``(b,)`` bool, sticky: ``True`` once a call brought row ``i`` positions past
+        ``max_len`` (possible only under ``jit``, where lengths are traced; concrete lengths
+        raise instead). Those positions were not written (earlier entries are intact, the row's
+        length stops at ``max_len``) and their outputs are 0: check it after a jitted loop.
+        ``None`` (a cache built by hand) reads as all ``False``.
     """
 
     k: jax.Array
     v: jax.Array
     lengths: jax.Array
+    overflow: jax.Array | None = None
 
     @classmethod
     def init(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
@@ -68,7 +75,7 @@ class KVCache:
                              f"got {shape}")
         dtype = jnp.dtype(dtype)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                   jnp.zeros((shape[0],), jnp.int32))
+                   jnp.zeros((shape[0],), jnp.int32), jnp.zeros((shape[0],), bool))
 
     @property
     def max_len(self) -> int:
@@ -229,13 +236,16 @@ def _decode(q, k, v, cache: KVCache, new_lengths, branches: tuple[_Branch, ...],
             out, lse = merge_attention_states(out, lse, o, s)
     else:  # head groups side by side, each divided by the number of branches
         out = jnp.concatenate(outs, axis=2) / len(branches)
-    if new_lengths is None:
-        return out.astype(q.dtype), KVCache(kc, vc, lengths + t)
     # Padded new positions: output 0 and the row advances by its own count. Their keys were
     # written past the new length, where they are never read (causal: no valid query of this
     # chunk attends a later position) and get overwritten by the next call.
-    out = jnp.where((jnp.arange(t)[None, :] < new_lengths[:, None])[..., None, None], out, 0.0)
-    return out.astype(q.dtype), KVCache(kc, vc, lengths + new_lengths)
+    count = jnp.full((b,), t, jnp.int32) if new_lengths is None else new_lengths
+    # Positions past max_len (traced lengths only) were dropped: output 0, flag the row.
+    keep = (jnp.arange(t)[None, :] < count[:, None]) & (pos < cache.max_len)
+    out = jnp.where(keep[..., None, None], out, 0.0)
+    overflow = cache.overflow | (lengths + count > cache.max_len)
+    return out.astype(q.dtype), KVCache(kc, vc, jnp.minimum(lengths + count, cache.max_len),
+                                        overflow)
 
 
 def _check_cache(cache, k: jax.Array) -> KVCache:
@@ -260,6 +270,8 @@ def _check_cache(cache, k: jax.Array) -> KVCache:
                          f"{jnp.shape(cache.lengths)}")
     if t > max_len:
         raise ValueError(f"cannot write t={t} positions into a cache of max_len={max_len}")
+    if cache.overflow is None:
+        cache = dataclasses.replace(cache, overflow=jnp.zeros((b,), bool))
     if not isinstance(cache.lengths, jax.core.Tracer):
         lengths = np.asarray(cache.lengths)
         if lengths.min() < 0 or lengths.max() + t > max_len:
@@ -320,14 +332,15 @@ def dilated_attention_decode(
 
     Returns:
       ``(out, cache)``: ``out (b, t, h, d)`` in ``q.dtype`` and the cache with the new
-      positions written and ``lengths + t`` (``+ query_seq_lengths`` when given).
+      positions written and ``lengths + t`` (``+ query_seq_lengths`` when given; at most
+      ``max_len``, see ``Raises``).
 
     Raises:
       ValueError / TypeError: ``t == 0``, ``t > max_len``, concrete ``lengths + t > max_len``,
       a cache whose batch, heads, head_dim or dtype differ from ``k``, and everything
       :func:`dilax.dilated_attention` rejects. Under ``jax.jit`` the lengths are traced and
-      cannot be checked: positions past ``max_len`` are then not written and their outputs
-      are unspecified.
+      cannot be checked: positions past ``max_len`` are then not written, output 0, the
+      row's length stops at ``max_len`` and ``cache.overflow`` flags the row.
     """
     if getattr(q, "ndim", 0) == 4 and q.shape[1] == 0:
         raise ValueError(f"t (axis 1 of q) must be >= 1 new positions, got q of shape "
