@@ -78,3 +78,14 @@ def test_nan_in_a_padded_key_reaches_nothing(core):
         got = _poisoned("v", 60, (N,), (1,), causal, core,
                         key_value_seq_lengths=jnp.array([50]))
         assert not got.any()
+
+
+def test_an_infinite_value_acts_like_nan_blockwise_and_reaches_every_query_on_the_reference():
+    ws, rs = (16, 32), (1, 2)
+    q, k, v = _qkv()
+    inf = v.at[0, 10].set(jnp.inf)
+    out = {c: np.asarray(dilax.dilated_attention(q, k, inf, ws, rs, is_causal=True,
+                                                 **CORES[c]))[0] for c in ("reference", "xla")}
+    np.testing.assert_array_equal(~np.isfinite(out["xla"]).all(-1),
+                                  _poisoned("v", 10, ws, rs, True, "xla"))
+    assert not np.isfinite(out["reference"]).any(-1).any()
