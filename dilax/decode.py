@@ -70,9 +70,9 @@ class KVCache:
         shape = tuple(V.static_int(x, name) for x, name in (
             (batch, "batch"), (max_len, "max_len"), (num_kv_heads, "num_kv_heads"),
             (head_dim, "head_dim")))
-        if min(shape) <= 0:
-            raise ValueError(f"batch, max_len, num_kv_heads and head_dim must be positive, "
-                             f"got {shape}")
+        if min(shape[1:]) <= 0 or shape[0] < 0:  # batch 0: an empty cache (empty results)
+            raise ValueError(f"batch must be >= 0 and max_len, num_kv_heads and head_dim "
+                             f"positive, got {shape}")
         dtype = jnp.dtype(dtype)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                    jnp.zeros((shape[0],), jnp.int32), jnp.zeros((shape[0],), bool))
@@ -274,7 +274,7 @@ def _check_cache(cache, k: jax.Array) -> KVCache:
         cache = dataclasses.replace(cache, overflow=jnp.zeros((b,), bool))
     if not isinstance(cache.lengths, jax.core.Tracer):
         lengths = np.asarray(cache.lengths)
-        if lengths.min() < 0 or lengths.max() + t > max_len:
+        if lengths.size and (lengths.min() < 0 or lengths.max() + t > max_len):
             raise ValueError(
                 f"writing t={t} positions past cache lengths {lengths.tolist()} overflows "
                 f"max_len={max_len} (every row needs lengths + t <= max_len)")
@@ -345,7 +345,7 @@ def dilated_attention_decode(
     if getattr(q, "ndim", 0) == 4 and q.shape[1] == 0:
         raise ValueError(f"t (axis 1 of q) must be >= 1 new positions, got q of shape "
                          f"{tuple(q.shape)}")
-    q, k, v = V.check_qkv(q, k, v)
+    q, k, v = V.check_qkv(q, k, v, empty_batch=True)
     ws, rs, mode, _, scale, _ = V.check_dilated_call(
         q, segment_lengths, dilation_rates, mode, True, scale, None)
     local_window = V.check_local_window(local_window, mode)
@@ -358,5 +358,7 @@ def dilated_attention_decode(
             f"'xla'): a decode step gathers at most w/r keys per branch, got "
             f"implementation={implementation!r}")
     cache = _check_cache(cache, k)
+    if q.shape[0] == 0:  # an empty batch: nothing to attend, nothing to write
+        return V.empty_batch(q, v), cache
     branches = _branches(q.shape[2], ws, rs, mode, local_window, cache.max_len)
     return _decode(q, k, v, cache, new_lengths, branches, mode, scale)
