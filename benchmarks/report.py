@@ -83,6 +83,22 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def config_title(result: dict[str, Any]) -> str:
+    """The configuration and machine of a result in two short lines, for a plot's title (a
+    PNG shown alone must say what it measured)."""
+    cfg, m = result.get("config", {}), result.get("machine", {})
+    shape = (f"b={cfg.get('batch')} h={cfg.get('heads')} hk={cfg.get('kv_heads')} "
+             f"d={cfg.get('head_dim')} {cfg.get('dtype')}")
+    branches = (f"w={tuple(cfg.get('segment_lengths', ()))} "
+                f"r={tuple(cfg.get('dilation_rates', ()))}")
+    extra = [x for x in ("causal" if cfg.get("causal") else "non-causal", cfg.get("mode"),
+                         cfg.get("local_window") is not None
+                         and f"local window {cfg.get('local_window')}") if x]
+    machine = (f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('backend', '?')}, "
+               f"jax {m.get('jax', '?')}, {str(m.get('date', ''))[:10]}")
+    return f"{shape}, {branches}, {', '.join(extra)}\n{machine}"
+
+
 def plots(result: dict[str, Any], out_dir: str, name: str) -> list[str]:
     try:
         import matplotlib
@@ -113,13 +129,15 @@ def plots(result: dict[str, Any], out_dir: str, name: str) -> list[str]:
         ax.set_xlabel("context length n" if result.get("command") == "decode"
                       else "sequence length n")
         ax.set_ylabel(ylabel)
-        ax.set_title(f"dilax {name}: {ylabel} vs n" if name != "decode"
-                     else "one decode step (ms per token) vs context")
+        what = (f"dilax {name}: {ylabel} vs n" if name != "decode"
+                else "one decode step (ms per token) vs context")
+        title = f"{what}\n{config_title(result)}"
+        ax.set_title(title, fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
         path = os.path.join(out_dir, fname)
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, metadata={"Title": title})  # the title, also as text
         plt.close(fig)
         paths.append(path)
     return paths

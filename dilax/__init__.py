@@ -2,9 +2,10 @@
 
 Dilated (LongNet) attention, ring attention across devices and block-sparse attention, all
 built on one blockwise online-softmax core. Semantics: docs/semantics.md.
-Modules live in :mod:`dilax.nn`, models in :mod:`dilax.models` (import them explicitly).
-``import dilax`` does not import Flax: :func:`create_attention`, which builds Flax modules, is
-imported on first use.
+Modules live in :mod:`dilax.nn`, models in :mod:`dilax.models`, training in :mod:`dilax.train`.
+``import dilax`` does not import Flax: those subpackages and :func:`create_attention`, which
+build Flax modules, are imported on first use (``dilax.nn.MultiheadDilatedAttention`` works
+after a plain ``import dilax``).
 """
 
 from dilax import memory, patterns
@@ -25,6 +26,8 @@ from dilax.sp import (
 )
 
 __version__ = "0.1.0"
+# Submodules that import Flax (or are rarely needed): attributes of dilax on first access.
+_LAZY_SUBMODULES = ("data", "factory", "models", "nn", "sample", "train")
 
 
 def __getattr__(name: str):
@@ -35,11 +38,15 @@ def __getattr__(name: str):
 
         globals()[name] = create_attention
         return create_attention
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"dilax.{name}")  # also sets globals()[name]
     raise AttributeError(f"module 'dilax' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | {"create_attention"})
+    return sorted(set(globals()) | {"create_attention", *_LAZY_SUBMODULES})
 
 
 __all__ = [

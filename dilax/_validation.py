@@ -122,8 +122,16 @@ def check_float_array(x: Any, name: str) -> jax.Array:
     return arr
 
 
-def check_qkv(q: Any, k: Any, v: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Checks the ``(b, n, h, d)`` / ``(b, n, hk, d)`` layout, GQA divisibility and dtypes."""
+def empty_batch(q: jax.Array, v: jax.Array) -> jax.Array:
+    """The result of attention over an empty batch (``b = 0``): zeros ``(0, n, h, d_v)`` in
+    ``q.dtype``, as :func:`jax.nn.dot_product_attention` returns (gradients: empty too)."""
+    return jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype)
+
+
+def check_qkv(q: Any, k: Any, v: Any, *, empty_batch: bool = False
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Checks the ``(b, n, h, d)`` / ``(b, n, hk, d)`` layout, GQA divisibility and dtypes;
+    ``b = 0`` only with ``empty_batch`` (ops that return :func:`empty_batch` for it)."""
     q = check_float_array(q, "q")
     k = check_float_array(k, "k")
     v = check_float_array(v, "v")
@@ -145,9 +153,10 @@ def check_qkv(q: Any, k: Any, v: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
         )
     if dk != d:
         raise ValueError(f"q and k must have the same head_dim, got {d} and {dk}")
-    if min(b, h, hk, d) <= 0:
+    if min(h, hk, d) <= 0 or b < (0 if empty_batch else 1):
         raise ValueError(
-            f"batch, heads and head_dim must be positive, got q {q.shape}, k {k.shape}"
+            f"batch{' (>= 0 here)' if empty_batch else ''}, heads and head_dim must be "
+            f"positive, got q {q.shape}, k {k.shape}"
         )
     if n <= 0:
         raise ValueError(f"seq_len must be >= 1, got q {q.shape}")

@@ -426,7 +426,7 @@ def block_sparse_attention(
         ``h``; an unknown ``implementation``; ``"pallas"`` with ``n % B != 0`` or off GPU
         without ``interpret=True``; a non-positive ``scale``.
     """
-    q, k, v = V.check_qkv(q, k, v)
+    q, k, v = V.check_qkv(q, k, v, empty_batch=True)
     pattern = check_pattern(pattern, q)
     is_causal = V.check_bool(is_causal, "is_causal")
     scale = V.check_scale(scale, q.shape[3])
@@ -439,6 +439,8 @@ def block_sparse_attention(
     kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)
     if implementation == "pallas" and (q_len is not None or kv_len is not None):
         implementation = "xla"  # documented: the table-driven kernel has no length mask
+    if b == 0:  # the blockwise cores need a row; the result is empty anyway
+        return V.empty_batch(q, v)
     return _block_sparse_dispatch(q, k, v, q_len, kv_len, pattern, is_causal, scale,
                                   implementation, interpret)
 

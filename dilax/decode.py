@@ -49,12 +49,19 @@ class KVCache:
     Fields:
       k, v: ``(b, max_len, hk, d)``; row ``i`` holds positions ``0 .. lengths[i] - 1``
         (entries past ``lengths[i]`` are never read).
-      lengths: ``(b,)`` int32, the number of positions written per row (rows may differ).
+      lengths: ``(b,)`` int32, the number of positions written per row (rows may differ);
+        never more than ``max_len``.
+      overflow: ``(b,)`` bool, sticky: ``True`` once a call brought row ``i`` positions past
+        ``max_len`` (possible only under ``jit``, where lengths are traced; concrete lengths
+        raise instead). Those positions were not written (earlier entries are intact, the row's
+        length stops at ``max_len``) and their outputs are 0: check it after a jitted loop.
+        ``None`` (a cache built by hand) reads as all ``False``.
     """
 
     k: jax.Array
     v: jax.Array
     lengths: jax.Array
+    overflow: jax.Array | None = None
 
     @classmethod
     def init(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
@@ -63,12 +70,12 @@ class KVCache:
         shape = tuple(V.static_int(x, name) for x, name in (
             (batch, "batch"), (max_len, "max_len"), (num_kv_heads, "num_kv_heads"),
             (head_dim, "head_dim")))
-        if min(shape) <= 0:
-            raise ValueError(f"batch, max_len, num_kv_heads and head_dim must be positive, "
-                             f"got {shape}")
+        if min(shape[1:]) <= 0 or shape[0] < 0:  # batch 0: an empty cache (empty results)
+            raise ValueError(f"batch must be >= 0 and max_len, num_kv_heads and head_dim "
+                             f"positive, got {shape}")
         dtype = jnp.dtype(dtype)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                   jnp.zeros((shape[0],), jnp.int32))
+                   jnp.zeros((shape[0],), jnp.int32), jnp.zeros((shape[0],), bool))
 
     @property
     def max_len(self) -> int:
@@ -229,13 +236,16 @@ def _decode(q, k, v, cache: KVCache, new_lengths, branches: tuple[_Branch, ...],
             out, lse = merge_attention_states(out, lse, o, s)
     else:  # head groups side by side, each divided by the number of branches
         out = jnp.concatenate(outs, axis=2) / len(branches)
-    if new_lengths is None:
-        return out.astype(q.dtype), KVCache(kc, vc, lengths + t)
     # Padded new positions: output 0 and the row advances by its own count. Their keys were
     # written past the new length, where they are never read (causal: no valid query of this
     # chunk attends a later position) and get overwritten by the next call.
-    out = jnp.where((jnp.arange(t)[None, :] < new_lengths[:, None])[..., None, None], out, 0.0)
-    return out.astype(q.dtype), KVCache(kc, vc, lengths + new_lengths)
+    count = jnp.full((b,), t, jnp.int32) if new_lengths is None else new_lengths
+    # Positions past max_len (traced lengths only) were dropped: output 0, flag the row.
+    keep = (jnp.arange(t)[None, :] < count[:, None]) & (pos < cache.max_len)
+    out = jnp.where(keep[..., None, None], out, 0.0)
+    overflow = cache.overflow | (lengths + count > cache.max_len)
+    return out.astype(q.dtype), KVCache(kc, vc, jnp.minimum(lengths + count, cache.max_len),
+                                        overflow)
 
 
 def _check_cache(cache, k: jax.Array) -> KVCache:
@@ -260,9 +270,11 @@ def _check_cache(cache, k: jax.Array) -> KVCache:
                          f"{jnp.shape(cache.lengths)}")
     if t > max_len:
         raise ValueError(f"cannot write t={t} positions into a cache of max_len={max_len}")
+    if cache.overflow is None:
+        cache = dataclasses.replace(cache, overflow=jnp.zeros((b,), bool))
     if not isinstance(cache.lengths, jax.core.Tracer):
         lengths = np.asarray(cache.lengths)
-        if lengths.min() < 0 or lengths.max() + t > max_len:
+        if lengths.size and (lengths.min() < 0 or lengths.max() + t > max_len):
             raise ValueError(
                 f"writing t={t} positions past cache lengths {lengths.tolist()} overflows "
                 f"max_len={max_len} (every row needs lengths + t <= max_len)")
@@ -320,19 +332,20 @@ def dilated_attention_decode(
 
     Returns:
       ``(out, cache)``: ``out (b, t, h, d)`` in ``q.dtype`` and the cache with the new
-      positions written and ``lengths + t`` (``+ query_seq_lengths`` when given).
+      positions written and ``lengths + t`` (``+ query_seq_lengths`` when given; at most
+      ``max_len``, see ``Raises``).
 
     Raises:
       ValueError / TypeError: ``t == 0``, ``t > max_len``, concrete ``lengths + t > max_len``,
       a cache whose batch, heads, head_dim or dtype differ from ``k``, and everything
       :func:`dilax.dilated_attention` rejects. Under ``jax.jit`` the lengths are traced and
-      cannot be checked: positions past ``max_len`` are then not written and their outputs
-      are unspecified.
+      cannot be checked: positions past ``max_len`` are then not written, output 0, the
+      row's length stops at ``max_len`` and ``cache.overflow`` flags the row.
     """
     if getattr(q, "ndim", 0) == 4 and q.shape[1] == 0:
         raise ValueError(f"t (axis 1 of q) must be >= 1 new positions, got q of shape "
                          f"{tuple(q.shape)}")
-    q, k, v = V.check_qkv(q, k, v)
+    q, k, v = V.check_qkv(q, k, v, empty_batch=True)
     ws, rs, mode, _, scale, _ = V.check_dilated_call(
         q, segment_lengths, dilation_rates, mode, True, scale, None)
     local_window = V.check_local_window(local_window, mode)
@@ -345,5 +358,7 @@ def dilated_attention_decode(
             f"'xla'): a decode step gathers at most w/r keys per branch, got "
             f"implementation={implementation!r}")
     cache = _check_cache(cache, k)
+    if q.shape[0] == 0:  # an empty batch: nothing to attend, nothing to write
+        return V.empty_batch(q, v), cache
     branches = _branches(q.shape[2], ws, rs, mode, local_window, cache.max_len)
     return _decode(q, k, v, cache, new_lengths, branches, mode, scale)

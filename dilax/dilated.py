@@ -110,7 +110,7 @@ def dilated_attention(
     Raises:
       ValueError / TypeError at trace time for malformed inputs (see docs/semantics.md, "Errors").
     """
-    q, k, v = V.check_qkv(q, k, v)
+    q, k, v = V.check_qkv(q, k, v, empty_batch=True)
     ws, rs, mode, is_causal, scale, block_sizes = V.check_dilated_call(
         q, segment_lengths, dilation_rates, mode, is_causal, scale, block_sizes)
     interpret = V.check_bool(interpret, "interpret")
@@ -125,6 +125,8 @@ def dilated_attention(
     core = resolve_core(implementation, interpret=interpret)
     V.check_memory(q, k, num_branches=len(ws) + (window is not None), dense=core is None,
                    op="dilated_attention")
+    if b == 0:  # the blockwise cores need a row; the result is empty anyway
+        return V.empty_batch(q, v)
     return _dilated_jit(q, k, v, q_len, kv_len, key_valid, ws, rs, is_causal, scale, mode,
                         core, block_sizes, window)
 

@@ -24,7 +24,8 @@ SECTIONS = (
     ("dilax.memory", None),
     ("dilax.train", ("train", "TrainConfig", "ModelConfig", "TrainResult", "CheckpointError",
                      "CharTokenizer", "make_model", "make_optimizer", "sample",
-                     "save_checkpoint", "restore_checkpoint", "read_checkpoint_meta", "main")),
+                     "save_checkpoint", "restore_checkpoint", "read_checkpoint_meta", "main",
+                     "load_model", "LoadedModel", "sample_text")),
 )
 
 

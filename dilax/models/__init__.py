@@ -17,6 +17,7 @@ from dilax.models.longnet import (
     magneto_gammas,
     xpos,
 )
+from dilax.models.tokens import check_token_ids
 
 __all__ = [
     "DEFAULT_DILATION_RATES",
@@ -29,6 +30,7 @@ __all__ = [
     "LongNetConfig",
     "LongNetLM",
     "LongNetOptions",
+    "check_token_ids",
     "generate",
     "magneto_gammas",
     "xpos",

@@ -17,8 +17,11 @@ from flax import nnx
 from jax import lax
 
 from dilax import _validation as V
+from dilax.models.tokens import check_token_ids
 
 __all__ = ["generate"]
+
+_MAX_WINDOW = np.iinfo(np.int32).max
 
 
 def generate(
@@ -83,6 +86,10 @@ def generate(
             values = np.asarray(lengths)
             if values.min() < 1 or values.max() > p:
                 raise ValueError(f"prompt_lengths must be in [1, p={p}], got {values.tolist()}")
+    check_token_ids(prompt, model.num_tokens, lengths)  # ValueError naming a bad id
+    if p + max_new_tokens > _MAX_WINDOW:  # the cache's positions are int32
+        raise ValueError(f"p + max_new_tokens = {p} + {max_new_tokens} positions do not fit a "
+                         f"KV cache (at most {_MAX_WINDOW}): ask for fewer new tokens")
     if key is None:
         key = jax.random.PRNGKey(0)  # unused when greedy
     graphdef, state = nnx.split(model)

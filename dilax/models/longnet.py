@@ -31,6 +31,7 @@ from dilax.models.layers import (
     magneto_gammas,
 )
 from dilax.models.positions import XPOS, _rotate, _xpos_tables, xpos
+from dilax.models.tokens import check_token_ids
 from dilax.nn._heads import linear_factory
 
 if TYPE_CHECKING:
@@ -219,6 +220,8 @@ class LongNetLM(nnx.Module):
     ``__call__(tokens (b, n) int, *, is_causal=True, seq_lengths=None) -> logits
     (b, n, num_tokens)`` in the compute dtype; ``seq_lengths``: optional int ``(b,)`` valid
     tokens per row (padding at the end, see :class:`LongNet`).
+    Token ids outside ``[0, num_tokens)`` raise when concrete and are clipped under ``jit``
+    (:func:`dilax.models.check_token_ids`).
     """
 
     def __init__(
@@ -272,7 +275,7 @@ class LongNetLM(nnx.Module):
         rngs: nnx.Rngs | None = None,
         seq_lengths: jax.Array | None = None,
     ) -> jax.Array:
-        _check_tokens(tokens)
+        tokens = check_token_ids(tokens, self.num_tokens)  # ids outside: see tokens.py
         x = self.token_embedding(tokens)
         x = x + self.pos_embedding(x)
         x = self.long_net(x, is_causal=is_causal, deterministic=deterministic, rngs=rngs,
@@ -304,18 +307,10 @@ class LongNetLM(nnx.Module):
         is a chunk of prefill. Cost per token does not grow with the context
         (:func:`dilax.dilated_attention_decode`); jit it with the cache donated to update it
         in place, or use :func:`dilax.models.generate`."""
-        _check_tokens(tokens)
+        tokens = check_token_ids(tokens, self.num_tokens)  # ids outside: see tokens.py
         pos = jnp.clip(cache.lengths[:, None] + jnp.arange(tokens.shape[1]), 0,
                        cache.max_len - 1)
         x = self.token_embedding(tokens)
         x = x + _rotate(x, cache.xpos_cos[pos], cache.xpos_sin[pos])
         x, layers = self.long_net.decode(x, cache.layers)
         return self.out(self.norm(x)), dataclasses.replace(cache, layers=layers)
-
-
-def _check_tokens(tokens: jax.Array) -> None:
-    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise ValueError(
-            f"tokens must be an integer array of shape (batch, seq_len), got "
-            f"{tokens.dtype}{tuple(tokens.shape)}"
-        )

@@ -2,12 +2,19 @@
 
 Layout: ``DIR/<step>/state`` (Orbax arrays: model and optimizer) and ``DIR/<step>/meta`` (JSON:
 model and training config, step, and a SHA-256 of the state used to detect corruption).
+
+A save is written to ``DIR/<step>.orbax-checkpoint-tmp-<time>/`` and renamed to ``DIR/<step>``
+once complete, so a process killed mid-save (a second Ctrl-C) leaves the earlier checkpoints
+untouched and an unfinished directory: :func:`unfinished_saves` finds those, the "no checkpoint"
+error names them, and a resume removes them (saying so).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -85,6 +92,26 @@ def save_checkpoint(directory: str | Path, step: int, model: nnx.Module,
     return Path(directory).absolute() / str(int(step))
 
 
+_UNFINISHED = re.compile(r"(\d+)\.orbax-checkpoint-tmp")
+
+
+def unfinished_saves(directory: str | Path) -> list[Path]:
+    """The directories of saves that never completed in ``directory`` (Orbax's
+    ``<step>.orbax-checkpoint-tmp-<time>``, left by a process killed while saving), by step."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if p.is_dir() and _UNFINISHED.match(p.name)]
+    return sorted(found, key=lambda p: (int(_UNFINISHED.match(p.name)[1]), p.name))
+
+
+def _unfinished_note(paths: list[Path], what: str) -> str:
+    """``"117.orbax-checkpoint-tmp-1/ is an unfinished save (of step 117), <what>"``, joined."""
+    return "; ".join(f"{p.name}/ is an unfinished save (of step "
+                     f"{_UNFINISHED.match(p.name)[1]}, interrupted before it completed), {what}"
+                     for p in paths)
+
+
 def _existing_steps(directory: str | Path) -> list[int]:
     directory = Path(directory)
     if not directory.is_dir():
@@ -104,7 +131,9 @@ def read_checkpoint_meta(directory: str | Path, step: int | None = None) -> tupl
     try:
         steps = sorted(mngr.all_steps())
         if not steps:
-            raise CheckpointError(f"no checkpoint found in {directory}")
+            unfinished = unfinished_saves(directory)
+            raise CheckpointError(f"no checkpoint found in {directory}" + (
+                f" ({_unfinished_note(unfinished, 'ignored')})" if unfinished else ""))
         step = steps[-1] if step is None else int(step)
         if step not in steps:
             raise CheckpointError(f"no checkpoint for step {step} in {directory} "
@@ -301,6 +330,7 @@ def resume(cfg: TrainConfig, model: nnx.Module, optimizer: nnx.Optimizer,
     """Restores the latest checkpoint of ``cfg.checkpoint_dir`` into ``model`` and
     ``optimizer``; returns its step. Logs a warning when the training flags differ from the
     checkpoint's (allowed by ``cfg.allow_config_change``)."""
+    unfinished = unfinished_saves(cfg.checkpoint_dir)
     start, meta = restore_checkpoint(cfg.checkpoint_dir, model, optimizer, model_cfg,
                                      allow_config_change=cfg.allow_config_change)
     if int(optimizer.step[...]) != start:
@@ -314,5 +344,11 @@ def resume(cfg: TrainConfig, model: nnx.Module, optimizer: nnx.Optimizer,
     if saved_steps is not None and saved_steps != cfg.steps:
         log(f"note: --steps {cfg.steps} (the checkpoint's run had {saved_steps}): the "
             f"learning-rate schedule now decays over {cfg.steps} steps")
-    log(f"resumed from {Path(cfg.checkpoint_dir).absolute() / str(start)} (step {start})")
+    for p in unfinished:  # restored fine from a complete one: the unfinished ones are junk
+        shutil.rmtree(p, ignore_errors=True)
+    found = f"complete checkpoints: steps {_existing_steps(cfg.checkpoint_dir)}"
+    if unfinished:
+        found += "; " + _unfinished_note(unfinished, "removed")
+    log(f"{found}; resumed from {Path(cfg.checkpoint_dir).absolute() / str(start)} "
+        f"(step {start})")
     return start

@@ -40,7 +40,8 @@ examples:
   python -m dilax.sample --checkpoint-dir DIR --prompt "Once" --tokens 200   # sample from it
 
 Ctrl-C (or SIGTERM) finishes the current step, saves a checkpoint and prints how to resume;
-a second Ctrl-C quits at once. --resume takes the model, the tokenizer, the data file and the
+a second Ctrl-C quits at once (a save it cuts short is discarded on --resume, which continues
+from the last complete checkpoint). --resume takes the model, the tokenizer, the data file and the
 training settings from the checkpoint: pass only what you want to change (--steps to train
 longer; model flags cannot change, training flags need --allow-config-change).
 """

@@ -41,6 +41,8 @@ from dilax.train.steps import (
     train_step,
 )
 
+_clock = time.perf_counter  # one name for the loop's timings (tests substitute a fake clock)
+
 
 @dataclasses.dataclass
 class TrainResult:
@@ -122,7 +124,8 @@ class _StopRequest:
         for s in self.SIGNALS:
             signal.signal(s, signal.SIG_DFL if self.hard else self._second)
         print(f"\n{signal.Signals(signum).name}: finishing the current step, then saving a "
-              "checkpoint (interrupt again to quit at once without saving)",
+              "checkpoint (interrupt again to quit at once without saving; the last complete "
+              "checkpoint stays usable)",
               file=sys.stderr, flush=True)
 
     def _second(self, signum, frame) -> None:
@@ -171,7 +174,8 @@ def _run_steps(run: _Run, progress: bool, log: Callable[[str], None],
     """Trains steps ``run.start + 1 .. run.end``, evaluating every ``eval_every`` steps and
     checkpointing every ``checkpoint_every`` steps (both also at ``end``); evaluates first
     at step 0 on a fresh run. A signal (``stop``) ends the loop after the current step, which
-    is then checkpointed. The throughput is measured after the first (compiling) step."""
+    is then checkpointed. The throughput counts the time of this run's steps after the first
+    (compiling) one: evaluations and checkpoints are left out, as in the progress bar."""
     cfg, start, end = run.cfg, run.start, run.end
     losses: dict[int, float] = {}
     eval_losses: dict[int, float] = {}
@@ -180,21 +184,20 @@ def _run_steps(run: _Run, progress: bool, log: Callable[[str], None],
     base_key = jax.random.key(cfg.seed)
     bar = _Progress(cfg.steps, start, progress, log)
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    t0 = time.perf_counter()
-    t_first = None
+    t0 = _clock()
+    timed, step_s = 0, 0.0  # steps timed (all but the first) and their seconds
     step, saved, saved_step = start, None, None
     extra = {"data_sha256": run.data_sha256} if run.data_sha256 else None
     try:
         for step in range(start + 1, end + 1):
+            t_step = _clock()
             x, y = train_batch(run.train_data, cfg.seed, step, cfg.batch_size, cfg.seq_len)
             loss = train_step(run.model, run.optimizer, jnp.asarray(x), jnp.asarray(y),
                               jax.random.fold_in(base_key, step))
             losses[step] = float(loss)
-            now = time.perf_counter()
-            if t_first is None:
-                t_first = now  # the first step includes compilation
-            done = step - start - 1
-            rate = done * tokens_per_step / (now - t_first) if done else float("nan")
+            if step > start + 1:  # the first step includes compilation
+                timed, step_s = timed + 1, step_s + (_clock() - t_step)
+            rate = timed * tokens_per_step / step_s if timed else float("nan")
             bar.update(step, loss=f"{losses[step]:.4f}", tok_s=f"{rate:,.0f}")
             if stop.signum is not None:
                 break
@@ -216,9 +219,8 @@ def _run_steps(run: _Run, progress: bool, log: Callable[[str], None],
             bar.write(f"checkpoint saved: step {step} ({saved})")
     finally:
         bar.close()
-    elapsed = time.perf_counter() - t0
-    tps = ((step - start - 1) * tokens_per_step / (time.perf_counter() - t_first)
-           if step - start > 1 and t_first is not None else float("nan"))
+    elapsed = _clock() - t0
+    tps = timed * tokens_per_step / step_s if timed else float("nan")
     return _Steps(losses, eval_losses, tps, elapsed, step, stop.signum, saved)
 
 
@@ -371,8 +373,9 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, *, text: str |
     rate = (f", {r.tokens_per_s:,.0f} tokens/s after compilation"
             if math.isfinite(r.tokens_per_s) else "")
     log(f"{r.last_step - start} steps in {r.elapsed_s:.1f} s{rate}")
-    if r.interrupted is not None:
-        name = signal.Signals(r.interrupted).name
+    if r.interrupted is not None or r.last_step < cfg.steps:  # a signal or --stop-after
+        name = (signal.Signals(r.interrupted).name if r.interrupted is not None
+                else f"--stop-after {cfg.stop_after}")
         if r.checkpoint:
             log(f"{name}: stopped after step {r.last_step} of {cfg.steps}; checkpoint saved in "
                 f"{r.checkpoint}\nresume with: python -m dilax.train --resume --checkpoint-dir "

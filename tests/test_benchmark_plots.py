@@ -1,0 +1,49 @@
+"""Benchmark plots carry their configuration in the title (issue 30): what a PNG shows can be
+read off the PNG alone, for a fresh plot and for every plot committed with its JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from benchmarks.report import config_title, plots
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+def test_plot_title_names_shape_dtype_branches_mask_and_machine(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    result = {
+        "command": "speed",
+        "config": {"batch": 2, "heads": 8, "kv_heads": 2, "head_dim": 64, "dtype": "bfloat16",
+                   "segment_lengths": [512, 1024], "dilation_rates": [1, 2], "causal": True,
+                   "mode": "grouped", "local_window": 32},
+        "machine": {"cpu": "Some CPU", "cores": 4, "backend": "cpu", "jax": "0.10.2",
+                    "date": "2026-11-25 07:00 UTC"},
+        "rows": [{"row": "mixture", "pass_": "fwd", "n": n, "ms_median": n / 100.0,
+                  "memory_bytes": n * 2**12} for n in (2048, 4096)],
+    }
+    titles = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (titles.append(fig.axes[0].get_title()),
+                                                   close(fig)))
+    paths = plots(result, str(tmp_path), "speed")
+    assert [Path(p).name for p in paths] == ["speed_time.png", "speed_memory.png"]
+    want = ("b=2 h=8 hk=2 d=64 bfloat16, w=(512, 1024) r=(1, 2), causal, grouped, "
+            "local window 32\nSome CPU, 4 cores, cpu, jax 0.10.2, 2026-11-25")
+    assert config_title(result) == want
+    assert titles == ["dilax speed: time (ms) vs n\n" + want,
+                      "dilax speed: peak memory (MiB) vs n\n" + want]
+    for p, t in zip(paths, titles, strict=True):  # the PNG holds it as text as well
+        assert Image.open(p).text["Title"] == t
+
+
+@pytest.mark.parametrize("png", sorted(p.name for p in RESULTS.glob("*_*.png")))
+def test_committed_plots_carry_the_configuration_of_their_json(png):
+    name = png.rsplit("_", 1)[0]
+    result = json.loads((RESULTS / f"{name}.json").read_text())
+    assert config_title(result) in Image.open(RESULTS / png).text["Title"]

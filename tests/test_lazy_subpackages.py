@@ -1,0 +1,88 @@
+"""Every ``dilax.<subpackage>...`` path the docs use works right after ``import dilax``, in a
+fresh interpreter (no earlier import may have loaded the subpackage), and ``import dilax`` alone
+still loads no Flax (issue 30)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# the user-facing docs, and the docstrings and messages of the package itself
+_DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
+         *sorted((REPO / "dilax").rglob("*.py"))]
+# ``python -m dilax.x.script`` names a script to run and ``:mod:`dilax.x.y``` a module to
+# read, not attributes to use
+_PATH = re.compile(r"(?<!-m )(?<!:mod:`)\bdilax((?:\.[A-Za-z_]\w*)+)")
+
+
+def _documented_paths() -> dict[str, list[str]]:
+    """``{subpackage: [dotted paths under dilax]}`` for every ``dilax.x.y`` the docs write."""
+    found: dict[str, set[str]] = {}
+    for doc in _DOCS:
+        for m in _PATH.finditer(doc.read_text(encoding="utf-8")):
+            parts = m.group(1).lstrip(".").split(".")
+            pkg = REPO / "dilax" / parts[0]
+            if pkg.is_dir() or pkg.with_suffix(".py").is_file():
+                found.setdefault(parts[0], set()).add(".".join(parts))
+    return {k: sorted(v) for k, v in sorted(found.items())}
+
+
+PATHS = _documented_paths()
+
+
+def _fresh(code: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=REPO, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_docs_name_the_flax_subpackages():
+    # the scan below is not vacuous: the paths of the issue are among those checked
+    for sub in ("nn", "models", "train"):
+        assert sub in PATHS, sorted(PATHS)
+    assert "nn.MultiheadDilatedAttention" in PATHS["nn"]
+
+
+@pytest.mark.parametrize("sub", sorted(PATHS))
+def test_documented_paths_resolve_after_import_dilax(sub):
+    got = _fresh(f"""
+import json, sys
+import dilax
+flax_before = any(m == 'flax' or m.startswith('flax.') for m in sys.modules)
+missing = []
+for path in {PATHS[sub]!r}:
+    obj = dilax
+    try:
+        for part in path.split('.'):
+            obj = getattr(obj, part)
+    except AttributeError as e:
+        missing.append(f'dilax.{{path}}: {{e}}')
+print(json.dumps(dict(flax_before=flax_before, missing=missing)))
+""")
+    assert not got["flax_before"], "import dilax loaded flax"
+    assert got["missing"] == [], got["missing"]
+
+
+def test_issue_example_and_no_flax_until_used():
+    got = _fresh("""
+import json, sys
+import dilax
+flax = lambda: sorted(m for m in sys.modules if m == 'flax' or m.startswith('flax.'))
+before = flax()
+listed = all(s in dir(dilax) for s in ('nn', 'models', 'train'))
+cls = dilax.nn.MultiheadDilatedAttention
+print(json.dumps(dict(before=before, after=bool(flax()), listed=listed,
+                      cls=cls.__module__ + '.' + cls.__name__,
+                      same=dilax.models is sys.modules['dilax.models'])))
+""")
+    assert got == {"before": [], "after": True, "listed": True,
+                   "cls": "dilax.nn.attention.MultiheadDilatedAttention", "same": True}
