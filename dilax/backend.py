@@ -1,8 +1,9 @@
 """Which implementation runs where: ``implementation=`` resolution and :func:`describe`.
 
-``implementation=None`` means the best one for the current default backend: the Pallas
-kernels on GPU, the blockwise XLA core elsewhere. Everything GPU-only is imported lazily, so
-importing dilax never needs a GPU jaxlib.
+Thin users of :mod:`dilax.registry`, the one table of what each core serves:
+``implementation=None`` means the best core for the current default backend, per request
+(the Pallas kernels on GPU, the blockwise XLA core elsewhere and for what the kernels have no
+mask for). Everything GPU-only is imported lazily, so importing dilax never needs a GPU jaxlib.
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ def gpu_choice(*, kind: str = "dilated", dtype=None, head_dim: int | None = None
 
 
 def describe(file: TextIO | None = None) -> None:
-    """Prints the backend, devices and available kernels (to ``file``, default stdout).
+    """Prints the backend, devices, available kernels and the core ``implementation=None``
+    runs for each op (:mod:`dilax.registry`) (to ``file``, default stdout).
 
     Returns ``None``, like :func:`help`, so a REPL or notebook shows the text once.
     """

@@ -83,13 +83,15 @@ def dilated_attention(
       mode: ``"mixture"`` (every head runs every branch with offset ``j % r``, branches merged
         with their softmax mass, LongNet Eq. 10) or ``"grouped"`` (dilated-attention-pytorch:
         head groups, one branch each, output divided by the number of branches).
-      implementation: ``None`` (best for the backend: ``"pallas"`` on GPU, ``"xla"``
-        elsewhere), ``"xla"`` (blockwise core), ``"pallas"`` (Pallas flash kernel per branch),
-        ``"cudnn"`` (``jax.nn.dot_product_attention`` per branch, CUDA only) or
-        ``"reference"`` (explicit mask; small ``n`` only).
+      implementation: ``None`` (the best core per branch, :mod:`dilax.registry`: ``"pallas"``
+        on GPU, ``"xla"`` elsewhere and for what the kernels have no mask for), ``"xla"``
+        (blockwise core), ``"pallas"`` (Pallas flash kernel per branch), ``"cudnn"``
+        (``jax.nn.dot_product_attention`` per branch, CUDA only) or ``"reference"``
+        (explicit mask; small ``n`` only). An explicit name that cannot serve a branch
+        raises ``ValueError`` with the reason; it never runs another core.
       block_sizes: optional :class:`dilax.core.BlockSizes` for the blockwise core.
-      interpret: run the Pallas kernels in the interpreter (CPU testing); implies
-        ``implementation="pallas"`` when ``implementation`` is None.
+      interpret: run the Pallas kernels in the interpreter (CPU testing); with
+        ``implementation=None`` the branches the kernels serve then run on them.
       query_seq_lengths: optional int ``(b,)``: in batch row ``i`` query rows
         ``p >= query_seq_lengths[i]`` output 0 with zero gradient (query blocks wholly past
         it are not computed).
