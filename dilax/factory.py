@@ -169,9 +169,11 @@ def create_attention(
     # one name runs every branch; differing branches run the module's implementation=None,
     # which makes the same per-branch choice (dilax.registry) when it is called
     module_impl = names[0] if len(names) == 1 else None
-    if kind == "block_sparse" and multihead and implementation not in (None, module_impl):
-        raise _fail(f"the multi-head block-sparse module runs implementation=None (here "
-                    f"{module_impl!r}); it cannot run implementation={implementation!r}")
+    if kind == "block_sparse" and multihead and implementation is not None:
+        auto = _choose_implementation(None, backend, requests, [])[0][1]
+        if implementation != auto:  # the module has no implementation= option
+            raise _fail(f"the multi-head block-sparse module runs implementation=None (here "
+                        f"{auto!r}); it cannot run implementation={implementation!r}")
     sp = SequenceParallel(mesh, seq_axis) if kind == "ring" else None
     inner = _build(kind, multihead, sp, dict(
         embed_dim=embed_dim, num_heads=num_heads, segment_lengths=segment_lengths,
