@@ -95,13 +95,13 @@ def _qkv(b, n, h, hk, d, dtype):
 
 
 def _dilated(impl, *, n=8192, h=8, hk=8, d=64, dtype="bfloat16", causal=False, grad=True,
-             mode="mixture", ws=(2048, 4096), rs=(1, 2)):
+             mode="mixture", ws=(2048, 4096), rs=(1, 2), window=None):
     def build():
         import dilax
 
         def f(q, k, v):
             return dilax.dilated_attention(q, k, v, ws, rs, is_causal=causal, mode=mode,
-                                           implementation=impl)
+                                           implementation=impl, local_window=window)
 
         return (_loss_grad(f) if grad else f), _qkv(1, n, h, hk, d, dtype)
 
@@ -276,6 +276,12 @@ def cases() -> list[Case]:
                  "deviceless compile has none"),
         Case("dilated cudnn bf16 d=60", "dilated", _dilated("cudnn", n=4096, d=60),
              expect="refused", why="cuDNN needs head_dim % 8 == 0"),
+        # dilax.registry: the kernels have no band mask, so an explicit 'pallas' with a
+        # window raises (implementation=None runs that branch on XLA, the others on Pallas;
+        # this check's process runs on the CPU backend, where None means 'xla')
+        Case("dilated pallas bf16 local_window", "dilated",
+             _dilated("pallas", n=4096, window=128), expect="refused",
+             why="the Pallas flash kernel has no band mask (local_window)"),
     ]
     # Block-sparse: every block size 16..512 (the kernel tile is independent of it), dtypes,
     # causal, per-head patterns, GQA; the XLA gather path.

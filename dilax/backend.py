@@ -1,8 +1,9 @@
 """Which implementation runs where: ``implementation=`` resolution and :func:`describe`.
 
-``implementation=None`` means the best one for the current default backend: the Pallas
-kernels on GPU, the blockwise XLA core elsewhere. Everything GPU-only is imported lazily, so
-importing dilax never needs a GPU jaxlib.
+Thin users of :mod:`dilax.registry`, the one table of what each core serves:
+``implementation=None`` means the best core for the current default backend, per request
+(the Pallas kernels on GPU, the blockwise XLA core elsewhere and for what the kernels have no
+mask for). Everything GPU-only is imported lazily, so importing dilax never needs a GPU jaxlib.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from typing import TextIO
 
 import jax
 
-from dilax import _validation as V
+from dilax import registry
 
-IMPLEMENTATIONS = V.IMPLEMENTATIONS
+IMPLEMENTATIONS = registry.IMPLEMENTATIONS
 
 
 def current_backend() -> str:
@@ -23,15 +24,17 @@ def current_backend() -> str:
 
 
 def default_implementation(backend: str | None = None) -> str:
-    """``"pallas"`` on GPU, ``"xla"`` otherwise."""
+    """What ``implementation=None`` runs for a plain dilated branch on ``backend``
+    (:mod:`dilax.registry`): ``"pallas"`` on GPU, ``"xla"`` otherwise."""
     backend = current_backend() if backend is None else backend
-    return "pallas" if backend in ("gpu", "cuda", "rocm") else "xla"
+    return registry.choose(None, registry.CoreRequest("dilated_branch", platform=backend))[0]
 
 
 def resolve_implementation(implementation: str | None, *, interpret: bool = False,
                            allowed: tuple[str, ...] = IMPLEMENTATIONS,
                            backend: str | None = None) -> str:
-    """Validates ``implementation`` and resolves ``None``.
+    """Validates ``implementation`` and resolves ``None`` for a plain request (no window,
+    no per-key mask) with :mod:`dilax.registry`.
 
     ``None`` follows the runtime backend (``backend``, default :func:`current_backend`).
     An explicit ``"pallas"`` or ``"cudnn"`` follows the *compile target*: it is accepted
@@ -40,15 +43,18 @@ def resolve_implementation(implementation: str | None, *, interpret: bool = Fals
     the kernels do not support (:mod:`pallas_kernels.platform`). So a CPU process can compile
     the GPU kernels for a CUDA target (``jax.jit(f).lower(<arguments placed on a CUDA
     device>).compile()``, e.g. a deviceless ``jax.experimental.topologies`` target), and a
-    CPU program that asks for them still gets a clear error.
+    CPU program that asks for them still gets a clear error. Ops whose requests differ per
+    branch (a local window, a key padding mask) ask the registry per branch.
 
     Raises:
       ValueError: unknown name.
     """
-    implementation = V.check_implementation(implementation, allowed)
-    if implementation is None:
-        implementation = "pallas" if interpret else default_implementation(backend)
-    return implementation
+    implementation = registry.check_name(implementation, allowed)
+    if implementation is not None:
+        return implementation
+    backend = current_backend() if backend is None else backend
+    request = registry.CoreRequest("dilated_branch", platform=backend, interpret=interpret)
+    return registry.choose(None, request, allowed)[0]
 
 
 CUDNN_NEEDS_GPU = ("implementation='cudnn' runs cuDNN's fused attention, which compiles only "
@@ -78,14 +84,11 @@ def require_cudnn(x: jax.Array) -> jax.Array:
 
 def resolve_core(implementation: str | None, *, interpret: bool = False,
                  allowed: tuple[str, ...] = IMPLEMENTATIONS):
-    """:func:`resolve_implementation`, then the :class:`dilax.core.Core` that runs it, once.
-
-    Returns ``None`` for ``"reference"`` (the mask-based reference is a whole op, not a core).
-    """
-    from dilax.core import core_for  # lazy: the checks above need no core
-
-    name = resolve_implementation(implementation, interpret=interpret, allowed=allowed)
-    return None if name == "reference" else core_for(name, interpret=interpret)
+    """What a dilated op runs (:func:`dilax.registry.resolve`): the explicit name's
+    :class:`dilax.core.Core`, ``None`` for ``"reference"`` (a whole op, not a core), or
+    :class:`dilax.registry.Auto` for ``None`` (the core is chosen per branch once the
+    branches are known, :func:`dilax.registry.branch_cores`)."""
+    return registry.resolve(implementation, interpret=interpret, allowed=allowed)
 
 
 def kernels_available() -> dict[str, str]:
@@ -108,36 +111,38 @@ def kernels_available() -> dict[str, str]:
     }
 
 
-def gpu_choice(*, kind: str = "dilated", dtype=None, head_dim: int | None = None
-               ) -> tuple[str, str]:
-    """The implementation ``"auto"`` picks on a GPU, and why (see :func:`create_attention
-    <dilax.factory.create_attention>`).
+def gpu_choice(*, kind: str = "dilated", dtype=None, head_dim: int | None = None,
+               window: bool = False) -> tuple[str, str]:
+    """The implementation ``"auto"`` picks on a GPU for one request, and why (see
+    :func:`create_attention <dilax.factory.create_attention>`).
 
-    From what compiles (``make gpu-check``) and the kernels' resource report: the Pallas
-    kernels compile for every dtype, head_dim <= 256 and block size, with forward *and*
-    backward kernels; cuDNN's fused attention takes bf16/fp16 with ``head_dim % 8 == 0`` and
-    ``<= 128`` (256 on Hopper), has no block-sparse form, and its backward here is the XLA
-    core. So: ``"pallas"``, except a bf16/fp16 dilated configuration with a head dim cuDNN
-    supports when the caller says so by passing ``dtype`` and ``head_dim`` (inference-style
-    use, where only cuDNN's forward runs)."""
+    :mod:`dilax.registry`'s choice (the Pallas kernels: forward *and* backward kernels, any
+    dtype; the XLA core for what they have no mask for, e.g. ``window=True``, the
+    local-window branch), except that a bf16/fp16 dilated branch with a head dim cuDNN
+    supports on every GPU (``% 8 == 0``, ``<= 128``) takes cuDNN's fused forward when the
+    caller says so by passing ``dtype`` and ``head_dim`` (inference-style use, where only
+    cuDNN's forward runs; its backward is the XLA core)."""
     if kind != "dilated":
-        return "pallas", f"{kind}: cuDNN has no such attention; the Pallas kernels do"
+        name, why = registry.choose(None, registry.CoreRequest("block_sparse", platform="gpu"))
+        return name, f"{kind}: cuDNN has no such attention; {why}"
+    request = registry.CoreRequest("window" if window else "dilated_branch", dtype, head_dim,
+                                   platform="gpu")
+    name, why = registry.choose(None, request)
     if dtype is None or head_dim is None:
-        return "pallas", ("GPU: the Pallas kernels (forward and backward kernels, any dtype, "
-                          "head_dim <= 256); pass dtype and head_dim to consider cuDNN")
-    import jax.numpy as jnp
-
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return "pallas", f"GPU, {jnp.dtype(dtype).name}: cuDNN attention takes bf16/fp16 only"
-    if head_dim % 8 or head_dim > 128:
-        return "pallas", (f"GPU, head_dim={head_dim}: cuDNN needs head_dim % 8 == 0 and "
-                          "<= 128 (256 on Hopper)")
-    return "cudnn", (f"GPU, {jnp.dtype(dtype).name}, head_dim={head_dim}: cuDNN's fused "
-                     "forward (its backward is the XLA core; use 'pallas' for training)")
+        return name, f"{why}; pass dtype and head_dim to consider cuDNN"
+    reason = registry.supports("cudnn", request)
+    if reason is None and head_dim > 128:  # 129..256 compile on Hopper only
+        reason = (f"cuDNN needs head_dim % 8 == 0 and <= 128 (256 on Hopper), got "
+                  f"head_dim={head_dim}")
+    if reason is not None:
+        return name, f"{why}; not 'cudnn': {reason}"
+    return "cudnn", (f"GPU, {request.dtype}, head_dim={head_dim}: cuDNN's fused forward (its "
+                     "backward is the XLA core; use 'pallas' for training)")
 
 
 def describe(file: TextIO | None = None) -> None:
-    """Prints the backend, devices and available kernels (to ``file``, default stdout).
+    """Prints the backend, devices, available kernels and the core ``implementation=None``
+    runs for each op (:mod:`dilax.registry`) (to ``file``, default stdout).
 
     Returns ``None``, like :func:`help`, so a REPL or notebook shows the text once.
     """
@@ -151,4 +156,6 @@ def describe(file: TextIO | None = None) -> None:
         "kernels:",
     ]
     lines += [f"  {name:10s} {status}" for name, status in kernels_available().items()]
+    lines.append("implementation=None runs (dilax.registry):")
+    lines += [f"  {op:14s} {name!r}: {why}" for op, name, why in registry.table()]
     print("\n".join(lines), file=file or sys.stdout)

@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 
 from dilax import _validation as V
-from dilax.backend import resolve_implementation
+from dilax import registry
 from dilax.core import BlockSizes, attention_core, merge_attention_states
 from dilax.patterns import BlockSparsePattern, mask_tables
 from dilax.reference import length_mask, masked_attention
@@ -412,8 +412,9 @@ def block_sparse_attention(
         (padding), as in :func:`dilax.dilated_attention`: keys ``t >= kv_len[i]`` get no
         weight, query rows ``p >= q_len[i]`` output 0 with zero gradient; static values
         outside ``[0, n]`` raise, traced ones are clipped. The XLA path skips gathered key
-        blocks past the length; with lengths ``"pallas"`` runs the XLA path (the table-driven
-        kernel has no length mask).
+        blocks past the length. The table-driven Pallas kernel has no length mask: with
+        lengths ``implementation=None`` runs the XLA path and ``"pallas"`` raises
+        (:mod:`dilax.registry`).
 
     Returns:
       ``(b, n, h, d)`` in ``q.dtype``. Queries with no attended key get 0 (and 0 gradient).
@@ -423,22 +424,22 @@ def block_sparse_attention(
         q, k, v; non-bool ``is_causal``.
       ValueError: q, k, v not rank 4 or with mismatched ``b``, ``n``, ``d``; ``h % hk != 0``;
         a pattern whose block counts are not ``ceil(n / B)`` or whose heads are neither 1 nor
-        ``h``; an unknown ``implementation``; ``"pallas"`` with ``n % B != 0`` or off GPU
-        without ``interpret=True``; a non-positive ``scale``.
+        ``h``; an unknown ``implementation``; ``"pallas"`` with ``n % B != 0``, with lengths,
+        or off GPU without ``interpret=True``; a non-positive ``scale``.
     """
     q, k, v = V.check_qkv(q, k, v, empty_batch=True)
     pattern = check_pattern(pattern, q)
     is_causal = V.check_bool(is_causal, "is_causal")
     scale = V.check_scale(scale, q.shape[3])
     interpret = V.check_bool(interpret, "interpret")
-    implementation = resolve_implementation(implementation, interpret=interpret,
-                                            allowed=IMPLEMENTATIONS)
-    V.check_memory(q, k, dense=implementation == "reference", op="block_sparse_attention")
     b, n = q.shape[:2]
     q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n)
     kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)
-    if implementation == "pallas" and (q_len is not None or kv_len is not None):
-        implementation = "xla"  # documented: the table-driven kernel has no length mask
+    implementation, _ = registry.choose(implementation, registry.CoreRequest(
+        "block_sparse", q.dtype, q.shape[3], is_causal,
+        has_lengths=q_len is not None or kv_len is not None, interpret=interpret),
+        IMPLEMENTATIONS)
+    V.check_memory(q, k, dense=implementation == "reference", op="block_sparse_attention")
     if b == 0:  # the blockwise cores need a row; the result is empty anyway
         return V.empty_batch(q, v)
     return _block_sparse_dispatch(q, k, v, q_len, kv_len, pattern, is_causal, scale,

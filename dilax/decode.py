@@ -29,6 +29,7 @@ import numpy as np
 from jax import lax
 
 from dilax import _validation as V
+from dilax import registry
 from dilax.core import XLA, BlockSizes, Mask, identity_view, merge_attention_states
 from dilax.layout import expand_slots, plan_branch, slot_layout, slot_view
 from dilax.reference import group_sizes
@@ -322,8 +323,9 @@ def dilated_attention_decode(
       segment_lengths, dilation_rates, mode, scale: as in :func:`dilax.dilated_attention`.
       local_window: ``W >= 0`` adds the local window branch (``mode="mixture"`` only): query
         ``p`` also attends keys ``p - W .. p``.
-      implementation: ``None`` or ``"xla"`` (the blockwise core; a decode step is a gather and
-        small products, the same on every backend).
+      implementation: ``None`` or ``"xla"``: the cores :mod:`dilax.registry` lists for a
+        decode step (the blockwise core: a decode step is a gather and small products, the
+        same on every backend); another name raises ``ValueError`` with the reason.
       query_seq_lengths: optional int ``(b,)`` in ``[0, t]``: row ``i`` brings only its first
         ``query_seq_lengths[i]`` new positions (a padded chunk); the others output 0 and the
         row's length advances by ``query_seq_lengths[i]`` instead of ``t``.
@@ -351,12 +353,10 @@ def dilated_attention_decode(
     local_window = V.check_local_window(local_window, mode)
     new_lengths = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", q.shape[0],
                                       q.shape[1])
-    implementation = V.check_implementation(implementation)
-    if implementation not in (None, "xla"):
-        raise ValueError(
-            f"dilated_attention_decode runs on the blockwise XLA core (implementation=None or "
-            f"'xla'): a decode step gathers at most w/r keys per branch, got "
-            f"implementation={implementation!r}")
+    # the registry says which cores serve a decode step (the XLA core today); others raise
+    registry.choose(implementation, registry.CoreRequest(
+        "decode", q.dtype, q.shape[3], True, has_window=local_window is not None,
+        has_lengths=new_lengths is not None))
     cache = _check_cache(cache, k)
     if q.shape[0] == 0:  # an empty batch: nothing to attend, nothing to write
         return V.empty_batch(q, v), cache

@@ -20,6 +20,7 @@ from dilax.branches import CoreBranch, attend_branches
 from dilax.core import XLA, BlockSizes, Core
 from dilax.layout import dilated_branches, window_plan
 from dilax.reference import dilated_attention_reference
+from dilax.registry import branch_cores
 
 
 def dilated_attention_core(q, k, v, segment_lengths, dilation_rates, *, is_causal, scale, mode,
@@ -39,7 +40,11 @@ def dilated_attention_core(q, k, v, segment_lengths, dilation_rates, *, is_causa
     plans = tuple(dilated_branches(n, h, k.shape[2], segment_lengths, dilation_rates, mode))
     if local_window is not None:
         plans += (window_plan(n, h, k.shape[2], local_window),)
-    ops = tuple(CoreBranch(p, float(scale), bool(is_causal), block_sizes, core) for p in plans)
+    cores = branch_cores(core, plans, dtype=q.dtype, head_dim=q.shape[-1], is_causal=is_causal,
+                         key_padding=key_padding_mask is not None,
+                         lengths=query_seq_lengths is not None or key_value_seq_lengths is not None)
+    ops = tuple(CoreBranch(p, float(scale), bool(is_causal), block_sizes, c)
+                for p, c in zip(plans, cores))
     lengths = (query_seq_lengths, key_value_seq_lengths, key_padding_mask)
     # no lengths: exactly the program without them
     aux = None if all(x is None for x in lengths) else lengths
@@ -78,13 +83,15 @@ def dilated_attention(
       mode: ``"mixture"`` (every head runs every branch with offset ``j % r``, branches merged
         with their softmax mass, LongNet Eq. 10) or ``"grouped"`` (dilated-attention-pytorch:
         head groups, one branch each, output divided by the number of branches).
-      implementation: ``None`` (best for the backend: ``"pallas"`` on GPU, ``"xla"``
-        elsewhere), ``"xla"`` (blockwise core), ``"pallas"`` (Pallas flash kernel per branch),
-        ``"cudnn"`` (``jax.nn.dot_product_attention`` per branch, CUDA only) or
-        ``"reference"`` (explicit mask; small ``n`` only).
+      implementation: ``None`` (the best core per branch, :mod:`dilax.registry`: ``"pallas"``
+        on GPU, ``"xla"`` elsewhere and for what the kernels have no mask for), ``"xla"``
+        (blockwise core), ``"pallas"`` (Pallas flash kernel per branch), ``"cudnn"``
+        (``jax.nn.dot_product_attention`` per branch, CUDA only) or ``"reference"``
+        (explicit mask; small ``n`` only). An explicit name that cannot serve a branch
+        raises ``ValueError`` with the reason; it never runs another core.
       block_sizes: optional :class:`dilax.core.BlockSizes` for the blockwise core.
-      interpret: run the Pallas kernels in the interpreter (CPU testing); implies
-        ``implementation="pallas"`` when ``implementation`` is None.
+      interpret: run the Pallas kernels in the interpreter (CPU testing); with
+        ``implementation=None`` the branches the kernels serve then run on them.
       query_seq_lengths: optional int ``(b,)``: in batch row ``i`` query rows
         ``p >= query_seq_lengths[i]`` output 0 with zero gradient (query blocks wholly past
         it are not computed).
@@ -96,12 +103,13 @@ def dilated_attention(
       local_window: optional int ``W >= 0`` (``mode="mixture"`` only): one more branch in
         which query ``p`` attends keys ``|p - t| <= W`` (``t <= p`` when causal), merged into
         the same softmax. It gives every query its immediate neighbours, which no dilated
-        branch does at segment starts; cost ``O(n * W)``. With ``implementation="pallas"`` or
-        ``"cudnn"`` this branch runs on the XLA core.
+        branch does at segment starts; cost ``O(n * W)``. The Pallas and cuDNN kernels have
+        no band mask: ``implementation=None`` runs this branch on the XLA core (the others on
+        the best core, :mod:`dilax.registry`), an explicit ``"pallas"``/``"cudnn"`` raises.
       key_padding_mask: optional bool ``(b, n)``, True where a key is valid: an arbitrary
         per-key validity (``flax.nnx.make_attention_mask`` style padding), combined with
         ``key_value_seq_lengths``. Key blocks past the last valid key are skipped; runs on the
-        XLA core.
+        XLA core (``implementation=None`` or ``"xla"``; the kernels have no per-key mask).
 
     Returns:
       ``(b, n, h, d)`` in ``q.dtype``. Queries selected by no branch (or past their row's

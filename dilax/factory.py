@@ -15,7 +15,8 @@ import jax
 from flax import nnx
 
 from dilax import _validation as V
-from dilax.backend import current_backend, default_implementation, gpu_choice
+from dilax import registry
+from dilax.backend import current_backend, gpu_choice
 from dilax.core import BlockSizes
 from dilax.nn.attention import DilatedAttention
 from dilax.sp import SequenceParallel
@@ -31,10 +32,15 @@ class Choice:
     implementation: str
     multihead: bool
     reason: str
+    # (branch, implementation, why) per kind of core call, from dilax.registry: e.g.
+    # ("dilated branches", "pallas", ...), ("local-window branch", "xla", ...).
+    branches: tuple[tuple[str, str, str], ...] = ()
 
     def __str__(self) -> str:
+        per_branch = "".join(f"; {b}: {impl!r} ({why})" for b, impl, why in self.branches
+                             if len(self.branches) > 1)
         return (f"{self.kind} attention ({'multi-head module' if self.multihead else 'module'}),"
-                f" implementation={self.implementation!r}: {self.reason}")
+                f" implementation={self.implementation!r}: {self.reason}{per_branch}")
 
 
 class RingDilatedAttention(DilatedAttention):
@@ -114,10 +120,14 @@ def create_attention(
       embed_dim, num_heads: give both for a multi-head module with projections (then
         ``rngs`` is required); otherwise a parameter-free module over ``(b, n, h, d)``.
       mode, is_causal: as in :func:`dilax.dilated_attention`.
-      implementation: ``None`` = best for ``backend`` (``"xla"`` off GPU; on GPU
-        :func:`dilax.backend.gpu_choice`: ``"pallas"``, or ``"cudnn"`` for a multi-head
-        dilated module with a bf16/fp16 ``dtype`` and a head dim cuDNN supports; the reason
-        is in ``.choice``), or one of ``"reference"``, ``"xla"``, ``"pallas"``, ``"cudnn"``.
+      implementation: ``None`` = the best core for ``backend`` per branch
+        (:mod:`dilax.registry`: ``"xla"`` off GPU; on GPU ``"pallas"``, ``"xla"`` for a
+        ``local_window`` branch and the rings, or ``"cudnn"`` for a multi-head dilated module
+        without a window with a bf16/fp16 ``dtype`` and a head dim cuDNN supports,
+        :func:`dilax.backend.gpu_choice`), or one of ``"reference"``, ``"xla"``,
+        ``"pallas"``, ``"cudnn"``, which must serve every branch. ``.choice.branches`` lists
+        ``(branch, implementation, why)``; when they differ, ``.choice.implementation`` joins
+        the names (``"pallas+xla"``) and the module gets ``implementation=None``.
       backend: override the detected backend (``"cpu"``, ``"gpu"``...), e.g. to build a GPU
         configuration on a CPU host.
       **module_kwargs: forwarded to the module (``num_kv_heads``, ``dropout``...).
@@ -127,11 +137,11 @@ def create_attention(
 
     Raises:
       ValueError: unknown kind/implementation or an impossible combination, listing the
-        valid ones.
+        valid ones; an explicit ``implementation`` that cannot serve a branch (the reason).
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    implementation = V.check_implementation(implementation)
+    implementation = registry.check_name(implementation)
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be None (detect) or one of {BACKENDS}, got {backend!r}")
     mode = V.check_mode_name(mode)
@@ -152,16 +162,25 @@ def create_attention(
     reasons: list[str] = []
     kind = _choose_kind(kind, dilated_cfg, pattern, mesh, seq_axis, reasons)
     head_dim = embed_dim // num_heads if multihead and embed_dim and num_heads else None
-    implementation = _choose_implementation(kind, implementation, backend, pattern, reasons,
-                                            module_kwargs.get("dtype"), head_dim)
-    if kind == "block_sparse" and multihead:
-        implementation = "xla"  # the multi-head block-sparse module runs the XLA gather path
+    requests = _requests(kind, pattern, backend, is_causal, module_kwargs.get("dtype"),
+                         head_dim, module_kwargs.get("local_window"))
+    branches = _choose_implementation(implementation, backend, requests, reasons)
+    names = tuple(dict.fromkeys(name for _, name, _ in branches))
+    # one name runs every branch; differing branches run the module's implementation=None,
+    # which makes the same per-branch choice (dilax.registry) when it is called
+    module_impl = names[0] if len(names) == 1 else None
+    if kind == "block_sparse" and multihead and implementation is not None:
+        auto = _choose_implementation(None, backend, requests, [])[0][1]
+        if implementation != auto:  # the module has no implementation= option
+            raise _fail(f"the multi-head block-sparse module runs implementation=None (here "
+                        f"{auto!r}); it cannot run implementation={implementation!r}")
     sp = SequenceParallel(mesh, seq_axis) if kind == "ring" else None
     inner = _build(kind, multihead, sp, dict(
         embed_dim=embed_dim, num_heads=num_heads, segment_lengths=segment_lengths,
         dilation_rates=dilation_rates, pattern=pattern, mode=mode, is_causal=is_causal,
-        implementation=implementation, rngs=rngs), module_kwargs)
-    return Attention(inner, Choice(kind, implementation, multihead, "; ".join(reasons)))
+        implementation=module_impl, rngs=rngs), module_kwargs)
+    return Attention(inner, Choice(kind, "+".join(names), multihead, "; ".join(reasons),
+                                   branches))
 
 
 def _choose_kind(kind, dilated_cfg, pattern, mesh, seq_axis, reasons) -> str:
@@ -196,23 +215,45 @@ def _choose_kind(kind, dilated_cfg, pattern, mesh, seq_axis, reasons) -> str:
     return kind
 
 
-def _choose_implementation(kind, implementation, backend, pattern, reasons, dtype=None,
-                           head_dim=None) -> str:
-    if implementation is None and backend in ("gpu", "cuda") and kind != "ring":
-        implementation, why = gpu_choice(kind=kind, dtype=dtype, head_dim=head_dim)
-        reasons.append(f"backend {backend!r} -> {implementation!r} ({why})")
-    elif implementation is None:
-        implementation = default_implementation(backend)
-        reasons.append(f"backend {backend!r} -> {implementation!r}")
-    else:
-        reasons.append(f"implementation {implementation!r} requested")
+def _requests(kind, pattern, backend, is_causal, dtype, head_dim, local_window
+              ) -> list[tuple[str, registry.CoreRequest]]:
+    """``(branch label, request)`` for each kind of core call the module will make."""
+    common = dict(dtype=dtype, head_dim=head_dim, is_causal=is_causal, platform=backend)
     if kind == "ring":
-        implementation = "xla"
-        reasons.append(f"{'block-sparse ' if pattern is not None else ''}ring attention runs "
-                       "the blockwise XLA core on each device")
-    if kind == "block_sparse" and implementation == "cudnn":
-        raise _fail("cuDNN has no block-sparse attention: use implementation 'pallas' or 'xla'")
-    return implementation
+        label = "block-sparse ring hops" if pattern is not None else "ring hops"
+        return [(label, registry.CoreRequest("ring_hop", **common))]
+    if kind == "block_sparse":
+        return [("block-sparse", registry.CoreRequest("block_sparse", **common))]
+    out = [("dilated branches", registry.CoreRequest("dilated_branch", **common))]
+    if local_window is not None:
+        out.append(("local-window branch", registry.CoreRequest("window", **common)))
+    return out
+
+
+def _choose_implementation(implementation, backend, requests, reasons
+                           ) -> tuple[tuple[str, str, str], ...]:
+    """``(branch, implementation, why)`` per request, from :mod:`dilax.registry`; an explicit
+    ``implementation`` that cannot serve one raises its ``ValueError``."""
+    on_gpu = backend in ("gpu", "cuda")
+    out = []
+    for label, request in requests:
+        if implementation is None and on_gpu and len(requests) == 1 and request.op in (
+                "dilated_branch", "block_sparse"):  # cuDNN is considered for one kind only
+            name, why = gpu_choice(kind="dilated" if request.op == "dilated_branch"
+                                   else request.op, dtype=request.dtype,
+                                   head_dim=request.head_dim)
+        else:
+            name, why = registry.choose(implementation, request)
+        out.append((label, name, why))
+    if implementation is not None:
+        reasons.append(f"implementation {implementation!r} requested")
+    elif len({name for _, name, _ in out}) == 1:
+        reasons.append(f"backend {backend!r} -> {out[0][1]!r} ({out[0][2]})")
+    else:
+        reasons.append(f"backend {backend!r}: the core is chosen per branch")
+    if requests[0][1].op == "ring_hop":
+        reasons.append("ring attention runs the blockwise XLA core on each device")
+    return tuple(out)
 
 
 def _build(kind: str, multihead: bool, sp: SequenceParallel | None, a: dict,

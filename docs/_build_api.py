@@ -17,6 +17,8 @@ SECTIONS = (
     ("dilax", None),
     ("dilax.core", ("Mask", "attention", "core_for", "XlaCore", "PallasCore", "CudnnCore",
                     "default_block_sizes")),
+    ("dilax.registry", ("CoreRequest", "supports", "served_by", "choose", "select",
+                        "choose_branch_cores")),
     ("dilax.sp", ("LAYOUTS", "zigzag_permutation")),
     ("dilax.nn", None),
     ("dilax.models", None),

@@ -91,6 +91,12 @@ def test_ring_kind_with_a_pattern_runs_the_block_sparse_ring():
      "implementation must be one of"),
     (dict(segment_lengths=(8,), dilation_rates=(1,), embed_dim=32), "needs embed_dim, num_heads"),
     (dict(pattern=patterns.local_window(32, 8, 8), implementation="cudnn"), "cuDNN has no"),
+    # dilax.registry: an explicit implementation that cannot serve a branch names the reason
+    (dict(segment_lengths=(8,), dilation_rates=(1,), local_window=2, implementation="pallas"),
+     "has no band mask (local_window); use implementation=None to run that branch on 'xla'"),
+    (dict(pattern=patterns.local_window(32, 8, 8), embed_dim=32, num_heads=4,
+          rngs=nnx.Rngs(0), implementation="pallas"),
+     "the multi-head block-sparse module runs implementation=None (here 'xla')"),
 ])
 def test_impossible_combinations_list_the_valid_ones(kwargs, fragment):
     with pytest.raises(ValueError) as info:

@@ -123,14 +123,28 @@ def _drop_invalid_rows(out, lse, view, mask, len_q):
             jnp.where(valid, lse, -jnp.inf))
 
 
+def _refuse_masks(name: str, mask: Mask) -> None:
+    """A kernel core given a mask it has no form for raises (the registry keeps such calls
+    away from it; reaching here is a caller's bug, never a reason to run another core)."""
+    from dilax.registry import CoreRequest, supports  # lazy: the registry builds cores
+
+    request = CoreRequest("dilated_branch", has_window=mask.window is not None,
+                          has_key_padding=mask.kv_valid is not None)
+    reason = supports(name, request)
+    if reason is not None:
+        raise ValueError(f"implementation={name!r}: {reason} (dilax.registry decides which "
+                         "core runs which call; use implementation=None or 'xla')")
+
+
 @dataclasses.dataclass(frozen=True)
 class PallasCore:
     """The Pallas flash kernels (:mod:`pallas_kernels.flash_attention`) on gathered inputs.
 
     ``interpret``: run the kernels in the Pallas interpreter (CPU tests). Query lengths are
     applied to the kernels' results (rows past them: ``out = 0``, ``lse = -inf``, so the
-    backward kernels recompute ``p = 0`` there); a local ``window`` (a narrow band the flash
-    kernels have no mask for) and a per-key ``kv_valid`` run on the XLA core."""
+    backward kernels recompute ``p = 0`` there). A local ``window`` (a band the flash kernels
+    have no mask for) or a per-key ``kv_valid`` raises: :mod:`dilax.registry` gives such
+    calls to the XLA core (``implementation=None``) or refuses them, never silently."""
 
     interpret: bool = False
     name: ClassVar[str] = "pallas"
@@ -147,9 +161,7 @@ class PallasCore:
     def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):
         from pallas_kernels.flash_attention import flash_forward
 
-        if mask.window is not None or mask.kv_valid is not None:
-            return XLA.forward(q, k, v, view=view, mask=mask, scale=scale,
-                               block_sizes=None, out_dtype=out_dtype)
+        _refuse_masks(self.name, mask)
         out, lse = flash_forward(view.gather_q(q), view.gather_kv(k), view.gather_kv(v),
                                  scale=float(scale), **self._args(q, k, view, mask, block_sizes))
         out, lse = view.ungather_out(out), view.ungather_out(lse)
@@ -160,10 +172,7 @@ class PallasCore:
                  grad_dtype=None, acc=None):
         from pallas_kernels.flash_attention import flash_backward
 
-        if mask.window is not None or mask.kv_valid is not None:
-            return XLA.backward(q, k, v, view=view, mask=mask, scale=scale, lse=lse,
-                                dout=dout, delta=delta, grad_dtype=grad_dtype, acc=acc)
-
+        _refuse_masks(self.name, mask)
         out_view = view.output_view()
         dq, dk, dv = flash_backward(
             view.gather_q(q), view.gather_kv(k), view.gather_kv(v), lse=out_view.gather_q(lse),
@@ -182,15 +191,13 @@ class CudnnCore:
     carries a cotangent (the mixture merge of dilated branches). Offsets are not supported
     (cuDNN's causal mask is aligned at 0). Per-head key lengths are served by folding the kv
     heads into the batch; query lengths are applied to the result (as for Pallas); a local
-    ``window`` and a per-key ``kv_valid`` run on the XLA core."""
+    ``window`` or a per-key ``kv_valid`` raises (see :class:`PallasCore`)."""
 
     name: ClassVar[str] = "cudnn"
 
     def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):
         del block_sizes
-        if mask.window is not None or mask.kv_valid is not None:
-            return XLA.forward(q, k, v, view=view, mask=mask, scale=scale,
-                               out_dtype=out_dtype)
+        _refuse_masks(self.name, mask)
         if not (isinstance(mask.q_offset, int) and isinstance(mask.k_offset, int)
                 and mask.q_offset == mask.k_offset == 0):
             raise ValueError("implementation='cudnn' supports no query/key offsets; "

@@ -6,6 +6,7 @@ import dataclasses
 
 from jax.sharding import Mesh
 
+from dilax import registry
 from dilax.sp.layout import check_layout
 from dilax.sp.mesh import check_mesh
 
@@ -52,9 +53,12 @@ def check_sequence_parallel(sequence_parallel, implementation,
     if not isinstance(sequence_parallel, SequenceParallel):
         raise TypeError("sequence_parallel must be a dilax.SequenceParallel or None, got "
                         f"{type(sequence_parallel).__name__}")
-    if implementation not in (None, "xla"):
-        raise ValueError("sequence_parallel runs the XLA core on every device: "
-                         f"implementation must be None or 'xla', got {implementation!r}")
+    hop = registry.CoreRequest("ring_hop")  # the registry says which cores run a ring hop
+    if implementation is not None and registry.supports(implementation, hop) is not None:
+        served = " or ".join(map(repr, registry.served_by(hop)))
+        raise ValueError(f"sequence_parallel runs its ring hops on {served}: implementation "
+                         f"must be None or {served}, got {implementation!r} "
+                         f"({registry.supports(implementation, hop)})")
     if sequence_parallel.layout not in layouts:
         raise ValueError(f"sequence_parallel.layout must be one of {layouts} here, got "
                          f"{sequence_parallel.layout!r}")

@@ -1,0 +1,273 @@
+"""The one implementation registry: which attention core serves which request, and why not.
+
+Every op of dilax reduces to core calls of a few kinds (:data:`OPS`): a dilated branch, the
+local-window branch, a block-sparse op, a ring hop, a decode step. A :class:`CoreRequest` says
+what one such call needs (dtype, head dim, causality, a band or per-key mask, lengths, the
+compile platform); :func:`supports` answers, per implementation (``"xla"``, ``"pallas"``,
+``"cudnn"``, ``"reference"``), ``None`` (it serves the request) or the reason it does not.
+This table is the only place that knows what each core can do:
+
+* an explicit ``implementation=`` that cannot serve a request raises a ``ValueError`` naming
+  the reason (:func:`select`) -- no core ever hands its work to another one silently;
+* ``implementation=None`` takes the best core that serves each request (:data:`AUTO_ORDER`),
+  per branch where the branches of one op differ (:func:`choose_branch_cores`), and says why.
+
+An explicit ``"pallas"``/``"cudnn"`` is not checked against the runtime backend: it follows
+the *compile target*, refused when the program is lowered for another platform
+(:mod:`pallas_kernels.platform`), so a CPU process can compile the GPU kernels for a CUDA
+target. ``implementation=None`` follows the runtime backend (``CoreRequest.platform``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+IMPLEMENTATIONS = ("reference", "xla", "pallas", "cudnn")
+OPS = ("dilated_branch", "window", "block_sparse", "ring_hop", "decode")
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+# implementation=None: the first of these that serves a request. cuDNN only when a caller
+# asks for an inference-style forward (create_attention with dtype and head_dim); the
+# reference is a dense whole op, never a default.
+AUTO_ORDER = ("pallas", "xla")
+
+_WHAT = {"dilated_branch": "a dilated branch", "window": "the local-window branch",
+         "block_sparse": "block-sparse attention", "ring_hop": "a ring hop",
+         "decode": "a decode step"}
+_HALF = ("bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreRequest:
+    """What one core call needs (static, hashable).
+
+    ``op``: one of :data:`OPS`. ``dtype``: the inputs' dtype (any dtype-like; stored as its
+    name), ``None`` when not known yet. ``head_dim``: ``d``, or ``None``. ``has_window``: a band
+    mask (``local_window``; implied by ``op="window"``). ``has_key_padding``: a per-key mask
+    (``key_padding_mask``). ``has_lengths``: ``query_seq_lengths``/``key_value_seq_lengths``.
+    ``platform``: the platform the program is compiled for when known (``"cpu"``, ``"gpu"``...),
+    ``None`` when decided at lowering. ``interpret``: the Pallas kernels run in the interpreter.
+    """
+
+    op: str
+    dtype: str | None = None
+    head_dim: int | None = None
+    is_causal: bool = False
+    has_window: bool = False
+    has_key_padding: bool = False
+    has_lengths: bool = False
+    platform: str | None = None
+    interpret: bool = False
+
+    def __post_init__(self):
+        if self.op not in OPS:
+            raise ValueError(f"CoreRequest.op must be one of {OPS}, got {self.op!r}")
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", np.dtype(self.dtype).name)
+        if self.op == "window":
+            object.__setattr__(self, "has_window", True)
+
+    @property
+    def what(self) -> str:
+        """The request in words (for messages): ``"the local-window branch"``..."""
+        return _WHAT[self.op]
+
+
+# -- what each implementation serves (the one table) ------------------------------------------
+
+
+def _reference(r: CoreRequest) -> str | None:
+    if r.op in ("ring_hop", "decode"):
+        return (f"the mask-based reference is a whole dense op over (n, n); it has no form "
+                f"for {r.what}")
+    return None
+
+
+def _xla(r: CoreRequest) -> str | None:
+    del r  # the blockwise XLA core serves every request, on every backend
+    return None
+
+
+def _pallas(r: CoreRequest) -> str | None:
+    if r.op == "ring_hop":
+        return "the rings run their hops through the XLA core (no Pallas ring kernel yet)"
+    if r.op == "decode":
+        return ("no Pallas decode kernel: a decode step gathers at most w / r cached keys per "
+                "branch, which the XLA core serves")
+    if r.has_window:
+        return "the Pallas flash kernel has no band mask (local_window)"
+    if r.has_key_padding:
+        return "the Pallas flash kernel has no per-key mask (key_padding_mask)"
+    if r.op == "block_sparse" and r.has_lengths:
+        return ("the table-driven Pallas block-sparse kernel has no length mask "
+                "(query_seq_lengths / key_value_seq_lengths)")
+    if r.platform is not None and r.platform not in GPU_PLATFORMS and not r.interpret:
+        return (f"the Pallas kernels compile for GPU targets, not {r.platform!r}; "
+                "interpret=True runs them in the Pallas interpreter")
+    return None
+
+
+def _cudnn(r: CoreRequest) -> str | None:
+    if r.op == "block_sparse":
+        return "cuDNN has no block-sparse attention"
+    if r.op in ("ring_hop", "decode"):
+        return f"cuDNN's fused attention is not wired for {r.what}; the XLA core serves it"
+    if r.has_window:
+        return "cuDNN's fused attention has no band mask (local_window)"
+    if r.has_key_padding:
+        return "cuDNN's fused attention here has no per-key mask (key_padding_mask)"
+    if r.dtype is not None and r.dtype not in _HALF:
+        return f"cuDNN attention takes bf16/fp16 only, got {r.dtype}"
+    if r.head_dim is not None and (r.head_dim % 8 or r.head_dim > 256):
+        return (f"cuDNN needs head_dim % 8 == 0 and <= 128 (256 on Hopper), got "
+                f"head_dim={r.head_dim}")
+    if r.platform is not None and r.platform not in ("gpu", "cuda"):
+        return f"cuDNN's fused attention compiles for CUDA GPUs only, not {r.platform!r}"
+    return None
+
+
+_RULES = {"reference": _reference, "xla": _xla, "pallas": _pallas, "cudnn": _cudnn}
+
+
+def supports(implementation: str, request: CoreRequest) -> str | None:
+    """``None`` if ``implementation`` serves ``request``, else the reason it does not."""
+    if implementation not in _RULES:
+        raise ValueError(f"implementation must be one of {(None,) + IMPLEMENTATIONS}, "
+                         f"got {implementation!r}")
+    return _RULES[implementation](request)
+
+
+def served_by(request: CoreRequest) -> tuple[str, ...]:
+    """The implementations that serve ``request`` (in :data:`IMPLEMENTATIONS` order)."""
+    return tuple(name for name in IMPLEMENTATIONS if supports(name, request) is None)
+
+
+def current_platform() -> str:
+    """``jax.default_backend()``: what ``implementation=None`` chooses for."""
+    return jax.default_backend()
+
+
+def check_name(implementation, allowed: Sequence[str] = IMPLEMENTATIONS) -> str | None:
+    """A known implementation name, or ``None`` (chosen per request)."""
+    if implementation is not None and implementation not in allowed:
+        raise ValueError(f"implementation must be one of {(None,) + tuple(allowed)}, "
+                         f"got {implementation!r}")
+    return implementation
+
+
+def choose(implementation: str | None, request: CoreRequest,
+           allowed: Sequence[str] = IMPLEMENTATIONS) -> tuple[str, str]:
+    """``(name, why)``: the implementation that runs ``request``.
+
+    An explicit name must serve it (its compile platform is checked at lowering, so
+    ``request.platform`` is not held against it); ``None`` takes the first of
+    :data:`AUTO_ORDER` that serves ``request`` on ``request.platform`` (default: the runtime
+    backend).
+
+    Raises:
+      ValueError: unknown name, or an explicit one that cannot serve ``request`` (the message
+        names the reason and what ``implementation=None`` would run).
+    """
+    implementation = check_name(implementation, allowed)
+    if implementation is not None:
+        reason = supports(implementation, dataclasses.replace(request, platform=None))
+        if reason is not None:
+            alt, _ = choose(None, request, allowed)
+            raise ValueError(f"implementation={implementation!r} cannot run {request.what}: "
+                             f"{reason}; use implementation=None to run "
+                             f"{'that branch' if 'branch' in request.what else 'it'} on "
+                             f"{alt!r}")
+        return implementation, f"implementation={implementation!r} requested"
+    if request.platform is None:
+        request = dataclasses.replace(request, platform=current_platform())
+    refused = []
+    for name in AUTO_ORDER:
+        reason = supports(name, request) if name in allowed else "not offered by this op"
+        if reason is None:
+            why = "; ".join([f"platform {request.platform!r}"] + refused)
+            return name, f"{request.what} -> {name!r} ({why})"
+        refused.append(f"not {name!r}: {reason}")
+    raise AssertionError("the XLA core serves every request")  # pragma: no cover
+
+
+def core(name: str, interpret: bool = False):
+    """The :class:`dilax.core.Core` of a chosen name; ``None`` for ``"reference"`` (a whole
+    op, not a core)."""
+    from dilax.core import core_for  # lazy: the table above needs no core
+
+    return None if name == "reference" else core_for(name, interpret=interpret)
+
+
+def select(implementation: str | None, request: CoreRequest,
+           allowed: Sequence[str] = IMPLEMENTATIONS):
+    """The :class:`dilax.core.Core` that runs ``request`` (:func:`choose`), ``None`` for the
+    reference. Raises ``ValueError`` like :func:`choose`."""
+    return core(choose(implementation, request, allowed)[0], request.interpret)
+
+
+def choose_branch_cores(implementation: str | None, requests: Sequence[CoreRequest]
+                        ) -> tuple[tuple, tuple[str, ...]]:
+    """One core per branch request, and why: ``(cores, reasons)``.
+
+    An explicit name runs every branch or raises (naming the branch it cannot serve);
+    ``None`` picks per branch (e.g. ``"pallas"`` for the dilated branches and ``"xla"`` for
+    the local-window branch on GPU)."""
+    picked = [choose(implementation, r) for r in requests]
+    return (tuple(core(name, r.interpret) for (name, _), r in zip(picked, requests)),
+            tuple(why for _, why in picked))
+
+
+@dataclasses.dataclass(frozen=True)
+class Auto:
+    """``implementation=None`` as a static value: the cores are chosen per branch when the
+    branches are known (:func:`branch_cores`), for ``platform`` (the runtime backend when
+    resolved). Hashable, so it can be a jit static argument like a :class:`Core`."""
+
+    interpret: bool = False
+    platform: str | None = None
+    name = None
+
+
+def branch_cores(core, plans, *, dtype, head_dim: int, is_causal: bool,
+                 key_padding: bool = False, lengths: bool = False) -> tuple:
+    """The core of each :class:`~dilax.layout.BranchPlan` of a dilated call.
+
+    ``core``: a :class:`dilax.core.Core` (an explicit implementation: every branch must be
+    one it serves, else ``ValueError`` with the reason) or :class:`Auto` (choose per branch).
+    A plan with ``window`` set is the local-window branch."""
+    interpret = bool(getattr(core, "interpret", False))
+    platform = core.platform if isinstance(core, Auto) else None
+    requests = [CoreRequest("window" if p.window is not None else "dilated_branch", dtype,
+                            head_dim, bool(is_causal), has_key_padding=key_padding,
+                            has_lengths=lengths, platform=platform, interpret=interpret)
+                for p in plans]
+    if not isinstance(core, Auto):
+        for r in requests:  # explicit: serves every branch or raises
+            choose(core.name, r)
+        return (core,) * len(plans)
+    return choose_branch_cores(None, requests)[0]
+
+
+def resolve(implementation: str | None, *, interpret: bool = False,
+            allowed: Sequence[str] = IMPLEMENTATIONS):
+    """What a dilated op runs: ``None`` (reference), the explicit name's core, or
+    :class:`Auto` for ``implementation=None`` (chosen per branch at trace time)."""
+    implementation = check_name(implementation, allowed)
+    if implementation is None:
+        return Auto(bool(interpret), current_platform())
+    return core(implementation, interpret)
+
+
+def table(platform: str | None = None, interpret: bool = False) -> list[tuple[str, str, str]]:
+    """``(op, chosen, why)`` for each op's plain request on ``platform`` (default: the
+    runtime backend) with ``implementation=None`` (what :func:`dilax.describe` prints)."""
+    platform = platform or current_platform()
+    rows = []
+    for op in OPS:
+        request = CoreRequest(op, platform=platform, interpret=interpret)
+        name, why = choose(None, request)
+        rows.append((op, name, why))
+    return rows
