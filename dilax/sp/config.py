@@ -44,9 +44,11 @@ class SequenceParallel:
 
 
 def check_sequence_parallel(sequence_parallel, implementation,
-                            layouts: tuple[str, ...] = ("contiguous", "zigzag")):
-    """A module's ``sequence_parallel`` option: None, or a :class:`SequenceParallel` with one
-    of ``layouts`` and ``implementation`` None or ``"xla"`` (the rings run the XLA core)."""
+                            layouts: tuple[str, ...] = ("contiguous", "zigzag"),
+                            interpret: bool = False):
+    """A ``sequence_parallel`` option: None, or a :class:`SequenceParallel` with one of
+    ``layouts``, ``implementation`` None or ``"xla"`` and no ``interpret`` (the rings run the
+    XLA core)."""
     if sequence_parallel is None:
         return None
     if not isinstance(sequence_parallel, SequenceParallel):
@@ -55,6 +57,9 @@ def check_sequence_parallel(sequence_parallel, implementation,
     if implementation not in (None, "xla"):
         raise ValueError("sequence_parallel runs the XLA core on every device: "
                          f"implementation must be None or 'xla', got {implementation!r}")
+    if interpret:
+        raise ValueError("sequence_parallel runs the XLA core on every device: interpret=True "
+                         "(the Pallas interpreter) does not apply")
     if sequence_parallel.layout not in layouts:
         raise ValueError(f"sequence_parallel.layout must be one of {layouts} here, got "
                          f"{sequence_parallel.layout!r}")
