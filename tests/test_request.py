@@ -241,3 +241,49 @@ def test_sequence_parallel_errors():
         dilax.dilated_attention(q[:, :62], k[:, :62], v[:, :62], **CFG, sequence_parallel=sp)
     with pytest.raises(ValueError, match="local_window=17 must be at most the local chunk"):
         dilax.dilated_attention(q, k, v, **CFG, local_window=17, sequence_parallel=sp)
+
+
+def test_block_sparse_sequence_parallel_equals_one_device_and_alias():
+    """``block_sparse_attention(..., sequence_parallel=...)``: forward and gradients equal the
+    mask-based reference and the single-device op (fp32), and bitwise the program of
+    ``sharded_block_sparse_attention``; validated once (``check_qkv`` counted)."""
+    q, k, v, g = _qkv(seed=2)
+    pattern = dilax.patterns.local_window(64, 8, 8)
+    sp = SequenceParallel(_mesh())
+
+    def run(f):
+        out, vjp = jax.vjp(f, q, k, v)
+        return (out, *vjp(g))
+
+    ring = run(jax.jit(lambda q, k, v: dilax.block_sparse_attention(
+        q, k, v, pattern, is_causal=True, sequence_parallel=sp)))
+    alias = run(jax.jit(lambda q, k, v: dilax.sharded_block_sparse_attention(
+        q, k, v, pattern, is_causal=True, mesh=sp.mesh)))
+    one = run(lambda q, k, v: dilax.block_sparse_attention(q, k, v, pattern, is_causal=True))
+    ref = run(lambda q, k, v: dilax.block_sparse_attention(q, k, v, pattern, is_causal=True,
+                                                           implementation="reference"))
+    for got, a, o, r in zip(ring, alias, one, ref):
+        np.testing.assert_array_equal(got, a)
+        assert_scaled_close(got, r, FP32)
+        assert_scaled_close(got, o, FP32)
+
+
+def test_block_sparse_sequence_parallel_validates_once_and_errors(monkeypatch):
+    q, k, v, _ = _qkv()
+    pattern = dilax.patterns.local_window(64, 8, 8)
+    sp = SequenceParallel(_mesh())
+    calls = _count(monkeypatch, "check_qkv")
+    dilax.block_sparse_attention(q, k, v, pattern, sequence_parallel=sp)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="not supported by block-sparse attention with seq"):
+        dilax.block_sparse_attention(q, k, v, pattern, sequence_parallel=sp,
+                                     query_seq_lengths=[3, 4])
+    with pytest.raises(ValueError, match="implementation must be None or 'xla'"):
+        dilax.block_sparse_attention(q, k, v, pattern, sequence_parallel=sp,
+                                     implementation="pallas")
+    with pytest.raises(ValueError, match=r"layout must be one of \('contiguous',\)"):
+        dilax.block_sparse_attention(q, k, v, pattern, sequence_parallel=SequenceParallel(
+            sp.mesh, layout="zigzag"))
+    with pytest.raises(ValueError, match=r"\(n/P = 8\) must be a multiple of the pattern's"):
+        dilax.block_sparse_attention(q, k, v, dilax.patterns.local_window(64, 16, 8),
+                                     sequence_parallel=SequenceParallel(_mesh(8)))

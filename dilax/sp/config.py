@@ -14,12 +14,13 @@ from dilax.sp.mesh import check_mesh
 class SequenceParallel:
     """Where and how to run attention sequence-parallel (static, hashable module config).
 
-    Give it to :class:`dilax.nn.DilatedAttention`, :class:`dilax.nn.MultiheadDilatedAttention`
-    or the LongNet models (``sequence_parallel=...``): their attention then runs as
-    :func:`dilax.sharded_dilated_attention` over ``mesh``. Given to
-    :class:`dilax.nn.BlockSparseAttention` or :class:`dilax.nn.BlockSparseMultiheadAttention`
-    it runs :func:`dilax.sharded_block_sparse_attention` (``layout="contiguous"`` only). The
-    projections and feed-forward layers are left to XLA's sharding propagation under ``jit``.
+    Give it to :func:`dilax.dilated_attention` or :func:`dilax.block_sparse_attention`
+    (``layout="contiguous"`` only) as ``sequence_parallel=...``: the op then runs as ring
+    attention over ``mesh``, validated once outside the ``shard_map``. Given to
+    :class:`dilax.nn.DilatedAttention`, :class:`dilax.nn.MultiheadDilatedAttention`, the
+    block-sparse modules or the LongNet models, every attention of the module runs that way.
+    The projections and feed-forward layers are left to XLA's sharding propagation under
+    ``jit``.
 
     Args:
       mesh: the device mesh.
