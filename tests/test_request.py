@@ -287,3 +287,25 @@ def test_block_sparse_sequence_parallel_validates_once_and_errors(monkeypatch):
     with pytest.raises(ValueError, match=r"\(n/P = 8\) must be a multiple of the pattern's"):
         dilax.block_sparse_attention(q, k, v, dilax.patterns.local_window(64, 16, 8),
                                      sequence_parallel=SequenceParallel(_mesh(8)))
+
+
+def test_modules_take_settings_and_mask_values():
+    """``DilatedAttention(settings=...)`` / ``MultiheadDilatedAttention(settings=...)`` with
+    ``mask=`` run the functional op's program (bitwise) and equal the keyword modules."""
+    from flax import nnx
+
+    from dilax.nn import DilatedAttention, MultiheadDilatedAttention
+
+    q, k, v, _ = _qkv(n=32, seed=3)
+    s = DilatedSettings((8, 32), (1, 2), is_causal=True)
+    mask = AttentionMask.build(q, query_seq_lengths=[30, 17])
+    want = dilax.dilated_attention(q, k, v, settings=s, mask=mask)
+    np.testing.assert_array_equal(DilatedAttention(settings=s)(q, k, v, mask=mask), want)
+    with pytest.raises(TypeError, match="settings= holds the whole configuration"):
+        DilatedAttention((8,), (1,), settings=s)
+    x = jax.random.normal(jax.random.PRNGKey(4), (2, 32, 16))
+    by_value = MultiheadDilatedAttention(16, 4, settings=s, rngs=nnx.Rngs(0))
+    by_keywords = MultiheadDilatedAttention(16, 4, (8, 32), (1, 2), rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(
+        by_value(x, mask=mask),
+        by_keywords(x, is_causal=True, query_seq_lengths=jnp.array([30, 17])))

@@ -145,8 +145,8 @@ class MultiheadDilatedAttention(nnx.Module):
       layer_norm_eps: LayerNorm epsilon.
       gamma_init: Xavier-normal gain of ``v_proj`` and ``out_proj`` (``q_proj``/``k_proj`` use
         gain 1), MAGNETO's depth-dependent gamma.
-      mode, scale, implementation, block_sizes, sequence_parallel, local_window: as in
-        :class:`DilatedAttention`.
+      mode, scale, implementation, block_sizes, sequence_parallel, local_window, settings: as
+        in :class:`DilatedAttention`.
       dtype: compute dtype (``None``: from inputs and params); param_dtype: parameter dtype.
       keep_rngs: keep a forked ``dropout`` stream of ``rngs`` for dropout (only if
         ``dropout > 0``); with ``False`` pass ``rngs`` at call time.
@@ -157,8 +157,8 @@ class MultiheadDilatedAttention(nnx.Module):
         self,
         embed_dim: int,
         num_heads: int,
-        segment_lengths: tuple[int, ...] | list[int] | int,
-        dilation_rates: tuple[int, ...] | list[int] | int,
+        segment_lengths: tuple[int, ...] | list[int] | int | None = None,
+        dilation_rates: tuple[int, ...] | list[int] | int | None = None,
         *,
         num_kv_heads: int | None = None,
         dropout: float = 0.0,
@@ -175,6 +175,7 @@ class MultiheadDilatedAttention(nnx.Module):
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
         keep_rngs: bool = True,
+        settings: DilatedSettings | None = None,
         rngs: nnx.Rngs,
     ):
         embed_dim, num_heads, num_kv_heads = check_heads(embed_dim, num_heads, num_kv_heads)
@@ -185,7 +186,7 @@ class MultiheadDilatedAttention(nnx.Module):
         self.attention = DilatedAttention(segment_lengths, dilation_rates, mode=mode, scale=scale,
                                           implementation=implementation, block_sizes=block_sizes,
                                           sequence_parallel=sequence_parallel,
-                                          local_window=local_window)
+                                          local_window=local_window, settings=settings)
         self.dropout = nnx.Dropout(dropout, rngs=rngs if keep_rngs and dropout > 0 else None)
         finish(layer_norm, layer_norm_eps)
 
@@ -200,15 +201,20 @@ class MultiheadDilatedAttention(nnx.Module):
         rngs: nnx.Rngs | None = None,
         query_seq_lengths: jax.Array | None = None,
         key_value_seq_lengths: jax.Array | None = None,
+        mask: AttentionMask | None = None,
     ) -> jax.Array:
         """``query (b, n, E)``, ``key``/``value (b, n, E)`` (default: ``query``, and ``value``
         defaults to ``key``) -> ``(b, n, E)``. ``query_seq_lengths``,
         ``key_value_seq_lengths``: optional int ``(b,)`` (padding; see
         :func:`dilax.dilated_attention`): the attention output is 0 on query rows past their
-        length (the output projection's bias still applies there)."""
+        length (the output projection's bias still applies there). ``mask``: a
+        :class:`dilax.AttentionMask` instead of the lengths."""
         q, k, v = project_qkv(self, query, key, value)
-        x = self.attention(q, k, v, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
-                           key_value_seq_lengths=key_value_seq_lengths).reshape(query.shape)
+        # False (the default) leaves the flag of the module's settings as it is
+        causal = None if is_causal is False else is_causal
+        x = self.attention(q, k, v, is_causal=causal, query_seq_lengths=query_seq_lengths,
+                           key_value_seq_lengths=key_value_seq_lengths,
+                           mask=mask).reshape(query.shape)
         return output_projection(self, self.dropout(x, deterministic=deterministic, rngs=rngs))
 
     # --- KV-cache decoding -------------------------------------------------------------
