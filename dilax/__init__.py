@@ -10,6 +10,7 @@ after a plain ``import dilax``).
 
 from dilax import memory, patterns
 from dilax.attention_fn import attention_fn
+from dilax.attention_mask import AttentionMask
 from dilax.backend import describe
 from dilax.block_sparse import block_sparse_attention
 from dilax.content_adaptive import content_adaptive_attention
@@ -17,6 +18,7 @@ from dilax.core import BlockSizes, attention_core, merge_attention_states
 from dilax.decode import KVCache, dilated_attention_decode
 from dilax.dilated import dilated_attention
 from dilax.reference import dilated_counts
+from dilax.settings import DilatedSettings
 from dilax.sp import (
     SequenceParallel,
     ring_block_sparse_attention,
@@ -50,7 +52,9 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AttentionMask",
     "BlockSizes",
+    "DilatedSettings",
     "KVCache",
     "SequenceParallel",
     "attention_core",

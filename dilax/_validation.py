@@ -243,7 +243,7 @@ def check_memory(q: Any, k: Any, *, num_branches: int = 1, dense: bool = False,
         f"{op} on q of shape {tuple(q.shape)} {q.dtype} (seq_len n={q.shape[1]}"
         + (", dense n x n reference" if dense else "") + ")",
         hint="use a shorter seq_len or a smaller batch, shard the sequence over devices "
-             "(dilax.sharded_dilated_attention)"
+             "(dilax.dilated_attention(..., sequence_parallel=dilax.SequenceParallel(mesh)))"
              + (", or implementation='xla'" if dense else ""),
     )
 

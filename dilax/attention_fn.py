@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from dilax import _validation as V
 from dilax.dilated import dilated_attention
+from dilax.settings import DilatedSettings
 
 _OPTIONS = ("mode", "is_causal", "scale", "implementation", "block_sizes")
 
@@ -39,16 +40,11 @@ def check_options(
     scale: Any = None, implementation: Any = None, block_sizes: Any = None,
 ) -> dict[str, Any]:
     """Validates a static dilated configuration (everything but the shapes) and returns it
-    normalized: ``segment_lengths``/``dilation_rates`` as int tuples, the rest checked."""
-    ws, rs = V.check_branches(segment_lengths, dilation_rates)
-    mode = V.check_mode_name(mode)
-    is_causal = V.check_bool(is_causal, "is_causal")
-    if scale is not None:
-        scale = V.check_scale(scale, 1)
-    implementation = V.check_implementation(implementation)
-    block_sizes = V.check_block_sizes(block_sizes)
-    return dict(segment_lengths=ws, dilation_rates=rs, mode=mode, is_causal=is_causal,
-                scale=scale, implementation=implementation, block_sizes=block_sizes)
+    normalized, as a dict of the :class:`dilax.DilatedSettings` fields it names."""
+    s = DilatedSettings(segment_lengths, dilation_rates, mode=mode, is_causal=is_causal,
+                        scale=scale, implementation=implementation, block_sizes=block_sizes)
+    return {name: getattr(s, name) for name in ("segment_lengths", "dilation_rates")
+            + _OPTIONS}
 
 
 def attention_fn(
@@ -101,7 +97,8 @@ def attention_fn(
         raise TypeError(
             f"attention_fn got unknown option(s) {unknown}; valid options are {list(_OPTIONS)}"
         )
-    cfg = check_options(segment_lengths, dilation_rates, **options)
+    settings = DilatedSettings(segment_lengths, dilation_rates, **options)
+    causal_settings = settings.causal()  # the module may ask for causal at call time
 
     def dilated_attention_fn(
         query: jax.Array,
@@ -176,11 +173,8 @@ def attention_fn(
                                  f"broadcast to the batch axes {batch}") from None
             key_valid = key_valid.reshape(flat, n).astype(bool)
         out = dilated_attention(
-            q, k, v, cfg["segment_lengths"], cfg["dilation_rates"],
-            is_causal=cfg["is_causal"] or V.check_bool(is_causal, "is_causal"),
-            scale=cfg["scale"], mode=cfg["mode"], implementation=cfg["implementation"],
-            block_sizes=cfg["block_sizes"], key_padding_mask=key_valid,
-        )
+            q, k, v, settings=causal_settings if V.check_bool(is_causal, "is_causal")
+            else settings, key_padding_mask=key_valid)
         return out.reshape(batch + out.shape[1:])
 
     return dilated_attention_fn

@@ -29,49 +29,20 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from dilax import _validation as V
 from dilax import registry
-from dilax.core import BlockSizes, attention_core, merge_attention_states
+from dilax.block_sparse_tables import check_pattern, head_layout, sparse_attention_tables
 from dilax.patterns import BlockSparsePattern, mask_tables
 from dilax.reference import length_mask, masked_attention
+from dilax.sp.block_sparse_ring import check_sharded_block_sparse, sharded_block_sparse
+from dilax.sp.config import SequenceParallel, check_sequence_parallel
 
 IMPLEMENTATIONS = V.BLOCK_SPARSE_IMPLEMENTATIONS
-
-# Upper bound on gathered K+V bytes per lax.map step (a few query blocks at a time).
-_ROW_BUDGET_BYTES = 64 * 2**20
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-# -- validation ---------------------------------------------------------------------------
-
-
-def check_pattern(pattern, q: jax.Array) -> BlockSparsePattern:
-    """Checks that ``pattern`` fits ``q: (b, n, h, d)`` (block counts and heads)."""
-    if not isinstance(pattern, BlockSparsePattern):
-        raise TypeError(
-            "pattern must be a dilax.patterns.BlockSparsePattern (e.g. "
-            f"dilax.patterns.local_window(...)), got {type(pattern).__name__}"
-        )
-    _, n, h, _ = q.shape
-    bs = pattern.block_size
-    nb = _cdiv(n, bs)
-    if pattern.num_q_blocks != nb or pattern.num_k_blocks != nb:
-        raise ValueError(
-            f"pattern has {pattern.num_q_blocks}x{pattern.num_k_blocks} blocks of block_size "
-            f"{bs}, but q/k have seq_len n={n}, which needs ceil(n / block_size) = {nb} query "
-            f"and key blocks"
-        )
-    if pattern.num_heads not in (1, h):
-        raise ValueError(
-            f"pattern has {pattern.num_heads} heads; it must have 1 (shared) or one per query "
-            f"head of q (h={h})"
-        )
-    return pattern
 
 
 # -- static plans -------------------------------------------------------------------------
@@ -91,17 +62,6 @@ class _Plan:
     idx: np.ndarray  # (1, Ui, nq, A) int32: non-causal: all active; causal: j < i only
     kv_len: np.ndarray  # (1, Ui, nq) int32 keys of the gathered call (partial block excluded)
     diag_len: np.ndarray | None  # (1, Ui, nq) int32 causal diagonal kv_len (B or 0), or None
-
-
-def head_layout(mask: np.ndarray, h: int, hk: int) -> tuple[int, int, tuple[int, ...], np.ndarray]:
-    """Returns ``(U, G, kvmap, per-virtual-head mask (1 or U, nq, nk))``."""
-    group = h // hk
-    if mask.shape[0] == 1:
-        return hk, group, tuple(range(hk)), mask
-    grouped = mask.reshape(hk, group, *mask.shape[1:])
-    if np.all(grouped == grouped[:, :1]):
-        return hk, group, tuple(range(hk)), np.ascontiguousarray(grouped[:, 0])
-    return h, 1, tuple(j // group for j in range(h)), mask
 
 
 def _plan_from_mask(mask: np.ndarray, n: int, bs: int, h: int, hk: int, is_causal: bool) -> _Plan:
@@ -128,165 +88,6 @@ def plan_pattern(pattern: BlockSparsePattern, n: int, h: int, hk: int, is_causal
     """Static tables of ``pattern`` for ``(n, h, hk, is_causal)`` (cached)."""
     return _plan_from_mask(pattern.block_mask, n, pattern.block_size, h, hk, is_causal)
 
-
-# -- gather + core ------------------------------------------------------------------------
-
-
-def _shared_gather(idx_shape: tuple[int, ...], kvmap: tuple[int, ...], hk: int) -> bool:
-    """Whether every batch row and virtual head uses the same table and kv heads in order."""
-    return idx_shape[0] == 1 and idx_shape[1] == 1 and kvmap == tuple(range(hk))
-
-
-def _gather_source(x: jax.Array, shared: bool, bs: int) -> jax.Array:
-    """K or V ``(b, nk*B, hk, d)`` viewed as blocks, laid out for :func:`_gather_blocks`
-    (done once, outside the row loop): ``(b, nk, B, hk, d)`` or ``(b, hk, nk, B, d)``."""
-    b, nkb, hk, d = x.shape
-    xb = x.reshape(b, nkb // bs, bs, hk, d)
-    return xb if shared else xb.transpose(0, 3, 1, 2, 4)
-
-
-def _gather_blocks(src: jax.Array, idx: jax.Array, kvmap: tuple[int, ...], shared: bool,
-                   bs: int) -> jax.Array:
-    """Gathers key blocks for ``idx (Bi, Ui, R, A)`` -> ``(b * R, A * B, U, d)``; virtual head
-    ``u`` reads kv head ``kvmap[u]``."""
-    _, R, A = idx.shape[1:]
-    U = len(kvmap)
-    if shared:
-        b, d = src.shape[0], src.shape[-1]
-        g = jnp.take(src, idx[0, 0].reshape(-1), axis=1, mode="clip")  # (b, R*A, B, hk, d)
-        return g.reshape(b * R, A * bs, U, d)
-    b, d = src.shape[0], src.shape[-1]
-    bix = jnp.arange(b, dtype=jnp.int32)[:, None, None, None]
-    kix = jnp.asarray(np.asarray(kvmap, np.int32))[None, :, None, None]
-    g = src[bix, kix, jnp.broadcast_to(idx, (b, U, R, A))]  # (b, U, R, A, B, d)
-    return g.transpose(0, 2, 3, 4, 1, 5).reshape(b * R, A * bs, U, d)
-
-
-def _rows_kv_len(kv_len: jax.Array, b: int, U: int) -> jax.Array:
-    """``(Bi, Ui, R)`` -> ``(b * R, U)``."""
-    Bi, Ui, R = kv_len.shape
-    return jnp.broadcast_to(kv_len, (b, U, R)).transpose(0, 2, 1).reshape(b * R, U)
-
-
-def _head_take(x: jax.Array, kvmap: tuple[int, ...]) -> jax.Array:
-    if kvmap == tuple(range(x.shape[2])):
-        return x
-    return jnp.take(x, jnp.asarray(np.asarray(kvmap, np.int32)), axis=2)
-
-
-def _attend_rows(q, k, v, kd, vd, idx, kv_len, diag_len, q_len=None, *, bs, U, G, kvmap,
-                 shared, scale, block_k):
-    """One group of ``R`` query blocks.
-
-    q: ``(b, R*B, h, d)``; k, v: all key blocks as laid out by :func:`_gather_source`;
-    kd, vd: ``(b, R*B, hk, d)`` the rows' own key blocks (diagonal, causal only) or None;
-    idx: ``(Bi, Ui, R, A)``; kv_len, diag_len: ``(Bi, Ui, R)``.
-    Returns ``out (b, R*B, h, d)`` float32 and ``lse (b, R*B, h)``.
-    """
-    b, RB, h, d = q.shape
-    R = RB // bs
-    qr = q.reshape(b * R, bs, U, G, d)
-    q_len = None if q_len is None else _rows_kv_len(q_len, b, U)
-    out = lse = None
-    if idx is not None:
-        kg = _gather_blocks(k, idx, kvmap, shared, bs)
-        vg = _gather_blocks(v, idx, kvmap, shared, bs)
-        bk = min(block_k, kg.shape[1])
-        out, lse = attention_core(qr, kg, vg, scale=scale, kv_len=_rows_kv_len(kv_len, b, U),
-                                  block_sizes=BlockSizes(block_q=bs, block_k=bk), q_len=q_len)
-    if diag_len is not None:
-        kr = _head_take(kd, kvmap).reshape(b * R, bs, U, d)
-        vr = _head_take(vd, kvmap).reshape(b * R, bs, U, d)
-        o2, l2 = attention_core(qr, kr, vr, scale=scale, is_causal=True,
-                                kv_len=_rows_kv_len(diag_len, b, U),
-                                block_sizes=BlockSizes(block_q=bs, block_k=bs), q_len=q_len)
-        if out is None:
-            out, lse = o2.astype(jnp.float32), l2
-        else:
-            out, lse = merge_attention_states(out, lse, o2, l2)
-    return out.astype(jnp.float32).reshape(b, RB, h, d), lse.reshape(b, RB, h)
-
-
-def _rows_per_step(nq: int, b: int, A: int, bs: int, U: int, d: int, itemsize: int) -> int:
-    per_row = 2 * b * A * bs * U * d * itemsize
-    target = max(1, _ROW_BUDGET_BYTES // max(per_row, 1))
-    best = 1
-    for r in range(1, min(nq, target) + 1):
-        if nq % r == 0:
-            best = r
-    return best
-
-
-def default_block_k(bs: int) -> int:
-    """Core key block for pattern block size ``bs``: whole pattern blocks, about 256 keys."""
-    return bs * max(1, 256 // bs)
-
-
-def sparse_attention_tables(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    idx: jax.Array | np.ndarray | None,
-    kv_len: jax.Array | np.ndarray | None,
-    diag_len: jax.Array | np.ndarray | None,
-    *,
-    block_size: int,
-    U: int,
-    G: int,
-    kvmap: tuple[int, ...],
-    scale: float,
-    block_k: int | None = None,
-    q_len: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Attention of every query block over table-selected key blocks (internal building block).
-
-    Args:
-      q: ``(b, nq*B, h, d)``, ``h = U * G``; k, v: ``(b, nk*B, hk, d)`` (padded to blocks).
-      idx: ``(Bi, Ui, nq, A)`` key-block indices (``Bi`` in {1, b}, ``Ui`` in {1, U}) or None
-        (no gathered call); kv_len: ``(Bi, Ui, nq)`` valid gathered keys per row.
-      diag_len: ``(Bi, Ui, nq)`` causal diagonal-block keys (``B`` or 0), or None (no diagonal
-        call). Requires ``nq == nk``.
-      q_len: ``(Bi, 1, nq)`` valid query rows of each query block, or None (all valid).
-    Returns:
-      ``out (b, nq*B, h, d)`` float32 and ``lse (b, nq*B, h)`` float32.
-    """
-    b, nqb, h, d = q.shape
-    bs = block_size
-    nq = nqb // bs
-    block_k = default_block_k(bs) if block_k is None else block_k
-    A = 0 if idx is None else idx.shape[-1]
-    step = _rows_per_step(nq, b, A, bs, U, d, q.dtype.itemsize) if idx is not None else nq
-    shared = idx is not None and _shared_gather(idx.shape, kvmap, k.shape[2])
-    ks = _gather_source(k, shared, bs) if idx is not None else None
-    vs = _gather_source(v, shared, bs) if idx is not None else None
-    fn = functools.partial(_attend_rows, bs=bs, U=U, G=G, kvmap=kvmap, shared=shared,
-                           scale=scale, block_k=block_k)
-    causal = diag_len is not None
-    if step == nq:
-        return fn(q, ks, vs, k if causal else None, v if causal else None, idx, kv_len,
-                  diag_len, q_len)
-    steps = nq // step
-
-    def split_rows(x, axis):  # (..., nq*stuff ...) -> (steps, ..., step*stuff, ...)
-        if x is None:
-            return None
-        x = jnp.asarray(x)
-        shape = x.shape
-        x = x.reshape(shape[:axis] + (steps, shape[axis] // steps) + shape[axis + 1:])
-        return jnp.moveaxis(x, axis, 0)
-
-    xs = (split_rows(q, 1), split_rows(k, 1) if causal else None,
-          split_rows(v, 1) if causal else None, split_rows(idx, 2), split_rows(kv_len, 2),
-          split_rows(diag_len, 2), split_rows(q_len, 2))
-
-    def body(args):
-        qc, kc, vc, ic, lc, dc, qlc = args
-        return fn(qc, ks, vs, kc, vc, ic, lc, dc, qlc)
-
-    out, lse = lax.map(body, xs)
-    out = jnp.moveaxis(out, 0, 1).reshape(b, nqb, h, d)
-    lse = jnp.moveaxis(lse, 0, 1).reshape(b, nqb, h)
-    return out, lse
 
 
 def pad_seq(x: jax.Array, size: int) -> jax.Array:
@@ -389,6 +190,7 @@ def block_sparse_attention(
     interpret: bool = False,
     query_seq_lengths: jax.Array | None = None,
     key_value_seq_lengths: jax.Array | None = None,
+    sequence_parallel: SequenceParallel | None = None,
 ) -> jax.Array:
     """Exact block-sparse attention (docs/semantics.md, "Block-sparse attention").
 
@@ -415,6 +217,10 @@ def block_sparse_attention(
         blocks past the length. The table-driven Pallas kernel has no length mask: with
         lengths ``implementation=None`` runs the XLA path and ``"pallas"`` raises
         (:mod:`dilax.registry`).
+      sequence_parallel: a :class:`dilax.SequenceParallel` (``layout="contiguous"``): run as
+        ring block-sparse attention with the sequence split over ``sequence_parallel.mesh``
+        (XLA core; no valid lengths; ``n / P`` a multiple of ``pattern.block_size``; see
+        :func:`dilax.sp.ring_block_sparse_attention`). Same result, forward and backward.
 
     Returns:
       ``(b, n, h, d)`` in ``q.dtype``. Queries with no attended key get 0 (and 0 gradient).
@@ -432,6 +238,13 @@ def block_sparse_attention(
     is_causal = V.check_bool(is_causal, "is_causal")
     scale = V.check_scale(scale, q.shape[3])
     interpret = V.check_bool(interpret, "interpret")
+    if sequence_parallel is not None:
+        check_sequence_parallel(sequence_parallel, implementation, interpret=interpret)
+        if query_seq_lengths is not None or key_value_seq_lengths is not None:
+            raise ValueError("query_seq_lengths / key_value_seq_lengths are not supported by "
+                             "block-sparse attention with sequence_parallel")
+        check_sharded_block_sparse(q, pattern, sequence_parallel)
+        return sharded_block_sparse(q, k, v, pattern, is_causal, scale, sequence_parallel)
     b, n = q.shape[:2]
     q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n)
     kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)

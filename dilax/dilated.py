@@ -9,43 +9,50 @@ merged in float32 with their log-sum-exp weights
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from dilax import _validation as V
-from dilax.backend import resolve_core
+from dilax.attention_mask import AttentionMask
+from dilax.backend import resolve_core, resolve_implementation
 from dilax.branches import CoreBranch, attend_branches
 from dilax.core import XLA, BlockSizes, Core
 from dilax.layout import dilated_branches, window_plan
 from dilax.reference import dilated_attention_reference
 from dilax.registry import branch_cores
+from dilax.settings import DilatedSettings, check_dilated_request, settings_from_keywords
+from dilax.sp.config import SequenceParallel, check_sequence_parallel
+from dilax.sp.dilated_ring import check_sharded, sharded_dilated
 
 
-def dilated_attention_core(q, k, v, segment_lengths, dilation_rates, *, is_causal, scale, mode,
-                           core: Core = XLA, block_sizes=None, return_lse=False,
-                           query_seq_lengths=None, key_value_seq_lengths=None,
-                           local_window=None, key_padding_mask=None):
+def dilated_attention_core(q, k, v, mask: AttentionMask, settings: DilatedSettings,
+                           core: Core = XLA, return_lse=False):
     """Dilated attention on validated arguments with the attention core ``core``.
 
-    ``query_seq_lengths``, ``key_value_seq_lengths``: ``None`` or int ``(b,)`` in ``[0, n]``;
-    ``local_window``: ``None`` or int ``>= 0`` (mixture only): one more branch, the band
-    ``|p - t| <= local_window``, merged into the same softmax. ``key_padding_mask``: ``None``
-    or bool ``(b, n)`` (True = valid key), with ``key_value_seq_lengths`` one past the last
-    valid key so that trailing padding blocks are skipped.
+    ``mask``: its ``query_seq_lengths``, ``key_value_seq_lengths`` (``None`` or int ``(b,)``
+    in ``[0, n]``) and ``key_padding_mask`` (``None`` or bool ``(b, n)``, True = valid key;
+    then ``key_value_seq_lengths`` is one past the last valid key, so that trailing padding
+    blocks are skipped). ``settings.local_window`` (mixture only) adds one more branch, the
+    band ``|p - t| <= local_window``, merged into the same softmax.
 
     Returns ``out (b, n, h, d)`` and, with ``return_lse``, ``lse (b, n, h)`` float32."""
     n, h = q.shape[1], q.shape[2]
-    plans = tuple(dilated_branches(n, h, k.shape[2], segment_lengths, dilation_rates, mode))
-    if local_window is not None:
-        plans += (window_plan(n, h, k.shape[2], local_window),)
+    scale, is_causal = settings.scale_for(q.shape[3]), settings.is_causal
+    block_sizes, mode = settings.block_sizes, settings.mode
+    plans = tuple(dilated_branches(n, h, k.shape[2], settings.segment_lengths,
+                                   settings.dilation_rates, mode))
+    if settings.local_window is not None:
+        plans += (window_plan(n, h, k.shape[2], settings.local_window),)
     cores = branch_cores(core, plans, dtype=q.dtype, head_dim=q.shape[-1], is_causal=is_causal,
-                         key_padding=key_padding_mask is not None,
-                         lengths=query_seq_lengths is not None or key_value_seq_lengths is not None)
+                         key_padding=mask.key_padding_mask is not None,
+                         lengths=mask.query_seq_lengths is not None
+                         or mask.key_value_seq_lengths is not None)
     ops = tuple(CoreBranch(p, float(scale), bool(is_causal), block_sizes, c)
                 for p, c in zip(plans, cores))
-    lengths = (query_seq_lengths, key_value_seq_lengths, key_padding_mask)
+    lengths = (mask.query_seq_lengths, mask.key_value_seq_lengths, mask.key_padding_mask)
     # no lengths: exactly the program without them
     aux = None if all(x is None for x in lengths) else lengths
     out, lse = attend_branches(q, k, v, ops, mode, out_dtype=q.dtype, aux=aux)
@@ -56,8 +63,8 @@ def dilated_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    segment_lengths: tuple[int, ...] | list[int] | int,
-    dilation_rates: tuple[int, ...] | list[int] | int,
+    segment_lengths: tuple[int, ...] | list[int] | int | None = None,
+    dilation_rates: tuple[int, ...] | list[int] | int | None = None,
     *,
     is_causal: bool = False,
     scale: float | None = None,
@@ -69,6 +76,9 @@ def dilated_attention(
     key_value_seq_lengths: jax.Array | None = None,
     local_window: int | None = None,
     key_padding_mask: jax.Array | None = None,
+    settings: DilatedSettings | None = None,
+    mask: AttentionMask | None = None,
+    sequence_parallel: SequenceParallel | None = None,
 ) -> jax.Array:
     """Dilated attention (LongNet), exactly as specified in docs/semantics.md.
 
@@ -110,6 +120,15 @@ def dilated_attention(
         per-key validity (``flax.nnx.make_attention_mask`` style padding), combined with
         ``key_value_seq_lengths``. Key blocks past the last valid key are skipped; runs on the
         XLA core (``implementation=None`` or ``"xla"``; the kernels have no per-key mask).
+      settings: a :class:`dilax.DilatedSettings` holding the whole configuration (then
+        ``segment_lengths`` ... ``local_window`` must be left out).
+      mask: a :class:`dilax.AttentionMask` (then ``query_seq_lengths``,
+        ``key_value_seq_lengths`` and ``key_padding_mask`` must be left out); its
+        ``is_causal`` or ``is_causal`` here makes the call causal.
+      sequence_parallel: a :class:`dilax.SequenceParallel`: run as ring attention with the
+        sequence split over ``sequence_parallel.mesh`` (XLA core; no ``key_padding_mask``;
+        ``n`` divisible by the ``seq_axis`` size, ``local_window`` at most ``n/P``, see
+        :func:`dilax.sp.ring_dilated_attention`). Same result, forward and backward.
 
     Returns:
       ``(b, n, h, d)`` in ``q.dtype``. Queries selected by no branch (or past their row's
@@ -118,38 +137,51 @@ def dilated_attention(
     Raises:
       ValueError / TypeError at trace time for malformed inputs (see docs/semantics.md, "Errors").
     """
-    q, k, v = V.check_qkv(q, k, v, empty_batch=True)
-    ws, rs, mode, is_causal, scale, block_sizes = V.check_dilated_call(
-        q, segment_lengths, dilation_rates, mode, is_causal, scale, block_sizes)
-    interpret = V.check_bool(interpret, "interpret")
-    window = V.check_local_window(local_window, mode)
-    b, n = q.shape[:2]
-    q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n)
-    kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)
-    key_valid = V.check_key_padding_mask(key_padding_mask, b, n)
+    settings = settings_from_keywords(
+        settings, segment_lengths, dilation_rates, is_causal=is_causal, scale=scale, mode=mode,
+        implementation=implementation, block_sizes=block_sizes, interpret=interpret,
+        local_window=local_window)
+    if sequence_parallel is not None:
+        check_sequence_parallel(sequence_parallel, settings.implementation,
+                                interpret=settings.interpret)
+    q, k, v, mask, settings = check_dilated_request(
+        q, k, v, settings, mask, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, key_padding_mask=key_padding_mask,
+        empty_batch=sequence_parallel is None)
+    if sequence_parallel is not None:
+        check_sharded(q, k.shape[2], mask, settings, sequence_parallel)
+        return sharded_dilated(q, k, v, mask, settings, sequence_parallel)
+    return dilated_validated(q, k, v, mask, settings)
+
+
+def dilated_validated(q, k, v, mask: AttentionMask, settings: DilatedSettings) -> jax.Array:
+    """:func:`dilated_attention` (one device) on arguments :func:`check_dilated_request`
+    returned: the memory check, then the compiled program of ``settings``."""
+    key_valid = mask.key_padding_mask
     if key_valid is not None:  # one past the last valid key: trailing blocks are skipped
+        n, kv_len = q.shape[1], mask.key_value_seq_lengths
         last = jnp.max(jnp.where(key_valid, jnp.arange(1, n + 1), 0), axis=1).astype(jnp.int32)
-        kv_len = last if kv_len is None else jnp.minimum(kv_len, last)
-    core = resolve_core(implementation, interpret=interpret)
-    V.check_memory(q, k, num_branches=len(ws) + (window is not None), dense=core is None,
+        mask = dataclasses.replace(
+            mask, key_value_seq_lengths=last if kv_len is None else jnp.minimum(kv_len, last))
+    dense = resolve_implementation(settings.implementation,
+                                   interpret=settings.interpret) == "reference"
+    V.check_memory(q, k, num_branches=settings.num_branches, dense=dense,
                    op="dilated_attention")
-    if b == 0:  # the blockwise cores need a row; the result is empty anyway
+    if q.shape[0] == 0:  # the blockwise cores need a row; the result is empty anyway
         return V.empty_batch(q, v)
-    return _dilated_jit(q, k, v, q_len, kv_len, key_valid, ws, rs, is_causal, scale, mode,
-                        core, block_sizes, window)
+    return _dilated_jit(q, k, v, mask, settings)
 
 
 # One compiled program per static configuration: eager calls then give bitwise the same
 # result as calls under jax.jit (op-by-op dispatch would fuse, and round, differently).
-@functools.partial(jax.jit, static_argnums=tuple(range(6, 14)))
-def _dilated_jit(q, k, v, q_len, kv_len, key_valid, ws, rs, is_causal, scale, mode, core,
-                 block_sizes, window):
+@functools.partial(jax.jit, static_argnames=("settings",))
+def _dilated_jit(q, k, v, mask: AttentionMask, settings: DilatedSettings):
+    core = resolve_core(settings.implementation, interpret=settings.interpret)
     if core is None:
-        return dilated_attention_reference(q, k, v, ws, rs, is_causal=is_causal, scale=scale,
-                                           mode=mode, query_seq_lengths=q_len,
-                                           key_value_seq_lengths=kv_len, local_window=window,
-                                           key_padding_mask=key_valid)
-    return dilated_attention_core(q, k, v, ws, rs, is_causal=is_causal, scale=scale, mode=mode,
-                                  core=core, block_sizes=block_sizes, query_seq_lengths=q_len,
-                                  key_value_seq_lengths=kv_len, local_window=window,
-                                  key_padding_mask=key_valid)
+        return dilated_attention_reference(
+            q, k, v, settings.segment_lengths, settings.dilation_rates,
+            is_causal=settings.is_causal, scale=settings.scale_for(q.shape[3]),
+            mode=settings.mode, query_seq_lengths=mask.query_seq_lengths,
+            key_value_seq_lengths=mask.key_value_seq_lengths,
+            local_window=settings.local_window, key_padding_mask=mask.key_padding_mask)
+    return dilated_attention_core(q, k, v, mask, settings, core)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dilax import _validation as V
-from dilax.attention_fn import check_options
+from dilax.attention_mask import AttentionMask
 from dilax.core import BlockSizes
 from dilax.decode import KVCache, dilated_attention_decode
 from dilax.dilated import dilated_attention
@@ -27,7 +27,8 @@ from dilax.nn._heads import (
     project_qkv,
     xavier_normal,
 )
-from dilax.sp import SequenceParallel, sharded_dilated_attention
+from dilax.settings import DilatedSettings, settings_from_keywords
+from dilax.sp import SequenceParallel
 from dilax.sp.config import check_sequence_parallel
 
 __all__ = ["DilatedAttention", "MultiheadDilatedAttention", "xavier_normal"]
@@ -46,22 +47,26 @@ class DilatedAttention(nnx.Module):
       scale: logit scale, default ``1 / sqrt(d)``.
       implementation, block_sizes: forwarded to :func:`dilax.dilated_attention`.
       sequence_parallel: a :class:`dilax.SequenceParallel` (mesh and axes) to run as ring
-        attention over the devices (:func:`dilax.sharded_dilated_attention`; XLA core, so
-        ``implementation`` must be None or ``"xla"``); None: one device.
+        attention over the devices (:func:`dilax.dilated_attention` with
+        ``sequence_parallel``; XLA core, so ``implementation`` must be None or ``"xla"``);
+        None: one device.
       local_window: optional ``W >= 0`` (``mode="mixture"``): one more branch attending the
         keys ``|p - t| <= W`` (see :func:`dilax.dilated_attention`); with
         ``sequence_parallel`` at most the local chunk length ``n/P`` (``n/(2P)`` zigzag).
+      settings: a :class:`dilax.DilatedSettings` instead of the configuration keywords
+        (``segment_lengths`` ... ``local_window`` then left out).
 
-    ``__call__(q, k, v, *, query_seq_lengths=None, key_value_seq_lengths=None)`` takes
-    ``q (b, n, h, d)``, ``k``/``v (b, n, hk, d)`` with ``h % hk == 0`` and optional int
-    ``(b,)`` valid lengths (padding, as in :func:`dilax.dilated_attention`) and returns
+    ``__call__(q, k, v, *, is_causal=None, query_seq_lengths=None,
+    key_value_seq_lengths=None, mask=None)`` takes ``q (b, n, h, d)``, ``k``/``v (b, n, hk,
+    d)`` with ``h % hk == 0`` and optional int ``(b,)`` valid lengths (padding, as in
+    :func:`dilax.dilated_attention`) or a :class:`dilax.AttentionMask` and returns
     ``(b, n, h, d)`` in ``q.dtype``.
     """
 
     def __init__(
         self,
-        segment_lengths: tuple[int, ...] | list[int] | int,
-        dilation_rates: tuple[int, ...] | list[int] | int,
+        segment_lengths: tuple[int, ...] | list[int] | int | None = None,
+        dilation_rates: tuple[int, ...] | list[int] | int | None = None,
         *,
         mode: str = "mixture",
         is_causal: bool = False,
@@ -70,40 +75,37 @@ class DilatedAttention(nnx.Module):
         block_sizes: BlockSizes | None = None,
         sequence_parallel: SequenceParallel | None = None,
         local_window: int | None = None,
+        settings: DilatedSettings | None = None,
     ):
-        cfg = check_options(segment_lengths, dilation_rates, mode=mode, is_causal=is_causal,
-                            scale=scale, implementation=implementation, block_sizes=block_sizes)
+        settings = settings_from_keywords(
+            settings, segment_lengths, dilation_rates, mode=mode, is_causal=is_causal,
+            scale=scale, implementation=implementation, block_sizes=block_sizes,
+            local_window=local_window)
         self.sequence_parallel: SequenceParallel | None = check_sequence_parallel(
-            sequence_parallel, cfg["implementation"])
-        self.local_window: int | None = V.check_local_window(local_window, cfg["mode"])
-        self.segment_lengths: tuple[int, ...] = cfg["segment_lengths"]
-        self.dilation_rates: tuple[int, ...] = cfg["dilation_rates"]
-        self.mode: str = cfg["mode"]
-        self.is_causal: bool = cfg["is_causal"]
-        self.scale: float | None = cfg["scale"]
-        self.implementation: str | None = cfg["implementation"]
-        self.block_sizes: BlockSizes | None = cfg["block_sizes"]
+            sequence_parallel, settings.implementation, interpret=settings.interpret)
+        self.settings: DilatedSettings = settings
+        self.local_window: int | None = settings.local_window
+        self.segment_lengths: tuple[int, ...] = settings.segment_lengths
+        self.dilation_rates: tuple[int, ...] = settings.dilation_rates
+        self.mode: str = settings.mode
+        self.is_causal: bool = settings.is_causal
+        self.scale: float | None = settings.scale
+        self.implementation: str | None = settings.implementation
+        self.block_sizes: BlockSizes | None = settings.block_sizes
 
     def __call__(
         self, q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool | None = None,
         query_seq_lengths: jax.Array | None = None,
         key_value_seq_lengths: jax.Array | None = None,
+        mask: AttentionMask | None = None,
     ) -> jax.Array:
-        causal = self.is_causal if is_causal is None else V.check_bool(is_causal, "is_causal")
-        sp = self.sequence_parallel
-        if sp is not None:
-            return sharded_dilated_attention(
-                q, k, v, self.segment_lengths, self.dilation_rates, mesh=sp.mesh,
-                seq_axis=sp.seq_axis, batch_axis=sp.batch_axis, layout=sp.layout,
-                is_causal=causal, scale=self.scale, mode=self.mode,
-                block_sizes=self.block_sizes, query_seq_lengths=query_seq_lengths,
-                key_value_seq_lengths=key_value_seq_lengths, local_window=self.local_window)
+        settings = self.settings
+        if is_causal is not None and V.check_bool(is_causal, "is_causal") != settings.is_causal:
+            settings = settings.replace(is_causal=is_causal)
         return dilated_attention(
-            q, k, v, self.segment_lengths, self.dilation_rates, is_causal=causal,
-            scale=self.scale, mode=self.mode, implementation=self.implementation,
-            block_sizes=self.block_sizes, query_seq_lengths=query_seq_lengths,
-            key_value_seq_lengths=key_value_seq_lengths, local_window=self.local_window,
-        )
+            q, k, v, settings=settings, query_seq_lengths=query_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths, mask=mask,
+            sequence_parallel=self.sequence_parallel)
 
     # --- KV-cache decoding -------------------------------------------------------------
 
@@ -143,8 +145,8 @@ class MultiheadDilatedAttention(nnx.Module):
       layer_norm_eps: LayerNorm epsilon.
       gamma_init: Xavier-normal gain of ``v_proj`` and ``out_proj`` (``q_proj``/``k_proj`` use
         gain 1), MAGNETO's depth-dependent gamma.
-      mode, scale, implementation, block_sizes, sequence_parallel, local_window: as in
-        :class:`DilatedAttention`.
+      mode, scale, implementation, block_sizes, sequence_parallel, local_window, settings: as
+        in :class:`DilatedAttention`.
       dtype: compute dtype (``None``: from inputs and params); param_dtype: parameter dtype.
       keep_rngs: keep a forked ``dropout`` stream of ``rngs`` for dropout (only if
         ``dropout > 0``); with ``False`` pass ``rngs`` at call time.
@@ -155,8 +157,8 @@ class MultiheadDilatedAttention(nnx.Module):
         self,
         embed_dim: int,
         num_heads: int,
-        segment_lengths: tuple[int, ...] | list[int] | int,
-        dilation_rates: tuple[int, ...] | list[int] | int,
+        segment_lengths: tuple[int, ...] | list[int] | int | None = None,
+        dilation_rates: tuple[int, ...] | list[int] | int | None = None,
         *,
         num_kv_heads: int | None = None,
         dropout: float = 0.0,
@@ -173,6 +175,7 @@ class MultiheadDilatedAttention(nnx.Module):
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
         keep_rngs: bool = True,
+        settings: DilatedSettings | None = None,
         rngs: nnx.Rngs,
     ):
         embed_dim, num_heads, num_kv_heads = check_heads(embed_dim, num_heads, num_kv_heads)
@@ -183,7 +186,7 @@ class MultiheadDilatedAttention(nnx.Module):
         self.attention = DilatedAttention(segment_lengths, dilation_rates, mode=mode, scale=scale,
                                           implementation=implementation, block_sizes=block_sizes,
                                           sequence_parallel=sequence_parallel,
-                                          local_window=local_window)
+                                          local_window=local_window, settings=settings)
         self.dropout = nnx.Dropout(dropout, rngs=rngs if keep_rngs and dropout > 0 else None)
         finish(layer_norm, layer_norm_eps)
 
@@ -198,15 +201,20 @@ class MultiheadDilatedAttention(nnx.Module):
         rngs: nnx.Rngs | None = None,
         query_seq_lengths: jax.Array | None = None,
         key_value_seq_lengths: jax.Array | None = None,
+        mask: AttentionMask | None = None,
     ) -> jax.Array:
         """``query (b, n, E)``, ``key``/``value (b, n, E)`` (default: ``query``, and ``value``
         defaults to ``key``) -> ``(b, n, E)``. ``query_seq_lengths``,
         ``key_value_seq_lengths``: optional int ``(b,)`` (padding; see
         :func:`dilax.dilated_attention`): the attention output is 0 on query rows past their
-        length (the output projection's bias still applies there)."""
+        length (the output projection's bias still applies there). ``mask``: a
+        :class:`dilax.AttentionMask` instead of the lengths."""
         q, k, v = project_qkv(self, query, key, value)
-        x = self.attention(q, k, v, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
-                           key_value_seq_lengths=key_value_seq_lengths).reshape(query.shape)
+        # False (the default) leaves the flag of the module's settings as it is
+        causal = None if is_causal is False else is_causal
+        x = self.attention(q, k, v, is_causal=causal, query_seq_lengths=query_seq_lengths,
+                           key_value_seq_lengths=key_value_seq_lengths,
+                           mask=mask).reshape(query.shape)
         return output_projection(self, self.dropout(x, deterministic=deterministic, rngs=rngs))
 
     # --- KV-cache decoding -------------------------------------------------------------

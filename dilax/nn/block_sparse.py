@@ -1,8 +1,8 @@
 """Flax NNX modules for block-sparse attention (thin wrappers over the functional ops).
 
 With ``sequence_parallel=dilax.SequenceParallel(mesh, ...)`` they run
-:func:`dilax.sharded_block_sparse_attention` (the sequence split over a mesh axis) instead of
-:func:`dilax.block_sparse_attention`; parameters and results are the same.
+:func:`dilax.block_sparse_attention` with the sequence split over a mesh axis (its
+``sequence_parallel`` argument); parameters and results are the same.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dilax.nn._heads import (
     project_qkv,
 )
 from dilax.patterns import BlockSparsePattern
-from dilax.sp import SequenceParallel, sharded_block_sparse_attention
+from dilax.sp import SequenceParallel
 from dilax.sp.config import check_sequence_parallel
 
 
@@ -36,12 +36,8 @@ def _check_pattern_type(pattern) -> BlockSparsePattern:
 
 def _attend(q, k, v, pattern, sp: SequenceParallel | None, *, is_causal, scale=None,
             implementation=None):
-    if sp is not None:
-        return sharded_block_sparse_attention(q, k, v, pattern, mesh=sp.mesh,
-                                              seq_axis=sp.seq_axis, batch_axis=sp.batch_axis,
-                                              is_causal=is_causal, scale=scale)
     return block_sparse_attention(q, k, v, pattern, is_causal=is_causal, scale=scale,
-                                  implementation=implementation)
+                                  implementation=implementation, sequence_parallel=sp)
 
 
 class BlockSparseAttention(nnx.Module):

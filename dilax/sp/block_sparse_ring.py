@@ -17,6 +17,10 @@ zigzag), so causal work is unbalanced across devices.
 Per-device memory is O(n / P): one K/V chunk in flight per stream plus the gathered active
 blocks of the local query blocks. The backward pass is JAX's transpose of the forward
 (ppermutes in reverse).
+
+Validation happens once, at the public entry (:func:`dilax.block_sparse_attention` with
+``sequence_parallel=``, or the aliases below); :func:`sharded_block_sparse` and
+:func:`ring_block_sparse_core` take validated arguments.
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ from jax import lax
 from jax.sharding import Mesh
 
 from dilax import _validation as V
-from dilax.block_sparse import check_pattern, head_layout, sparse_attention_tables
+from dilax.block_sparse_tables import check_pattern, head_layout, sparse_attention_tables
 from dilax.core import merge_attention_states
 from dilax.patterns import BlockSparsePattern, mask_tables
-from dilax.sp.mesh import axis_size, check_mesh, check_sharded_shape, shard_sequence
+from dilax.sp.config import SequenceParallel, check_sequence_parallel
+from dilax.sp.mesh import axis_size, check_sharded_shape, shard_sequence
 from dilax.sp.schedule import Stream, needs_matrix, plan_streams
 
 
@@ -187,18 +192,47 @@ def ring_block_sparse_attention(
     b, n_l, h, d = q.shape
     if not isinstance(pattern, BlockSparsePattern):
         check_pattern(pattern, q)  # raises the TypeError
-    bs = pattern.block_size
-    if n_l % bs != 0:
+    _check_shard(pattern, n_l)
+    check_pattern(pattern, jax.ShapeDtypeStruct((b, n_l * P, h, d), q.dtype))
+    return ring_block_sparse_core(q, k, v, pattern, is_causal, scale, axis_name)
+
+
+def _check_shard(pattern: BlockSparsePattern, n_l: int) -> None:
+    if n_l % pattern.block_size != 0:
         raise ValueError(
             f"each device's sequence shard (n/P = {n_l}) must be a multiple of the pattern's "
-            f"block_size {bs} for ring block-sparse attention"
+            f"block_size {pattern.block_size} for ring block-sparse attention"
         )
-    check_pattern(pattern, jax.ShapeDtypeStruct((b, n_l * P, h, d), q.dtype))
-    plan = plan_ring(pattern, P, h, k.shape[2], is_causal)
-    fn = functools.partial(sparse_attention_tables, block_size=bs, U=plan.U, G=plan.G,
-                           kvmap=plan.kvmap, scale=scale)
+
+
+def ring_block_sparse_core(q, k, v, pattern: BlockSparsePattern, is_causal: bool, scale: float,
+                           axis_name: str) -> jax.Array:
+    """:func:`ring_block_sparse_attention` on validated arguments (inside ``shard_map``)."""
+    P = int(lax.axis_size(axis_name))
+    plan = plan_ring(pattern, P, q.shape[2], k.shape[2], is_causal)
+    fn = functools.partial(sparse_attention_tables, block_size=pattern.block_size, U=plan.U,
+                           G=plan.G, kvmap=plan.kvmap, scale=scale)
     out = _run_plan(q, k, v, plan, axis_name, fn)
     return out.astype(q.dtype)
+
+
+def check_sharded_block_sparse(q: jax.Array, pattern: BlockSparsePattern,
+                               sp: SequenceParallel) -> None:
+    """The mesh rules of a sequence-parallel block-sparse call on validated ``q`` and
+    ``pattern`` (global view): ``n`` and the batch divide over the mesh, shards are whole
+    pattern blocks, contiguous layout."""
+    check_sequence_parallel(sp, None, layouts=("contiguous",))
+    P = check_sharded_shape(q, sp.mesh, sp.seq_axis, sp.batch_axis)
+    _check_shard(pattern, q.shape[1] // P)
+
+
+def sharded_block_sparse(q, k, v, pattern: BlockSparsePattern, is_causal: bool, scale: float,
+                         sp: SequenceParallel) -> jax.Array:
+    """The sequence-parallel program on validated arguments: the shard_map of
+    :func:`ring_block_sparse_core` over ``sp.mesh``."""
+    fn = functools.partial(ring_block_sparse_core, pattern=pattern, is_causal=is_causal,
+                           scale=scale, axis_name=sp.seq_axis)
+    return shard_sequence(fn, sp.mesh, sp.seq_axis, sp.batch_axis, q, k, v)
 
 
 def sharded_block_sparse_attention(
@@ -215,7 +249,9 @@ def sharded_block_sparse_attention(
 ) -> jax.Array:
     """Sequence-parallel block-sparse attention over ``mesh`` (global view; builds the shard_map).
 
-    Runs :func:`ring_block_sparse_attention` on every device of ``mesh`` (contiguous layout);
+    An alias of ``dilax.block_sparse_attention(q, k, v, pattern, ...,
+    sequence_parallel=dilax.SequenceParallel(mesh, seq_axis, batch_axis))``. Runs
+    :func:`ring_block_sparse_attention` on every device of ``mesh`` (contiguous layout);
     the result equals :func:`dilax.block_sparse_attention` on the same inputs, forward and
     backward, while each device holds ``O(n / P)`` of the data.
 
@@ -240,10 +276,10 @@ def sharded_block_sparse_attention(
         ``batch_axis`` size, a pattern that does not fit ``n``, and every input error of
         :func:`dilax.block_sparse_attention`.
     """
+    sp = SequenceParallel(mesh, seq_axis, batch_axis)
     q, k, v = V.check_qkv(q, k, v)
-    check_mesh(mesh, seq_axis, batch_axis)
-    check_sharded_shape(q, mesh, seq_axis, batch_axis)
-    check_pattern(pattern, q)
-    fn = functools.partial(ring_block_sparse_attention, pattern=pattern, axis_name=seq_axis,
-                           is_causal=is_causal, scale=scale)
-    return shard_sequence(fn, mesh, seq_axis, batch_axis, q, k, v)
+    pattern = check_pattern(pattern, q)
+    is_causal = V.check_bool(is_causal, "is_causal")
+    scale = V.check_scale(scale, q.shape[3])
+    check_sharded_block_sparse(q, pattern, sp)
+    return sharded_block_sparse(q, k, v, pattern, is_causal, scale, sp)

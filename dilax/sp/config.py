@@ -15,12 +15,13 @@ from dilax.sp.mesh import check_mesh
 class SequenceParallel:
     """Where and how to run attention sequence-parallel (static, hashable module config).
 
-    Give it to :class:`dilax.nn.DilatedAttention`, :class:`dilax.nn.MultiheadDilatedAttention`
-    or the LongNet models (``sequence_parallel=...``): their attention then runs as
-    :func:`dilax.sharded_dilated_attention` over ``mesh``. Given to
-    :class:`dilax.nn.BlockSparseAttention` or :class:`dilax.nn.BlockSparseMultiheadAttention`
-    it runs :func:`dilax.sharded_block_sparse_attention` (``layout="contiguous"`` only). The
-    projections and feed-forward layers are left to XLA's sharding propagation under ``jit``.
+    Give it to :func:`dilax.dilated_attention` or :func:`dilax.block_sparse_attention`
+    (``layout="contiguous"`` only) as ``sequence_parallel=...``: the op then runs as ring
+    attention over ``mesh``, validated once outside the ``shard_map``. Given to
+    :class:`dilax.nn.DilatedAttention`, :class:`dilax.nn.MultiheadDilatedAttention`, the
+    block-sparse modules or the LongNet models, every attention of the module runs that way.
+    The projections and feed-forward layers are left to XLA's sharding propagation under
+    ``jit``.
 
     Args:
       mesh: the device mesh.
@@ -45,9 +46,11 @@ class SequenceParallel:
 
 
 def check_sequence_parallel(sequence_parallel, implementation,
-                            layouts: tuple[str, ...] = ("contiguous", "zigzag")):
-    """A module's ``sequence_parallel`` option: None, or a :class:`SequenceParallel` with one
-    of ``layouts`` and ``implementation`` None or ``"xla"`` (the rings run the XLA core)."""
+                            layouts: tuple[str, ...] = ("contiguous", "zigzag"),
+                            interpret: bool = False):
+    """A ``sequence_parallel`` option: None, or a :class:`SequenceParallel` with one of
+    ``layouts``, ``implementation`` None or ``"xla"`` and no ``interpret`` (the rings run the
+    XLA core)."""
     if sequence_parallel is None:
         return None
     if not isinstance(sequence_parallel, SequenceParallel):
@@ -59,6 +62,9 @@ def check_sequence_parallel(sequence_parallel, implementation,
         raise ValueError(f"sequence_parallel runs its ring hops on {served}: implementation "
                          f"must be None or {served}, got {implementation!r} "
                          f"({registry.supports(implementation, hop)})")
+    if interpret:
+        raise ValueError("sequence_parallel runs the XLA core on every device: interpret=True "
+                         "(the Pallas interpreter) does not apply")
     if sequence_parallel.layout not in layouts:
         raise ValueError(f"sequence_parallel.layout must be one of {layouts} here, got "
                          f"{sequence_parallel.layout!r}")

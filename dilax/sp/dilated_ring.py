@@ -30,6 +30,10 @@ Layouts (:mod:`dilax.sp.layout`). ``layout="contiguous"``: device ``i`` holds po
 ``2P-1-i``; see :func:`dilax.sp.zigzag_permutation`. :func:`sharded_dilated_attention`
 converts to and from it for you.
 
+Validation happens once, at the public entry (:func:`dilax.dilated_attention` with
+``sequence_parallel=``, or the aliases below); :func:`sharded_dilated` and
+:func:`ring_dilated_core` take the validated ``(mask, settings)``.
+
 Inside your own ``jax.shard_map``: shard_map's default checks (``check_vma=True``) hold, every
 loop carry and ``cond`` of the core and the ring is typed as device-varying.
 """
@@ -41,14 +45,18 @@ from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import Mesh
 
 from dilax import _validation as V
+from dilax.attention_mask import AttentionMask
 from dilax.branches import attend_branches
 from dilax.core import BlockSizes
 from dilax.layout import dilated_branches, window_plan
+from dilax.settings import DilatedSettings, check_dilated_request, settings_from_keywords
+from dilax.sp.config import SequenceParallel, check_sequence_parallel
 from dilax.sp.layout import check_layout, relayout
-from dilax.sp.mesh import axis_size, check_mesh, check_sharded_shape, shard_sequence
+from dilax.sp.mesh import axis_size, check_sharded_shape, shard_sequence
 from dilax.sp.ring_branches import _branch_op, _chunk_starts, _is_local, _WindowBranch
 from dilax.sp.ring_vjp import RING_BLOCKS
 
@@ -57,8 +65,8 @@ def ring_dilated_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    segment_lengths: tuple[int, ...] | list[int] | int,
-    dilation_rates: tuple[int, ...] | list[int] | int,
+    segment_lengths: tuple[int, ...] | list[int] | int | None = None,
+    dilation_rates: tuple[int, ...] | list[int] | int | None = None,
     *,
     axis_name: Hashable,
     is_causal: bool = False,
@@ -69,6 +77,8 @@ def ring_dilated_attention(
     query_seq_lengths: jax.Array | None = None,
     key_value_seq_lengths: jax.Array | None = None,
     local_window: int | None = None,
+    settings: DilatedSettings | None = None,
+    mask: AttentionMask | None = None,
 ) -> jax.Array:
     """Dilated attention on a sequence sharded over mesh axis ``axis_name`` (per-device view).
 
@@ -76,7 +86,8 @@ def ring_dilated_attention(
     axis of ``q, k, v`` sharded over ``axis_name``. The result equals
     :func:`dilax.dilated_attention` on the gathered inputs (forward and backward), while each
     device holds only ``O(n / P)`` of the data and sends ``O(w / r)`` rows per spanning
-    branch.
+    branch. Outside your own ``shard_map``, use ``dilax.dilated_attention(...,
+    sequence_parallel=dilax.SequenceParallel(mesh, seq_axis=...))``.
 
     Args:
       q: local shard ``(b, n/P, h, d)``.
@@ -94,6 +105,8 @@ def ring_dilated_attention(
       local_window: optional int ``W`` (``mode="mixture"``), as in
         :func:`dilax.dilated_attention`; each device receives ``W`` boundary rows from its
         neighbours. Needs ``W <= n/P`` (``n/(2P)`` with ``layout="zigzag"``).
+      settings, mask: a :class:`dilax.DilatedSettings` / :class:`dilax.AttentionMask` instead
+        of the keywords (as in :func:`dilax.dilated_attention`; mask lengths are global).
 
     Returns:
       The local shard of the output, ``(b, n/P, h, d)`` in ``q.dtype``.
@@ -104,28 +117,84 @@ def ring_dilated_attention(
         chunk, and every input error of
         :func:`dilax.dilated_attention`. TypeError: as there (dtypes, non-static config).
     """
-    q, k, v = V.check_qkv(q, k, v)
-    ws, rs, mode, is_causal, scale, block_sizes = V.check_dilated_call(
-        q, segment_lengths, dilation_rates, mode, is_causal, scale, block_sizes)
+    settings = settings_from_keywords(
+        settings, segment_lengths, dilation_rates, is_causal=is_causal, mode=mode, scale=scale,
+        block_sizes=block_sizes, local_window=local_window)
+    check_ring_implementation(settings)
     layout = check_layout(layout)
-    V.check_memory(q, k, num_branches=len(ws), op="ring_dilated_attention (per device)")
     P = axis_size(axis_name, "ring_dilated_attention", "sharded_dilated_attention")
-    b, m, h, d = q.shape
+    q, k, v, mask, settings = check_dilated_request(
+        q, k, v, settings, mask, num_shards=P, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths)
+    _check_ring(q.shape, k.shape[2], mask, settings, P, layout, q.dtype, per_device=True,
+                seq_axis=axis_name)
+    return ring_dilated_core(q, k, v, mask, settings, axis_name=axis_name, layout=layout)
+
+
+def check_ring_implementation(settings: DilatedSettings) -> None:
+    """The ring runs the XLA core: ``implementation`` None or ``"xla"``, no ``interpret``."""
+    if settings.implementation not in (None, "xla") or settings.interpret:
+        raise ValueError("ring attention runs the XLA core on every device: implementation "
+                         f"must be None or 'xla' and interpret False, got "
+                         f"{settings.implementation!r}, interpret={settings.interpret}")
+
+
+def _check_ring(shape, hk: int, mask: AttentionMask, settings: DilatedSettings, P: int,
+                layout: str, dtype, *, per_device: bool, seq_axis: Hashable) -> None:
+    """The ring's own rules on validated arguments; ``shape``: the per-device ``(b, n/P, h,
+    d)`` of q (``per_device``) or its global one; ``hk``: key/value heads."""
+    if mask.key_padding_mask is not None:
+        raise ValueError("key_padding_mask is not supported with sequence parallelism; pass "
+                         "key_value_seq_lengths (valid lengths) instead")
+    b, m, h, d = shape
     C = 2 if layout == "zigzag" and P > 1 else 1
-    if m % C:
+    if per_device and m % C:
         raise ValueError(
             f"layout='zigzag' splits each shard into two chunks and needs an even local "
-            f"seq_len, got n/P={m} on mesh axis {axis_name!r}"
+            f"seq_len, got n/P={m} on mesh axis {seq_axis!r}"
         )
-    n = P * m
-    window = V.check_local_window(local_window, mode)
+    if not per_device:
+        n = m
+        if C == 2 and n % (2 * P):
+            raise ValueError(
+                f"layout='zigzag' needs seq_len n={n} divisible by 2 * {P} (twice the size of "
+                f"mesh axis {seq_axis!r})"
+            )
+        m = n // P
+    window = settings.local_window
     if window is not None and window > m // C:
         raise ValueError(
             f"local_window={window} must be at most the local chunk length "
             f"{m // C} (n/P{'/2 with layout=zigzag' if C == 2 else ''}) on the ring"
         )
-    q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n)
-    kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)
+    V.check_memory(jax.ShapeDtypeStruct((b, m, h, d), dtype), jax.ShapeDtypeStruct(
+        (b, m, hk, d), dtype), num_branches=len(settings.segment_lengths),
+        op="ring_dilated_attention (per device)")
+
+
+def check_sharded(q: jax.Array, k_heads: int, mask: AttentionMask,
+                  settings: DilatedSettings, sp: SequenceParallel) -> None:
+    """The rules of a sequence-parallel call on arguments :func:`check_dilated_request`
+    validated (global view): divisibility by the mesh, zigzag, window, per-device memory."""
+    P = check_sharded_shape(q, sp.mesh, sp.seq_axis, sp.batch_axis)
+    b, n, h, d = q.shape
+    if sp.batch_axis is not None:
+        b //= sp.mesh.shape[sp.batch_axis]
+    _check_ring((b, n, h, d), k_heads, mask, settings, P, sp.layout, q.dtype,
+                per_device=False, seq_axis=sp.seq_axis)
+
+
+def ring_dilated_core(q, k, v, mask: AttentionMask, settings: DilatedSettings, *,
+                      axis_name: Hashable, layout: str) -> jax.Array:
+    """:func:`ring_dilated_attention` on validated arguments (inside ``shard_map``)."""
+    P = int(lax.axis_size(axis_name))
+    b, m, h, d = q.shape
+    C = 2 if layout == "zigzag" and P > 1 else 1
+    n = P * m
+    ws, rs, mode = settings.segment_lengths, settings.dilation_rates, settings.mode
+    scale, is_causal = settings.scale_for(d), settings.is_causal
+    block_sizes, window = settings.block_sizes, settings.local_window
+    q_len, kv_len = mask.query_seq_lengths, mask.key_value_seq_lengths
     plans = dilated_branches(n, h, k.shape[2], ws, rs, mode)
     # Spanning branches first, sparsest (largest r, smallest dilated copies) first, local ones
     # last, each fenced behind the previous one (attend_branches): only finished (dilated, so
@@ -156,8 +225,8 @@ def sharded_dilated_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    segment_lengths: tuple[int, ...] | list[int] | int,
-    dilation_rates: tuple[int, ...] | list[int] | int,
+    segment_lengths: tuple[int, ...] | list[int] | int | None = None,
+    dilation_rates: tuple[int, ...] | list[int] | int | None = None,
     *,
     mesh: Mesh,
     seq_axis: str = "sp",
@@ -170,8 +239,13 @@ def sharded_dilated_attention(
     query_seq_lengths: jax.Array | None = None,
     key_value_seq_lengths: jax.Array | None = None,
     local_window: int | None = None,
+    settings: DilatedSettings | None = None,
+    mask: AttentionMask | None = None,
 ) -> jax.Array:
     """Sequence-parallel dilated attention over ``mesh`` (global view; builds the shard_map).
+
+    An alias of ``dilax.dilated_attention(q, k, v, ..., sequence_parallel=
+    dilax.SequenceParallel(mesh, seq_axis, batch_axis, layout))``, the one way to call it.
 
     Args:
       q: ``(b, n, h, d)``; k, v: ``(b, n, hk, d)`` in natural position order.
@@ -183,6 +257,7 @@ def sharded_dilated_attention(
       query_seq_lengths, key_value_seq_lengths: optional int ``(b,)`` valid lengths (sharded
         over ``batch_axis`` with the batch); local_window: optional ``W <= n/P`` (``n/(2P)``
         with zigzag).
+      settings, mask: as in :func:`dilax.dilated_attention`.
       Other arguments: as in :func:`dilax.dilated_attention`.
 
     Returns:
@@ -197,46 +272,41 @@ def sharded_dilated_attention(
         size, ``local_window`` longer than a local chunk, and every input error of
         :func:`dilax.dilated_attention`.
     """
-    q, k, v = V.check_qkv(q, k, v)
-    layout = check_layout(layout)
-    check_mesh(mesh, seq_axis, batch_axis)
-    P = check_sharded_shape(q, mesh, seq_axis, batch_axis)
-    n = q.shape[1]
-    if layout == "zigzag" and P > 1 and n % (2 * P):
-        raise ValueError(
-            f"layout='zigzag' needs seq_len n={n} divisible by 2 * {P} (twice the size of mesh "
-            f"axis {seq_axis!r})"
-        )
-    ws, rs, mode, is_causal, scale, block_sizes = V.check_dilated_call(
-        q, segment_lengths, dilation_rates, mode, is_causal, scale, block_sizes)
-    window = V.check_local_window(local_window, mode)
-    b = q.shape[0]
-    q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n)
-    kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)
-    mc = n // P // (2 if layout == "zigzag" and P > 1 else 1)
-    if window is not None and window > mc:
-        raise ValueError(f"local_window={window} must be at most the local chunk length {mc} "
-                         f"(n/P{'/2 with layout=zigzag' if mc != n // P else ''}) on the ring")
-    return _sharded_jit(q, k, v, q_len, kv_len, ws, rs, mesh, seq_axis, batch_axis, is_causal,
-                        mode, scale, layout, block_sizes, window)
+    settings = settings_from_keywords(
+        settings, segment_lengths, dilation_rates, is_causal=is_causal, mode=mode, scale=scale,
+        block_sizes=block_sizes, local_window=local_window)
+    sp = SequenceParallel(mesh, seq_axis, batch_axis, layout)
+    check_sequence_parallel(sp, settings.implementation, interpret=settings.interpret)
+    q, k, v, mask, settings = check_dilated_request(
+        q, k, v, settings, mask, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths)
+    check_sharded(q, k.shape[2], mask, settings, sp)
+    return sharded_dilated(q, k, v, mask, settings, sp)
+
+
+def sharded_dilated(q, k, v, mask: AttentionMask, settings: DilatedSettings,
+                    sp: SequenceParallel) -> jax.Array:
+    """The sequence-parallel program on validated arguments (:func:`check_dilated_request`,
+    :func:`check_sharded`): the shard_map of :func:`ring_dilated_core`, compiled once per
+    ``(settings, sp)``."""
+    return _sharded_jit(q, k, v, mask, settings, sp)
 
 
 # One compiled program per static configuration (cached across eager calls, and bitwise the
 # same result as a call under the caller's jax.jit).
-@functools.partial(jax.jit, static_argnums=tuple(range(5, 16)))
-def _sharded_jit(q, k, v, q_len, kv_len, segment_lengths, dilation_rates, mesh, seq_axis,
-                 batch_axis, is_causal, mode, scale, layout, block_sizes, window):
-    P = mesh.shape[seq_axis]
-    zigzag = layout == "zigzag" and P > 1
+@functools.partial(jax.jit, static_argnames=("settings", "sp"))
+def _sharded_jit(q, k, v, mask, settings, sp):
+    P = sp.mesh.shape[sp.seq_axis]
+    zigzag = sp.layout == "zigzag" and P > 1
 
     def body(q, k, v, q_len=None, kv_len=None):
         if zigzag:
-            q, k, v = (relayout(x, P, seq_axis, True) for x in (q, k, v))
-        out = ring_dilated_attention(
-            q, k, v, segment_lengths, dilation_rates, axis_name=seq_axis, is_causal=is_causal,
-            mode=mode, scale=scale, layout=layout, block_sizes=block_sizes,
-            query_seq_lengths=q_len, key_value_seq_lengths=kv_len, local_window=window,
-        )
-        return relayout(out, P, seq_axis, False) if zigzag else out
+            q, k, v = (relayout(x, P, sp.seq_axis, True) for x in (q, k, v))
+        local = AttentionMask(query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+                              is_causal=mask.is_causal)
+        out = ring_dilated_core(q, k, v, local, settings, axis_name=sp.seq_axis,
+                                layout=sp.layout)
+        return relayout(out, P, sp.seq_axis, False) if zigzag else out
 
-    return shard_sequence(body, mesh, seq_axis, batch_axis, q, k, v, q_len, kv_len)
+    return shard_sequence(body, sp.mesh, sp.seq_axis, sp.batch_axis, q, k, v,
+                          mask.query_seq_lengths, mask.key_value_seq_lengths)

@@ -1,0 +1,116 @@
+"""``AttentionMask``: which query/key pairs may attend, as one pytree value.
+
+Built once at the boundary of a call (:meth:`AttentionMask.build` validates shapes and
+ranges), passed whole to the internals, combinable with ``&``. Its array leaves are traced
+like any argument; ``is_causal`` is static (part of the tree structure).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dilax import _validation as V
+
+__all__ = ["AttentionMask"]
+
+_SEGMENT_IDS = ("segment_ids (packed documents) are not supported yet: see the "
+                "packed-documents issue; pass None")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMask:
+    """Masking of one attention call (docs/semantics.md): causal, valid lengths, key padding.
+
+    Fields:
+      query_seq_lengths: ``None`` or int32 ``(b,)``: query rows ``p >= len`` output 0.
+      key_value_seq_lengths: ``None`` or int32 ``(b,)``: keys ``t >= len`` get no weight.
+      key_padding_mask: ``None`` or bool ``(b, n)``, True where a key is valid.
+      segment_ids: reserved for packed documents (must be ``None`` for now).
+      is_causal: static; keys ``t <= p`` only.
+
+    Build it with :meth:`build` (validated, normalized); the constructor takes the fields
+    as they are. ``a & b`` is the mask that allows what both allow.
+    """
+
+    query_seq_lengths: jax.Array | None = None
+    key_value_seq_lengths: jax.Array | None = None
+    key_padding_mask: jax.Array | None = None
+    segment_ids: jax.Array | None = None
+    is_causal: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    @classmethod
+    def build(cls, q: Any, k: Any = None, *, is_causal: bool = False,
+              query_seq_lengths: Any = None, key_value_seq_lengths: Any = None,
+              key_padding_mask: Any = None, segment_ids: Any = None,
+              seq_len: int | None = None) -> AttentionMask:
+        """A validated mask for queries ``q (b, n, h, d)`` (``k`` unused: keys share ``n``).
+
+        ``seq_len``: the global ``n`` when ``q`` is one device's shard (lengths are global
+        positions). Static lengths outside ``[0, n]`` raise ``ValueError``, traced ones are
+        clipped; dtypes and shapes as in :func:`dilax.dilated_attention`.
+
+        Raises:
+          ValueError / TypeError: naming the argument and the rule. NotImplementedError:
+            ``segment_ids`` given.
+        """
+        del k
+        if segment_ids is not None:
+            raise NotImplementedError(_SEGMENT_IDS)
+        b, n = q.shape[:2]
+        n = n if seq_len is None else seq_len
+        return cls(
+            query_seq_lengths=V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n),
+            key_value_seq_lengths=V.check_seq_lengths(key_value_seq_lengths,
+                                                      "key_value_seq_lengths", b, n),
+            key_padding_mask=V.check_key_padding_mask(key_padding_mask, b, q.shape[1]),
+            is_causal=V.check_bool(is_causal, "is_causal"),
+        )
+
+    def check_fits(self, q: Any, *, seq_len: int | None = None) -> AttentionMask:
+        """This mask, checked to have the shapes of a call on ``q (b, n, h, d)`` (a mask
+        built for other shapes raises ``ValueError``); values are not checked again."""
+        if self.segment_ids is not None:
+            raise NotImplementedError(_SEGMENT_IDS)
+        b, n = q.shape[:2]
+        for name in ("query_seq_lengths", "key_value_seq_lengths"):
+            x = getattr(self, name)
+            if x is not None and tuple(jnp.shape(x)) != (b,):
+                raise ValueError(f"mask.{name} must have shape (b,) = ({b},), got "
+                                 f"{tuple(jnp.shape(x))}")
+        kpm = self.key_padding_mask
+        if kpm is not None and tuple(jnp.shape(kpm)) != (b, n):
+            raise ValueError(f"mask.key_padding_mask must have shape (b, n) = ({b}, {n}), got "
+                             f"{tuple(jnp.shape(kpm))}")
+        return self
+
+    @property
+    def has_lengths(self) -> bool:
+        return self.query_seq_lengths is not None or self.key_value_seq_lengths is not None
+
+    def causal(self) -> AttentionMask:
+        """This mask with ``is_causal=True``."""
+        return dataclasses.replace(self, is_causal=True)
+
+    def __and__(self, other: AttentionMask) -> AttentionMask:
+        if not isinstance(other, AttentionMask):
+            return NotImplemented
+
+        def both(a, b, op):
+            return a if b is None else b if a is None else op(a, b)
+
+        if self.segment_ids is not None or other.segment_ids is not None:
+            raise NotImplementedError(_SEGMENT_IDS)
+        return AttentionMask(
+            query_seq_lengths=both(self.query_seq_lengths, other.query_seq_lengths,
+                                   jnp.minimum),
+            key_value_seq_lengths=both(self.key_value_seq_lengths,
+                                       other.key_value_seq_lengths, jnp.minimum),
+            key_padding_mask=both(self.key_padding_mask, other.key_padding_mask,
+                                  jnp.logical_and),
+            is_causal=self.is_causal or other.is_causal,
+        )

@@ -1,0 +1,156 @@
+"""``DilatedSettings``: the static configuration of a dilated call, as one hashable value.
+
+Built (and validated) once where a call enters dilax; the internals and their ``jax.jit``
+helpers take it whole (``static_argnames=("settings",)``) instead of re-listing its fields.
+:func:`check_dilated_request` is the one place where the shapes of ``q, k, v`` are checked
+against it and the :class:`dilax.AttentionMask` is built or checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from dilax import _validation as V
+from dilax.attention_mask import AttentionMask
+from dilax.core import BlockSizes
+
+__all__ = ["DilatedSettings", "check_dilated_request"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DilatedSettings:
+    """Static configuration of dilated attention (frozen, hashable; validated when built).
+
+    Fields (as the keywords of :func:`dilax.dilated_attention`): ``segment_lengths``,
+    ``dilation_rates`` (int or sequence; stored as int tuples, same length, ``w % r == 0``),
+    ``mode`` (``"mixture"`` | ``"grouped"``), ``is_causal``, ``scale`` (``None``: ``1 /
+    sqrt(d)`` of the call), ``local_window`` (``None`` or ``W >= 0``, mixture only),
+    ``block_sizes`` (:class:`dilax.BlockSizes` or ``None``), ``implementation`` (``None``,
+    ``"xla"``, ``"pallas"``, ``"cudnn"``, ``"reference"``), ``interpret``.
+
+    Example::
+
+      s = dilax.DilatedSettings((512, 1024), (1, 2), is_causal=True)
+      y = dilax.dilated_attention(q, k, v, settings=s)
+
+    Raises:
+      ValueError / TypeError: the messages of :func:`dilax.dilated_attention` for the same
+        keyword (docs/semantics.md, "Errors"). Rules that need the shapes (``mode="grouped"``
+        needs ``num_heads >= len(segment_lengths)``) are checked at the call.
+    """
+
+    segment_lengths: tuple[int, ...]
+    dilation_rates: tuple[int, ...]
+    mode: str = "mixture"
+    is_causal: bool = False
+    scale: float | None = None
+    local_window: int | None = None
+    block_sizes: BlockSizes | None = None
+    implementation: str | None = None
+    interpret: bool = False
+
+    def __post_init__(self):
+        ws, rs = V.check_branches(self.segment_lengths, self.dilation_rates)
+        mode = V.check_mode_name(self.mode)
+        fields = dict(
+            segment_lengths=ws, dilation_rates=rs, mode=mode,
+            is_causal=V.check_bool(self.is_causal, "is_causal"),
+            scale=None if self.scale is None else V.check_scale(self.scale, 1),
+            block_sizes=V.check_block_sizes(self.block_sizes),
+            local_window=V.check_local_window(self.local_window, mode),
+            implementation=V.check_implementation(self.implementation),
+            interpret=V.check_bool(self.interpret, "interpret"),
+        )
+        for name, value in fields.items():  # normalized in place: the value is built once
+            object.__setattr__(self, name, value)
+
+    @property
+    def num_branches(self) -> int:
+        """Dilated branches plus the local-window branch, if any."""
+        return len(self.segment_lengths) + (self.local_window is not None)
+
+    def scale_for(self, head_dim: int) -> float:
+        """The logit scale of a call with ``head_dim``: ``scale`` or ``1 / sqrt(head_dim)``."""
+        return 1.0 / float(np.sqrt(head_dim)) if self.scale is None else self.scale
+
+    def replace(self, **changes: Any) -> DilatedSettings:
+        """A copy with ``changes`` (validated again, like any new value)."""
+        return dataclasses.replace(self, **changes)
+
+    def causal(self) -> DilatedSettings:
+        """This value with ``is_causal=True`` (no re-validation: nothing else changes)."""
+        if self.is_causal:
+            return self
+        out = object.__new__(DilatedSettings)
+        for f in dataclasses.fields(self):
+            object.__setattr__(out, f.name, getattr(self, f.name))
+        object.__setattr__(out, "is_causal", True)
+        return out
+
+
+_MASK_KEYWORDS = ("query_seq_lengths", "key_value_seq_lengths", "key_padding_mask")
+
+
+def check_dilated_request(q: Any, k: Any, v: Any, settings: DilatedSettings,
+                          mask: AttentionMask | None = None, *, num_shards: int = 1,
+                          empty_batch: bool = False, **mask_keywords: Any
+                          ) -> tuple[jax.Array, jax.Array, jax.Array, AttentionMask,
+                                     DilatedSettings]:
+    """The one validation of a dilated call: ``q, k, v`` (layout, GQA, dtypes), the shape
+    rules of ``settings`` and the mask, built from ``mask_keywords``
+    (``query_seq_lengths``, ``key_value_seq_lengths``, ``key_padding_mask``) or given as
+    ``mask`` (then the keywords must be ``None``). ``num_shards``: ``P`` when ``q`` is one
+    of ``P`` sequence shards (the mask's lengths are global positions, ``<= P n/P``).
+    ``empty_batch``: accept ``b = 0`` (the single-device op returns an empty result).
+
+    Returns ``(q, k, v, mask, settings)`` with ``mask.is_causal == settings.is_causal`` (the
+    causal flag of either)."""
+    if not isinstance(settings, DilatedSettings):
+        raise TypeError(f"settings must be a dilax.DilatedSettings, got "
+                        f"{type(settings).__name__}")
+    q, k, v = V.check_qkv(q, k, v, empty_batch=empty_batch)
+    V.check_mode(settings.mode, q.shape[2], len(settings.segment_lengths))
+    seq_len = num_shards * q.shape[1]
+    if mask is None:
+        mask = AttentionMask.build(q, is_causal=settings.is_causal, seq_len=seq_len,
+                                   **mask_keywords)
+    else:
+        given = sorted(name for name in _MASK_KEYWORDS if mask_keywords.get(name) is not None)
+        if given:
+            raise TypeError(f"give the mask either as mask= or as keywords, got mask= and "
+                            f"{given}")
+        if not isinstance(mask, AttentionMask):
+            raise TypeError(f"mask must be a dilax.AttentionMask, got {type(mask).__name__}")
+        mask = mask.check_fits(q, seq_len=seq_len)
+    if mask.is_causal:
+        settings = settings.causal()
+    elif settings.is_causal:
+        mask = mask.causal()
+    return q, k, v, mask, settings
+
+
+def settings_from_keywords(settings: DilatedSettings | None, segment_lengths: Any,
+                           dilation_rates: Any, **keywords: Any) -> DilatedSettings:
+    """``settings``, or a new value from the public keywords; not both (``TypeError``).
+
+    ``keywords`` hold the public functions' configuration keywords with their defaults
+    (``mode``, ``is_causal``, ...): with ``settings`` given they must keep their defaults."""
+    if settings is None:
+        if segment_lengths is None or dilation_rates is None:
+            raise TypeError("segment_lengths and dilation_rates are required (or pass "
+                            "settings=dilax.DilatedSettings(...))")
+        return DilatedSettings(segment_lengths, dilation_rates, **keywords)
+    defaults = {f.name: f.default for f in dataclasses.fields(DilatedSettings)}
+    changed = sorted(name for name, value in keywords.items() if value != defaults[name])
+    if segment_lengths is not None or dilation_rates is not None or changed:
+        extra = (["segment_lengths/dilation_rates"] if segment_lengths is not None
+                 or dilation_rates is not None else []) + changed
+        raise TypeError(f"settings= holds the whole configuration; got settings= and {extra}")
+    if not isinstance(settings, DilatedSettings):
+        raise TypeError(f"settings must be a dilax.DilatedSettings, got "
+                        f"{type(settings).__name__}")
+    return settings

@@ -1,0 +1,311 @@
+"""The request values of a dilated call (issue 25): ``DilatedSettings``, ``AttentionMask`` and
+``sequence_parallel=`` on the ops.
+
+- ``DilatedSettings`` is a frozen, hashable value, validated once where it is built, with the
+  messages of :func:`dilax.dilated_attention`'s keywords; ``AttentionMask`` is a pytree built
+  (validated) once at the boundary and combinable with ``&``.
+- Each public path validates once: the entry checks (``check_qkv``, ``check_branches``) run
+  exactly once per call, counted with monkeypatch, also on the sequence-parallel paths (which
+  used to validate again inside ``shard_map``).
+- ``sequence_parallel=SequenceParallel(...)`` equals the float64 oracle and the single-device
+  op, forward and gradients, and is the very program of the old ``sharded_*`` names (bitwise).
+  8 host CPU devices come from tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from oracle import dilated as dilated_oracle
+from tolerance import FP32, assert_scaled_close
+
+import dilax
+from dilax import AttentionMask, DilatedSettings, SequenceParallel
+from dilax import _validation as V
+
+CFG = dict(segment_lengths=(8, 64), dilation_rates=(1, 4))
+
+
+def _mesh(P=4):
+    return jax.make_mesh((P,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:P])
+
+
+def _qkv(b=2, n=64, h=4, hk=2, d=8, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(ks[0], (b, n, h, d))
+    k = jax.random.normal(ks[1], (b, n, hk, d))
+    v = jax.random.normal(ks[2], (b, n, hk, d))
+    g = jax.random.normal(ks[3], (b, n, h, d))
+    return q, k, v, g
+
+
+# -- DilatedSettings -----------------------------------------------------------------------
+
+
+def test_settings_are_normalized_frozen_and_hashable():
+    a = DilatedSettings([8, 64], np.array([1, 4]), is_causal=True, scale=np.float32(0.5))
+    b = DilatedSettings((8, 64), (1, 4), is_causal=True, scale=0.5)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a.segment_lengths == (8, 64) and type(a.scale) is float
+    assert DilatedSettings(16, 2).segment_lengths == (16,)
+    with pytest.raises(AttributeError):
+        a.mode = "grouped"
+    assert a.replace(mode="grouped").mode == "grouped" and a.mode == "mixture"
+    assert a.scale_for(16) == 0.5 and b.replace(scale=None).scale_for(16) == 0.25
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(segment_lengths=(8, 16), dilation_rates=(3, 1)), ValueError,
+     r"segment_lengths\[0\]=8 must be divisible by dilation_rates\[0\]=3"),
+    (dict(segment_lengths=(), dilation_rates=()), ValueError, "at least one branch"),
+    (dict(segment_lengths=(8,), dilation_rates=(1,), mode="dense"), ValueError,
+     "mode must be one of"),
+    (dict(segment_lengths=(8,), dilation_rates=(1,), scale=-1.0), ValueError,
+     "scale must be a finite positive float"),
+    (dict(segment_lengths=(8,), dilation_rates=(1,), mode="grouped", local_window=2),
+     ValueError, "local_window is a branch of the mixture"),
+    (dict(segment_lengths=(8,), dilation_rates=(1,), implementation="fast"), ValueError,
+     "implementation must be one of"),
+    (dict(segment_lengths=(8,), dilation_rates=(1,), is_causal=1), TypeError,
+     "is_causal must be a bool"),
+    (dict(segment_lengths=(8,), dilation_rates=(1,), block_sizes=(4, 4)), TypeError,
+     "block_sizes must be a dilax.BlockSizes"),
+])
+def test_settings_errors_are_the_keyword_errors(kwargs, error, match):
+    q, k, v, _ = _qkv(n=16)
+    with pytest.raises(error, match=match):
+        DilatedSettings(**kwargs)
+    with pytest.raises(error, match=match):  # the keyword path raises the same
+        dilax.dilated_attention(q, k, v, **kwargs)
+
+
+def test_settings_and_keywords_are_exclusive():
+    q, k, v, _ = _qkv(n=16)
+    s = DilatedSettings((8,), (1,))
+    with pytest.raises(TypeError, match="settings= holds the whole configuration"):
+        dilax.dilated_attention(q, k, v, (8,), (1,), settings=s)
+    with pytest.raises(TypeError, match=r"\['mode'\]"):
+        dilax.dilated_attention(q, k, v, settings=s, mode="grouped")
+    with pytest.raises(TypeError, match="segment_lengths and dilation_rates are required"):
+        dilax.dilated_attention(q, k, v)
+    with pytest.raises(TypeError, match="settings must be a dilax.DilatedSettings"):
+        dilax.dilated_attention(q, k, v, settings=dict(segment_lengths=(8,)))
+    with pytest.raises(ValueError, match="needs num_heads >= len"):  # shape rule at the call
+        dilax.dilated_attention(q, k, v, settings=DilatedSettings((4,) * 5, (1,) * 5,
+                                                                  mode="grouped"))
+
+
+# -- AttentionMask -------------------------------------------------------------------------
+
+
+def test_mask_is_a_pytree_built_once_and_combinable():
+    q = jnp.zeros((2, 16, 4, 8))
+    m = AttentionMask.build(q, is_causal=True, query_seq_lengths=[10, 16],
+                            key_padding_mask=np.arange(16)[None].repeat(2, 0) < 12)
+    leaves, tree = jax.tree_util.tree_flatten(m)
+    assert len(leaves) == 2 and leaves[0].dtype == jnp.int32
+    back = jax.tree_util.tree_unflatten(tree, leaves)
+    assert back.is_causal and back.key_value_seq_lengths is None
+    other = AttentionMask.build(q, query_seq_lengths=[12, 8], key_value_seq_lengths=[5, 16])
+    both = m & other
+    np.testing.assert_array_equal(both.query_seq_lengths, [10, 8])
+    np.testing.assert_array_equal(both.key_value_seq_lengths, [5, 16])
+    assert both.is_causal and both.key_padding_mask is m.key_padding_mask
+    with pytest.raises(ValueError, match=r"query_seq_lengths must lie in \[0, n=16\]"):
+        AttentionMask.build(q, query_seq_lengths=[17, 3])
+    with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(b, n\)"):
+        AttentionMask.build(q, key_padding_mask=np.ones((2, 8), bool))
+    with pytest.raises(NotImplementedError, match="packed-documents issue"):
+        AttentionMask.build(q, segment_ids=jnp.zeros((2, 16), jnp.int32))
+
+
+def test_mask_value_equals_keywords_and_reference():
+    """``mask=`` (an ``&`` of two masks) gives the program of the keywords (bitwise) and the
+    mask-based reference's values."""
+    q, k, v, _ = _qkv(n=32)
+    s = DilatedSettings((8, 32), (1, 2))
+    kpm = jnp.asarray(np.arange(32)[None].repeat(2, 0) % 5 != 3)
+    mask = (AttentionMask.build(q, query_seq_lengths=[20, 32])
+            & AttentionMask.build(q, is_causal=True, key_padding_mask=kpm))
+    got = dilax.dilated_attention(q, k, v, settings=s, mask=mask)
+    kw = dilax.dilated_attention(q, k, v, (8, 32), (1, 2), is_causal=True,
+                                 query_seq_lengths=jnp.array([20, 32]), key_padding_mask=kpm)
+    ref = dilax.dilated_attention(q, k, v, (8, 32), (1, 2), is_causal=True,
+                                  implementation="reference",
+                                  query_seq_lengths=jnp.array([20, 32]), key_padding_mask=kpm)
+    np.testing.assert_array_equal(got, kw)
+    assert_scaled_close(got, ref, FP32)
+    with pytest.raises(TypeError, match="either as mask= or as keywords"):
+        dilax.dilated_attention(q, k, v, settings=s, mask=mask, key_padding_mask=kpm)
+    with pytest.raises(ValueError, match=r"mask.query_seq_lengths must have shape \(b,\)"):
+        dilax.dilated_attention(q[:1], k[:1], v[:1], settings=s, mask=mask)
+
+
+# -- validated once ------------------------------------------------------------------------
+
+
+def _count(monkeypatch, name):
+    calls = []
+    real = getattr(V, name)
+
+    def counted(*args, **kwargs):
+        calls.append(name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(V, name, counted)
+    return calls
+
+
+def test_each_public_path_validates_once(monkeypatch):
+    """Following ``q`` from each public dilated path enters the checks once: ``check_qkv``
+    (the arrays) and ``check_branches`` (the settings) run once per call, on the sharded path
+    too (it used to validate again inside ``shard_map``)."""
+    q, k, v, _ = _qkv()
+    sp = SequenceParallel(_mesh(), seq_axis="sp", layout="zigzag")
+    lengths = dict(query_seq_lengths=jnp.array([40, 64]), key_value_seq_lengths=[50, 64])
+    calls = {
+        "dilated_attention": lambda: dilax.dilated_attention(q, k, v, **CFG, **lengths),
+        "sequence_parallel=": lambda: dilax.dilated_attention(
+            q, k, v, **CFG, **lengths, local_window=4, sequence_parallel=sp),
+        "sharded_dilated_attention": lambda: dilax.sharded_dilated_attention(
+            q, k, v, **CFG, **lengths, mesh=sp.mesh, layout="zigzag", local_window=4),
+    }
+    for label, call in calls.items():
+        qkv, branches = _count(monkeypatch, "check_qkv"), _count(monkeypatch, "check_branches")
+        call()
+        assert (len(qkv), len(branches)) == (1, 1), label
+        monkeypatch.undo()
+
+
+# -- sequence_parallel= --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode, layout", [("mixture", "zigzag"), ("grouped", "contiguous")])
+def test_sequence_parallel_equals_oracle_one_device_and_alias(mode, layout):
+    """Forward and gradients of ``dilated_attention(..., sequence_parallel=...)`` against the
+    float64 oracle and the single-device op (fp32 tolerance: the ring merges the same
+    partial results in another order), and bitwise against ``sharded_dilated_attention``."""
+    q, k, v, g = _qkv()
+    sp = SequenceParallel(_mesh(), layout=layout)
+    settings = DilatedSettings(**CFG, mode=mode, is_causal=True)
+
+    def run(f):
+        out, vjp = jax.vjp(f, q, k, v)
+        return (out, *vjp(g))
+
+    ring = run(jax.jit(lambda q, k, v: dilax.dilated_attention(
+        q, k, v, settings=settings, sequence_parallel=sp)))
+    alias = run(jax.jit(lambda q, k, v: dilax.sharded_dilated_attention(
+        q, k, v, **CFG, mode=mode, is_causal=True, mesh=sp.mesh, layout=layout)))
+    one = run(lambda q, k, v: dilax.dilated_attention(q, k, v, **CFG, mode=mode,
+                                                      is_causal=True))
+    ref = dilated_oracle(q, k, v, CFG["segment_lengths"], CFG["dilation_rates"], mode, True,
+                         dout=g)
+    for got, a, o, want in zip(ring, alias, one, (ref.out, ref.dq, ref.dk, ref.dv)):
+        np.testing.assert_array_equal(got, a)
+        assert_scaled_close(got, want, FP32)
+        assert_scaled_close(got, o, FP32)
+
+
+def test_sequence_parallel_with_lengths_and_window_equals_one_device():
+    q, k, v, g = _qkv(seed=1)
+    mask = AttentionMask.build(q, query_seq_lengths=[37, 64], key_value_seq_lengths=[50, 20])
+    settings = DilatedSettings(**CFG, local_window=5)
+    sp = SequenceParallel(_mesh(8))
+    loss = lambda out: jnp.vdot(out, g)  # noqa: E731
+    f_ring = lambda q, k, v: loss(dilax.dilated_attention(  # noqa: E731
+        q, k, v, settings=settings, mask=mask, sequence_parallel=sp))
+    f_one = lambda q, k, v: loss(dilax.dilated_attention(  # noqa: E731
+        q, k, v, settings=settings, mask=mask))
+    got = jax.jit(jax.value_and_grad(f_ring, argnums=(0, 1, 2)))(q, k, v)
+    want = jax.value_and_grad(f_one, argnums=(0, 1, 2))(q, k, v)
+    assert_scaled_close(got[0], want[0], FP32)
+    for a, b in zip(got[1], want[1]):
+        assert_scaled_close(a, b, FP32)
+
+
+def test_sequence_parallel_errors():
+    q, k, v, _ = _qkv()
+    sp = SequenceParallel(_mesh())
+    with pytest.raises(ValueError, match="implementation must be None or 'xla'"):
+        dilax.dilated_attention(q, k, v, **CFG, implementation="reference", sequence_parallel=sp)
+    with pytest.raises(ValueError, match="interpret=True"):
+        dilax.dilated_attention(q, k, v, **CFG, interpret=True, sequence_parallel=sp)
+    with pytest.raises(ValueError, match="key_padding_mask is not supported with sequence"):
+        dilax.dilated_attention(q, k, v, **CFG, key_padding_mask=jnp.ones((2, 64), bool),
+                                sequence_parallel=sp)
+    with pytest.raises(ValueError, match="seq_len n=62 must be divisible by the size 4"):
+        dilax.dilated_attention(q[:, :62], k[:, :62], v[:, :62], **CFG, sequence_parallel=sp)
+    with pytest.raises(ValueError, match="local_window=17 must be at most the local chunk"):
+        dilax.dilated_attention(q, k, v, **CFG, local_window=17, sequence_parallel=sp)
+
+
+def test_block_sparse_sequence_parallel_equals_one_device_and_alias():
+    """``block_sparse_attention(..., sequence_parallel=...)``: forward and gradients equal the
+    mask-based reference and the single-device op (fp32), and bitwise the program of
+    ``sharded_block_sparse_attention``; validated once (``check_qkv`` counted)."""
+    q, k, v, g = _qkv(seed=2)
+    pattern = dilax.patterns.local_window(64, 8, 8)
+    sp = SequenceParallel(_mesh())
+
+    def run(f):
+        out, vjp = jax.vjp(f, q, k, v)
+        return (out, *vjp(g))
+
+    ring = run(jax.jit(lambda q, k, v: dilax.block_sparse_attention(
+        q, k, v, pattern, is_causal=True, sequence_parallel=sp)))
+    alias = run(jax.jit(lambda q, k, v: dilax.sharded_block_sparse_attention(
+        q, k, v, pattern, is_causal=True, mesh=sp.mesh)))
+    one = run(lambda q, k, v: dilax.block_sparse_attention(q, k, v, pattern, is_causal=True))
+    ref = run(lambda q, k, v: dilax.block_sparse_attention(q, k, v, pattern, is_causal=True,
+                                                           implementation="reference"))
+    for got, a, o, r in zip(ring, alias, one, ref):
+        np.testing.assert_array_equal(got, a)
+        assert_scaled_close(got, r, FP32)
+        assert_scaled_close(got, o, FP32)
+
+
+def test_block_sparse_sequence_parallel_validates_once_and_errors(monkeypatch):
+    q, k, v, _ = _qkv()
+    pattern = dilax.patterns.local_window(64, 8, 8)
+    sp = SequenceParallel(_mesh())
+    calls = _count(monkeypatch, "check_qkv")
+    dilax.block_sparse_attention(q, k, v, pattern, sequence_parallel=sp)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="not supported by block-sparse attention with seq"):
+        dilax.block_sparse_attention(q, k, v, pattern, sequence_parallel=sp,
+                                     query_seq_lengths=[3, 4])
+    with pytest.raises(ValueError, match="implementation must be None or 'xla'"):
+        dilax.block_sparse_attention(q, k, v, pattern, sequence_parallel=sp,
+                                     implementation="pallas")
+    with pytest.raises(ValueError, match=r"layout must be one of \('contiguous',\)"):
+        dilax.block_sparse_attention(q, k, v, pattern, sequence_parallel=SequenceParallel(
+            sp.mesh, layout="zigzag"))
+    with pytest.raises(ValueError, match=r"\(n/P = 8\) must be a multiple of the pattern's"):
+        dilax.block_sparse_attention(q, k, v, dilax.patterns.local_window(64, 16, 8),
+                                     sequence_parallel=SequenceParallel(_mesh(8)))
+
+
+def test_modules_take_settings_and_mask_values():
+    """``DilatedAttention(settings=...)`` / ``MultiheadDilatedAttention(settings=...)`` with
+    ``mask=`` run the functional op's program (bitwise) and equal the keyword modules."""
+    from flax import nnx
+
+    from dilax.nn import DilatedAttention, MultiheadDilatedAttention
+
+    q, k, v, _ = _qkv(n=32, seed=3)
+    s = DilatedSettings((8, 32), (1, 2), is_causal=True)
+    mask = AttentionMask.build(q, query_seq_lengths=[30, 17])
+    want = dilax.dilated_attention(q, k, v, settings=s, mask=mask)
+    np.testing.assert_array_equal(DilatedAttention(settings=s)(q, k, v, mask=mask), want)
+    with pytest.raises(TypeError, match="settings= holds the whole configuration"):
+        DilatedAttention((8,), (1,), settings=s)
+    x = jax.random.normal(jax.random.PRNGKey(4), (2, 32, 16))
+    by_value = MultiheadDilatedAttention(16, 4, settings=s, rngs=nnx.Rngs(0))
+    by_keywords = MultiheadDilatedAttention(16, 4, (8, 32), (1, 2), rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(
+        by_value(x, mask=mask),
+        by_keywords(x, is_causal=True, query_seq_lengths=jnp.array([30, 17])))
