@@ -5,7 +5,7 @@ Everything here is computed from shapes and the STATIC ring schedule, nothing is
 
 Configuration: ``b, n, h, hk, d``, branches ``(w_i, r_i)``, causal, contiguous layout, P
 devices, mixture mode (every branch covers all ``h`` heads). Per device ``m = n / P``. Branch
-kinds as in :func:`dilax.sp.ring_branches._branch_op`: *local* (``m % w == 0``), *halo* or
+kinds as in :func:`dilax.sp.ring_branches.branch_op`: *local* (``m % w == 0``), *halo* or
 *ring*. A branch has ``R = ceil(m / r)`` dilated rows per device (modelled for ``r | m``),
 ``U`` virtual kv heads of ``G`` query heads (``U G = h``, :func:`dilax.layout.plan_branch`).
 

@@ -36,15 +36,12 @@ from dilax.backend import resolve_implementation
 from dilax.core import BlockSizes, attention_core, merge_attention_states
 from dilax.patterns import BlockSparsePattern, mask_tables
 from dilax.reference import length_mask, masked_attention
+from dilax.utils import cdiv
 
 IMPLEMENTATIONS = V.BLOCK_SPARSE_IMPLEMENTATIONS
 
 # Upper bound on gathered K+V bytes per lax.map step (a few query blocks at a time).
 _ROW_BUDGET_BYTES = 64 * 2**20
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # -- validation ---------------------------------------------------------------------------
@@ -59,7 +56,7 @@ def check_pattern(pattern, q: jax.Array) -> BlockSparsePattern:
         )
     _, n, h, _ = q.shape
     bs = pattern.block_size
-    nb = _cdiv(n, bs)
+    nb = cdiv(n, bs)
     if pattern.num_q_blocks != nb or pattern.num_k_blocks != nb:
         raise ValueError(
             f"pattern has {pattern.num_q_blocks}x{pattern.num_k_blocks} blocks of block_size "
@@ -332,7 +329,7 @@ def attend_tables(q, k, v, idx, kv_len, diag_len, *, block_size: int, U: int, G:
     ``lse (b, n, h)`` float32.
     """
     n = q.shape[1]
-    size = _cdiv(n, block_size) * block_size
+    size = cdiv(n, block_size) * block_size
     kv_len, diag_len, q_len = table_lengths(idx, kv_len, diag_len, block_size,
                                             size // block_size, query_seq_lengths,
                                             key_value_seq_lengths)

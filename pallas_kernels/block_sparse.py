@@ -38,8 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import (
-    _cdiv_nonneg,
     backward_rows,
+    cdiv_nonneg,
     check_grouped_qkv,
     dkdv_call,
     dkdv_loop,
@@ -131,7 +131,7 @@ def _query_tile_segments(idx_ref, cnt, *, is_causal, block, block_q, block_k, se
     if is_causal:  # key tiles of the diagonal block up to the tile's last query
         diag = last == qb
         rows = (lax.rem(i, jnp.int32(sub_q)) + 1) * block_q
-        tail_tiles = jnp.where(diag, jnp.minimum(tail_tiles, _cdiv_nonneg(rows, block_k)),
+        tail_tiles = jnp.where(diag, jnp.minimum(tail_tiles, cdiv_nonneg(rows, block_k)),
                                tail_tiles)
         is_tail = is_tail | diag
     if ragged:  # key tiles of the last block that hold keys < seq_len

@@ -10,7 +10,9 @@ from typing import Any
 import numpy as np
 
 from dilax import _validation as V
-from dilax.patterns.pattern import BlockSparsePattern, _cdiv
+from dilax.patterns.pattern import BlockSparsePattern
+from dilax.semantics import branch_heads
+from dilax.utils import cdiv
 
 # -- validation helpers -------------------------------------------------------------------
 
@@ -32,7 +34,7 @@ def _non_negative(value: Any, name: str) -> int:
 def _num_blocks(n: Any, block_size: Any, num_heads: int = 1) -> tuple[int, int, int]:
     n = _positive(n, "n")
     block_size = _positive(block_size, "block_size")
-    nb = _cdiv(n, block_size)
+    nb = cdiv(n, block_size)
     _check_mask_fits(nb, num_heads, n, block_size)
     return n, block_size, nb
 
@@ -51,7 +53,7 @@ def _check_mask_fits(nb: int, num_heads: int, n: int, block_size: int) -> None:
 
 def _block_extents(n: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """First and last token of every block (the last block may be partial)."""
-    nb = _cdiv(n, block_size)
+    nb = cdiv(n, block_size)
     first = np.arange(nb) * block_size
     last = np.minimum(first + block_size, n) - 1
     return first, last
@@ -144,7 +146,7 @@ def global_local(n: int, block_size: int, global_tokens: int, window: int) -> Bl
     if global_tokens > n:
         raise ValueError(f"global_tokens must be <= n={n}, got {global_tokens}")
     mask = local_window(n, block_size, window).block_mask[0].copy()
-    g = _cdiv(global_tokens, block_size)
+    g = cdiv(global_tokens, block_size)
     mask[:g, :] = True
     mask[:, :g] = True
     return from_mask(mask, block_size)
@@ -189,7 +191,7 @@ def hierarchical(n: int, levels: Sequence[tuple[int, int]]) -> BlockSparsePatter
                 )
         parsed.append((s, k))
     block_size = parsed[0][0]
-    nb = _cdiv(n, block_size)
+    nb = cdiv(n, block_size)
     _check_mask_fits(nb, 1, n, block_size)
     blocks = np.arange(nb)
     mask = np.zeros((nb, nb), bool)
@@ -260,16 +262,10 @@ def dilated_segments(
         num_heads = _positive(num_heads, "num_heads")
         _check_mask_fits(nb, num_heads, n, block_size)
         mode = V.check_mode(mode, num_heads, len(ws))
-        if mode == "mixture":
-            head_branches = [
-                [(w, r, j % r) for w, r in zip(ws, rs, strict=True)] for j in range(num_heads)
-            ]
-        else:
-            from dilax.reference import group_sizes
-
-            head_branches = []
-            for i, size in enumerate(group_sizes(num_heads, len(ws))):
-                head_branches += [[(ws[i], rs[i], i % rs[i])]] * size
+        head_branches = [[] for _ in range(num_heads)]
+        for br in branch_heads(num_heads, ws, rs, mode):
+            for j, o in zip(br.heads, br.offsets, strict=True):
+                head_branches[j].append((br.w, br.r, o))
     mask = np.zeros((len(head_branches), nb, nb), bool)
     for hd, branches in enumerate(head_branches):
         for w, r, o in branches:

@@ -13,11 +13,7 @@ from typing import Any
 import numpy as np
 
 from dilax import _validation as V
-from pallas_kernels.tables import tables_from_block_mask
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from dilax.utils import cdiv
 
 
 def _readonly(x: np.ndarray) -> np.ndarray:
@@ -56,10 +52,10 @@ class BlockSparsePattern:
         if not isinstance(self.packed_mask, bytes):
             raise TypeError("BlockSparsePattern.packed_mask must be bytes (np.packbits output)")
         size = self.num_heads * self.num_q_blocks * self.num_k_blocks
-        if len(self.packed_mask) != _cdiv(size, 8):
+        if len(self.packed_mask) != cdiv(size, 8):
             raise ValueError(
                 f"BlockSparsePattern.packed_mask holds {len(self.packed_mask)} bytes, expected "
-                f"{_cdiv(size, 8)} for a ({self.num_heads}, {self.num_q_blocks}, "
+                f"{cdiv(size, 8)} for a ({self.num_heads}, {self.num_q_blocks}, "
                 f"{self.num_k_blocks}) mask"
             )
 
@@ -131,7 +127,7 @@ class BlockSparsePattern:
     def expanded_mask(self, n: int | None = None, is_causal: bool = False) -> np.ndarray:
         """Token-level boolean mask ``(H_pat, n, n)`` (small ``n`` only; tests, plots)."""
         n = self.seq_len if n is None else V.static_int(n, "n")
-        if _cdiv(n, self.block_size) != self.num_q_blocks or self.num_q_blocks != self.num_k_blocks:
+        if cdiv(n, self.block_size) != self.num_q_blocks or self.num_q_blocks != self.num_k_blocks:
             raise ValueError(
                 f"n={n} does not fit pattern with {self.num_q_blocks}x{self.num_k_blocks} blocks "
                 f"of size {self.block_size} (needs ceil(n / block_size) == num blocks)"
@@ -185,10 +181,10 @@ class BlockSparsePattern:
         if max_blocks <= 0:
             raise ValueError(f"max_blocks must be positive, got {max_blocks}")
         mask = (self.causal_mask() if is_causal else self.block_mask)[head]
-        fq = _cdiv(mask.shape[0], max_blocks)
-        fk = _cdiv(mask.shape[1], max_blocks)
+        fq = cdiv(mask.shape[0], max_blocks)
+        fk = cdiv(mask.shape[1], max_blocks)
         if fq > 1 or fk > 1:
-            rows, cols = _cdiv(mask.shape[0], fq), _cdiv(mask.shape[1], fk)
+            rows, cols = cdiv(mask.shape[0], fq), cdiv(mask.shape[1], fk)
             padded = np.zeros((rows * fq, cols * fk), bool)
             padded[: mask.shape[0], : mask.shape[1]] = mask
             mask = padded.reshape(rows, fq, cols, fk).any(axis=(1, 3))
@@ -270,6 +266,9 @@ def _causal_block_mask(pattern: BlockSparsePattern) -> np.ndarray:
 def mask_tables(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Tables of a boolean ``(..., nq, nk)`` mask in :meth:`BlockSparsePattern.tables` format
     (:func:`pallas_kernels.tables.tables_from_block_mask`), read-only."""
+    # Lazy: importing pallas_kernels loads Pallas, which ``import dilax`` does not need.
+    from pallas_kernels.tables import tables_from_block_mask
+
     indices, counts = tables_from_block_mask(mask)
     return _readonly(indices), _readonly(counts)
 

@@ -1,5 +1,5 @@
 """The branch kinds of ring dilated attention (:mod:`dilax.sp.dilated_ring`), each a
-:class:`dilax.branches.BranchOp` on the local shard, and :func:`_branch_op`, which picks one
+:class:`dilax.branches.BranchOp` on the local shard, and :func:`branch_op`, which picks one
 per branch statically:
 
 * :class:`_LocalBranch` -- every segment lies inside one chunk of the shard: the single-device
@@ -7,7 +7,7 @@ per branch statically:
 * :class:`_SpanningBranch` -- segments span several devices: the ring
   (:mod:`dilax.sp.ring_vjp`) or, for short unaligned segments, the halo exchange
   (:func:`_halo_branch`).
-* :class:`_WindowBranch` -- the local window ``|p - t| <= W``: each chunk receives ``W``
+* :class:`WindowBranch` -- the local window ``|p - t| <= W``: each chunk receives ``W``
   boundary rows from the devices holding its neighbouring chunks.
 """
 
@@ -31,12 +31,12 @@ from dilax.sp.ring_vjp import (
     RING_BACKWARD_BLOCKS,
     RING_BLOCKS,
     RingConfig,
-    _varying_like,
     ring_backward,
     ring_backward_in_place,
     ring_forward,
 )
 from dilax.sp.schedule import Geometry, geometry, ring_streams
+from dilax.utils import varying_like
 
 _F32 = jnp.float32
 
@@ -193,7 +193,7 @@ class _SpanningBranch:
             # dout and delta back to the ring layout: the transposes of the (linear) output
             # layout map and of the lse map (a gather of each row's one valid source).
             lse_raw = res
-            zeros = _varying_like(jnp.zeros(lse_raw.shape + dout.shape[-1:], _F32), q, k, v)
+            zeros = varying_like(jnp.zeros(lse_raw.shape + dout.shape[-1:], _F32), q, k, v)
             dout_raw = jax.vjp(self._post_out, zeros)[1](dout)[0]
             delta_raw = jax.vjp(self._post_lse, lse_raw)[1](delta)[0]
             grads = ring_backward(self.ring, q, k, v, lse_raw, dout_raw, delta_raw,
@@ -224,14 +224,14 @@ class _LocalBranch:
         return self.op.backward(q, k, v, self._aux(aux), res, lse, dout, dlse, delta, acc)
 
 
-def _chunk_starts(P: int, C: int, mc: int, axis_name) -> list[jax.Array]:
+def chunk_starts(P: int, C: int, mc: int, axis_name) -> list[jax.Array]:
     """Global position of the first row of each local chunk of ``mc`` rows."""
     idx = lax.axis_index(axis_name)
     return [lookup([vblock(P, C, i, c) * mc for i in range(P)], idx) for c in range(C)]
 
 
 @dataclasses.dataclass(frozen=True)
-class _WindowBranch:
+class WindowBranch:
     """The local-window branch ``|p - t| <= W`` on the ring (docs: "Local window branch"):
     each chunk receives the ``W`` rows before it (and after it, when not causal) from the
     devices holding its neighbouring chunks (one ``ppermute`` each), then one core call per
@@ -271,7 +271,7 @@ class _WindowBranch:
         lk = kb.shape[1]
         # Buffer row t of chunk c is global key position start_c - W + t: valid iff in
         # [0, kv_len) (the halo of the first chunk lies before the sequence).
-        starts = jnp.stack(_chunk_starts(P, C, mc, self.axis_name)) - W  # (C,)
+        starts = jnp.stack(chunk_starts(P, C, mc, self.axis_name)) - W  # (C,)
         limit = (jnp.full((b,), self.n, jnp.int32) if aux is None else aux[0])  # (b,)
         pos = starts[:, None] + jnp.arange(lk)[None]  # (C, lk)
         valid = (pos[None] >= 0) & (pos[None] < limit[:, None, None])  # (b, C, lk)
@@ -294,14 +294,14 @@ class _WindowBranch:
         return grads if acc is None else tuple(a + g for a, g in zip(acc, grads, strict=True))
 
 
-def _branch_op(plan: BranchPlan, P, C, m, h, hk, axis_name, scale, is_causal, block_sizes):
+def branch_op(plan: BranchPlan, P, C, m, h, hk, axis_name, scale, is_causal, block_sizes):
     """Branch ``plan`` on local shards of ``m`` positions as a
     :class:`dilax.branches.BranchOp`: a :class:`~dilax.branches.CoreBranch` over the ``C``
     chunks of the shard when every segment lies inside one chunk, else a spanning branch."""
     n = P * m
     geo = geometry(n, P, C, plan.w, plan.r)
     bs = block_sizes or RING_BLOCKS
-    if _is_local(plan, P, C, m):
+    if is_local(plan, P, C, m):
         loc = _plan_branch(geo.mc, h, hk, plan.w, plan.r, plan.q_heads, plan.q_slots)
         return _LocalBranch(CoreBranch(loc, scale, is_causal, bs, fold=C))
     n_u = tuple(-(-(n - o) // plan.r) for o in plan.kv_slots)
@@ -317,7 +317,7 @@ def _branch_op(plan: BranchPlan, P, C, m, h, hk, axis_name, scale, is_causal, bl
     return op
 
 
-def _is_local(plan: BranchPlan, P: int, C: int, m: int) -> bool:
+def is_local(plan: BranchPlan, P: int, C: int, m: int) -> bool:
     """Whether every segment of ``plan`` lies inside one chunk of ``m / C`` local positions
     (then the branch needs no communication)."""
     geo = geometry(P * m, P, C, plan.w, plan.r)
