@@ -15,7 +15,7 @@ from dilax.content_adaptive import content_adaptive_attention
 from dilax.core import BlockSizes, attention_core, merge_attention_states
 from dilax.decode import KVCache, dilated_attention_decode
 from dilax.dilated import dilated_attention
-from dilax.reference import dilated_counts
+from dilax.semantics import dilated_counts
 from dilax.sp import (
     SequenceParallel,
     ring_block_sparse_attention,

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dilax.core import Mask, SlotView, static_take
-from dilax.semantics import branch_heads
+from dilax.semantics import branch_heads, effective_segment_length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,7 @@ def plan_branch(
     offsets: tuple[int, ...],
 ) -> BranchPlan:
     """Builds the :class:`BranchPlan` of branch ``(w, r)`` for ``heads`` at ``offsets``."""
-    w_eff = min(w, -(-n // r) * r)  # w > n: one segment covering the whole sequence
+    w_eff = effective_segment_length(n, w, r)
     num_segments = -(-n // w_eff)
     per_kv = num_heads // num_kv_heads
     # Pair query heads by (kv head, slot); sorting by slot first gives strided runs for slices.

@@ -18,6 +18,7 @@ __all__ = [
     "branch_heads",
     "branch_mask",
     "dilated_counts",
+    "effective_segment_length",
     "group_sizes",
     "window_mask",
 ]
@@ -27,6 +28,12 @@ def group_sizes(num_heads: int, num_groups: int) -> tuple[int, ...]:
     """Grouped mode head split: ``h // G`` each, the first ``h % G`` groups one more."""
     base, extra = divmod(num_heads, num_groups)
     return tuple(base + (1 if i < extra else 0) for i in range(num_groups))
+
+
+def effective_segment_length(n: int, w: int, r: int) -> int:
+    """The segment length branch ``(w, r)`` has on ``n`` positions: ``w``, or when ``w`` exceeds
+    ``n`` one segment covering the whole sequence (``n`` rounded up to a multiple of ``r``)."""
+    return min(w, -(-n // r) * r)
 
 
 @dataclasses.dataclass(frozen=True)

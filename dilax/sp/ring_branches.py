@@ -1,6 +1,6 @@
 """The branch kinds of ring dilated attention (:mod:`dilax.sp.dilated_ring`), each a
 :class:`dilax.branches.BranchOp` on the local shard, and :func:`branch_op`, which picks one
-per branch statically:
+per branch statically (:func:`branch_kind`):
 
 * :class:`_LocalBranch` -- every segment lies inside one chunk of the shard: the single-device
   core folded over the chunks, no communication.
@@ -300,17 +300,16 @@ def branch_op(plan: BranchPlan, P, C, m, h, hk, axis_name, scale, is_causal, blo
     chunks of the shard when every segment lies inside one chunk, else a spanning branch."""
     n = P * m
     geo = geometry(n, P, C, plan.w, plan.r)
-    bs = block_sizes or RING_BLOCKS
-    if is_local(plan, P, C, m):
+    kind = branch_kind(P, C, m, plan.w, plan.r)
+    if kind == "local":
         loc = _plan_branch(geo.mc, h, hk, plan.w, plan.r, plan.q_heads, plan.q_slots)
-        return _LocalBranch(CoreBranch(loc, scale, is_causal, bs, fold=C))
+        return _LocalBranch(CoreBranch(loc, scale, is_causal, block_sizes or RING_BLOCKS,
+                                       fold=C))
     n_u = tuple(-(-(n - o) // plan.r) for o in plan.kv_slots)
     cfg = None
-    if geo.L > min(geo.cnt) + 1:
-        bwd = bs.backward if block_sizes else RING_BACKWARD_BLOCKS
-        blocks = BlockSizes(*(min(x, geo.R) for x in (bs.block_q, bs.block_k, *bwd)))
+    if kind == "ring":
         cfg = RingConfig(axis_name, geo, n_u, ring_streams(geo, is_causal), scale, is_causal,
-                         blocks, None)
+                         ring_blocks(geo, block_sizes), None)
     op = _SpanningBranch(plan, geo, n_u, axis_name, scale, is_causal, block_sizes, cfg)
     if cfg is not None:
         op = dataclasses.replace(op, ring=dataclasses.replace(cfg, dilate=op._dilate))
@@ -320,5 +319,23 @@ def branch_op(plan: BranchPlan, P, C, m, h, hk, axis_name, scale, is_causal, blo
 def is_local(plan: BranchPlan, P: int, C: int, m: int) -> bool:
     """Whether every segment of ``plan`` lies inside one chunk of ``m / C`` local positions
     (then the branch needs no communication)."""
-    geo = geometry(P * m, P, C, plan.w, plan.r)
-    return geo.V == 1 or geo.mc % plan.w == 0
+    return branch_kind(P, C, m, plan.w, plan.r) == "local"
+
+
+def branch_kind(P: int, C: int, m: int, w: int, r: int) -> str:
+    """How :func:`branch_op` runs branch ``(w, r)`` (effective ``w``) on ``P`` shards of ``m``
+    positions in ``C`` chunks each: ``"local"`` (every segment inside one chunk: no
+    communication), ``"ring"`` (the K/V chunks travel, :mod:`dilax.sp.ring_vjp`) or ``"halo"``
+    (segments shorter than a chunk but unaligned with it: :func:`_halo_branch`)."""
+    geo = geometry(P * m, P, C, w, r)
+    if geo.V == 1 or geo.mc % w == 0:
+        return "local"
+    return "ring" if geo.L > min(geo.cnt) + 1 else "halo"
+
+
+def ring_blocks(geo: Geometry, block_sizes: BlockSizes | None) -> BlockSizes:
+    """The core's blocks on a ring branch: ``block_sizes`` (default :data:`RING_BLOCKS`, with
+    :data:`RING_BACKWARD_BLOCKS` backward), each at most the ``R`` dilated rows of a chunk."""
+    bs = block_sizes or RING_BLOCKS
+    bwd = bs.backward if block_sizes else RING_BACKWARD_BLOCKS
+    return BlockSizes(*(min(x, geo.R) for x in (bs.block_q, bs.block_k, *bwd)))

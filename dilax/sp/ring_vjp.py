@@ -185,7 +185,7 @@ RING_BLOCKS = BlockSizes(128, 128, 128, 128)
 RING_BACKWARD_BLOCKS = (64, 64)
 
 
-def _row_chunk(R: int) -> int:
+def row_chunk(R: int) -> int:
     """Query rows per folding step: the partial result of one hop is ``(rows, U, G, d)``
     float32 and is merged into the state in place, so it stays small next to the shard."""
     if R <= _ROW_CHUNK:
@@ -199,7 +199,7 @@ def _fold_pair(cfg: RingConfig, q, k, v, Fq, cq, Fk, ck, ok, state, n_u=None):
     (float32 ``out``, ``lse``), a chunk of query rows at a time."""
     out, lse = state
     R = q.shape[1]
-    rc = _row_chunk(R)
+    rc = row_chunk(R)
     if rc == R:
         return merge_attention_states(out, lse, *_pair_forward(cfg, q, k, v, Fq, cq, Fk, ck, ok,
                                                                     n_u))
