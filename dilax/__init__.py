@@ -8,6 +8,7 @@ imported on first use.
 """
 
 from dilax import memory, patterns
+from dilax._version import __version__  # noqa: F401 - dilax.__version__
 from dilax.attention_fn import attention_fn
 from dilax.backend import describe
 from dilax.block_sparse import block_sparse_attention
@@ -23,8 +24,6 @@ from dilax.sp import (
     sharded_block_sparse_attention,
     sharded_dilated_attention,
 )
-
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str):

@@ -195,7 +195,7 @@ class CudnnCore:
                 and mask.q_offset == mask.k_offset == 0):
             raise ValueError("implementation='cudnn' supports no query/key offsets; "
                              "use implementation='xla' or 'pallas'")
-        from dilax.backend import require_cudnn  # lazy: backend resolves cores lazily
+        from dilax.core.platform import require_cudnn  # lazy: kernels are optional
 
         qg, kg, vg = view.gather_q(require_cudnn(q)), view.gather_kv(k), view.gather_kv(v)
         B, L, U, G, d = qg.shape

@@ -10,18 +10,11 @@ from typing import Any
 import numpy as np
 
 from dilax import _validation as V
-from dilax.patterns.pattern import BlockSparsePattern
+from dilax.patterns.pattern import BlockSparsePattern, from_mask, positive_int
 from dilax.semantics import branch_heads
 from dilax.utils import cdiv
 
 # -- validation helpers -------------------------------------------------------------------
-
-
-def _positive(value: Any, name: str) -> int:
-    value = V.static_int(value, name)
-    if value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value}")
-    return value
 
 
 def _non_negative(value: Any, name: str) -> int:
@@ -32,8 +25,8 @@ def _non_negative(value: Any, name: str) -> int:
 
 
 def _num_blocks(n: Any, block_size: Any, num_heads: int = 1) -> tuple[int, int, int]:
-    n = _positive(n, "n")
-    block_size = _positive(block_size, "block_size")
+    n = positive_int(n, "n")
+    block_size = positive_int(block_size, "block_size")
     nb = cdiv(n, block_size)
     _check_mask_fits(nb, num_heads, n, block_size)
     return n, block_size, nb
@@ -60,40 +53,6 @@ def _block_extents(n: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 # -- constructors -------------------------------------------------------------------------
-
-
-def from_mask(block_mask: Any, block_size: int) -> BlockSparsePattern:
-    """Pattern from a boolean block mask.
-
-    Args:
-      block_mask: array-like of bools (or 0/1), shape ``(nq, nk)`` (shared by all heads) or
-        ``(H, nq, nk)`` (``H`` must then equal the number of query heads ``h``, or be 1).
-      block_size: tokens per block.
-    """
-    block_size = _positive(block_size, "block_size")
-    if isinstance(block_mask, BlockSparsePattern):
-        raise TypeError("block_mask must be an array, got a BlockSparsePattern")
-    try:
-        arr = np.asarray(block_mask)
-    except Exception as e:  # noqa: BLE001 - re-raised with the argument's name
-        raise TypeError(f"block_mask must be array-like, got {type(block_mask).__name__}") from e
-    if arr.dtype != bool:
-        if not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
-            raise TypeError(f"block_mask must hold bools or 0/1 values, got dtype {arr.dtype}")
-        if not np.all((arr == 0) | (arr == 1)):
-            raise ValueError("block_mask must hold only bools or 0/1 values")
-        arr = arr.astype(bool)
-    if arr.ndim == 2:
-        arr = arr[None]
-    if arr.ndim != 3:
-        raise ValueError(
-            f"block_mask must have shape (nq, nk) or (heads, nq, nk), got {tuple(arr.shape)}"
-        )
-    if min(arr.shape) <= 0:
-        raise ValueError(f"block_mask must be non-empty in every axis, got {tuple(arr.shape)}")
-    arr = np.ascontiguousarray(arr)
-    return BlockSparsePattern(block_size, arr.shape[0], arr.shape[1], arr.shape[2],
-                              np.packbits(arr.reshape(-1)).tobytes())
 
 
 def local_window(n: int, block_size: int, window: int) -> BlockSparsePattern:
@@ -167,7 +126,7 @@ def hierarchical(n: int, levels: Sequence[tuple[int, int]]) -> BlockSparsePatter
     Example: ``hierarchical(8192, ((64, 2), (512, 2), (4096, 1)))``: 5 neighbouring 64-blocks,
     every 8th block within 2 x 512 tokens, every 64th within 4096 tokens.
     """
-    n = _positive(n, "n")
+    n = positive_int(n, "n")
     if isinstance(levels, (str, bytes)) or not isinstance(levels, (Sequence, np.ndarray)):
         raise TypeError(f"levels must be a sequence of (block_size, num_neighbors) pairs, "
                         f"got {type(levels).__name__}")
@@ -180,7 +139,7 @@ def hierarchical(n: int, levels: Sequence[tuple[int, int]]) -> BlockSparsePatter
         ):
             raise ValueError(f"levels[{i}] must be a (block_size, num_neighbors) pair, "
                              f"got {level!r}")
-        s = _positive(level[0], f"levels[{i}][0] (block_size)")
+        s = positive_int(level[0], f"levels[{i}][0] (block_size)")
         k = _non_negative(level[1], f"levels[{i}][1] (num_neighbors)")
         if parsed:
             prev = parsed[-1][0]
@@ -215,7 +174,7 @@ def random(n: int, block_size: int, density: float, seed: int = 0, *,
     """
     n, block_size, nb = _num_blocks(n, block_size)
     seed = _non_negative(seed, "seed")
-    num_heads = _positive(num_heads, "num_heads")
+    num_heads = positive_int(num_heads, "num_heads")
     _check_mask_fits(nb, num_heads, n, block_size)
     if isinstance(density, bool) or not isinstance(density, (numbers.Real, np.floating)):
         raise TypeError(f"density must be a float in [0, 1], got {density!r}")
@@ -259,7 +218,7 @@ def dilated_segments(
     if num_heads is None:
         head_branches = [[(w, r, o) for w, r in zip(ws, rs, strict=True) for o in range(min(r, n))]]
     else:
-        num_heads = _positive(num_heads, "num_heads")
+        num_heads = positive_int(num_heads, "num_heads")
         _check_mask_fits(nb, num_heads, n, block_size)
         mode = V.check_mode(mode, num_heads, len(ws))
         head_branches = [[] for _ in range(num_heads)]

@@ -63,8 +63,6 @@ class BlockSparsePattern:
     @classmethod
     def from_array(cls, block_mask: Any, block_size: int) -> BlockSparsePattern:
         """Pattern from a boolean ``(nq, nk)`` or ``(H, nq, nk)`` array (see :func:`from_mask`)."""
-        from dilax.patterns.constructors import from_mask  # it imports this module
-
         return from_mask(block_mask, block_size)
 
     # -- views ----------------------------------------------------------------------------
@@ -157,8 +155,6 @@ class BlockSparsePattern:
                 f"cannot combine patterns with {self.num_heads} and {other.num_heads} heads with "
                 f"'{sym}' (head counts must match, or one pattern must be shared: num_heads=1)"
             )
-        from dilax.patterns.constructors import from_mask  # it imports this module
-
         return from_mask(op(self.block_mask, other.block_mask), self.block_size)
 
     def __or__(self, other: BlockSparsePattern) -> BlockSparsePattern:
@@ -278,3 +274,43 @@ def _tables(pattern: BlockSparsePattern, is_causal: bool) -> tuple[np.ndarray, n
     return mask_tables(pattern.causal_mask() if is_causal else pattern.block_mask)
 
 
+def positive_int(value: Any, name: str) -> int:
+    """``value`` as a static int, ``ValueError`` naming ``name`` unless it is positive."""
+    value = V.static_int(value, name)
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return value
+
+
+def from_mask(block_mask: Any, block_size: int) -> BlockSparsePattern:
+    """Pattern from a boolean block mask.
+
+    Args:
+      block_mask: array-like of bools (or 0/1), shape ``(nq, nk)`` (shared by all heads) or
+        ``(H, nq, nk)`` (``H`` must then equal the number of query heads ``h``, or be 1).
+      block_size: tokens per block.
+    """
+    block_size = positive_int(block_size, "block_size")
+    if isinstance(block_mask, BlockSparsePattern):
+        raise TypeError("block_mask must be an array, got a BlockSparsePattern")
+    try:
+        arr = np.asarray(block_mask)
+    except Exception as e:  # noqa: BLE001 - re-raised with the argument's name
+        raise TypeError(f"block_mask must be array-like, got {type(block_mask).__name__}") from e
+    if arr.dtype != bool:
+        if not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
+            raise TypeError(f"block_mask must hold bools or 0/1 values, got dtype {arr.dtype}")
+        if not np.all((arr == 0) | (arr == 1)):
+            raise ValueError("block_mask must hold only bools or 0/1 values")
+        arr = arr.astype(bool)
+    if arr.ndim == 2:
+        arr = arr[None]
+    if arr.ndim != 3:
+        raise ValueError(
+            f"block_mask must have shape (nq, nk) or (heads, nq, nk), got {tuple(arr.shape)}"
+        )
+    if min(arr.shape) <= 0:
+        raise ValueError(f"block_mask must be non-empty in every axis, got {tuple(arr.shape)}")
+    arr = np.ascontiguousarray(arr)
+    return BlockSparsePattern(block_size, arr.shape[0], arr.shape[1], arr.shape[2],
+                              np.packbits(arr.reshape(-1)).tobytes())
