@@ -259,3 +259,16 @@ def test_every_python_file_at_most_500_lines():
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert len(files) > 100
     assert long == {}, long
+
+
+def test_semantics_is_the_bottom_and_reference_a_leaf():
+    """dilax.semantics and dilax.utils import nothing of dilax; the layout planner, decoding
+    and the pattern constructors read the semantics, not the reference; the reference imports
+    only the semantics and is used by the ``implementation="reference"`` ops alone."""
+    graph = _graph(_modules(PACKAGES))
+    assert graph["dilax.semantics"] == set() and graph["dilax.utils"] == set()
+    assert graph["dilax.reference"] == {"dilax.semantics"}
+    for reader in ("dilax.layout", "dilax.decode", "dilax.patterns.constructors"):
+        assert "dilax.semantics" in graph[reader], reader
+    users = {m for m, targets in graph.items() if "dilax.reference" in targets}
+    assert users == {"dilax.dilated", "dilax.block_sparse"}, users
