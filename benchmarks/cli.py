@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks import common
-from benchmarks.common import _memory_limit
+from benchmarks.common import memory_limit
 from benchmarks.max_seq import cmd_max_seq
 from benchmarks.report import write_outputs
 from benchmarks.rows import (  # noqa: F401 - the FLOP constants re-exported (they lived here)
@@ -26,7 +26,7 @@ from benchmarks.rows import (  # noqa: F401 - the FLOP constants re-exported (th
     EXTRA_ROWS,
     FWD_BWD_FLOPS_PER_PAIR,
     FWD_FLOPS_PER_PAIR,
-    _config,
+    config_of,
     measure_rows,
 )
 
@@ -34,7 +34,7 @@ from benchmarks.rows import (  # noqa: F401 - the FLOP constants re-exported (th
 
 
 def cmd_speed(args) -> dict[str, Any]:
-    cfg = _config(args)
+    cfg = config_of(args)
     passes = ["fwd", "fwd+bwd"] if args.backward else ["fwd"]
     rows = measure_rows(args.rows, args.n, cfg, passes=passes, repeats=args.repeats,
                         compare_torch=args.compare_torch, quiet=args.quiet)
@@ -42,14 +42,14 @@ def cmd_speed(args) -> dict[str, Any]:
 
 
 def cmd_memory(args) -> dict[str, Any]:
-    cfg = _config(args)
+    cfg = config_of(args)
     rows = measure_rows(args.rows, args.n, cfg, passes=["fwd", "fwd+bwd"], repeats=0,
                         compare_torch=False, quiet=args.quiet, run=False)
     return dict(command="memory", config=cfg, rows=rows)
 
 
 def cmd_scaling(args) -> dict[str, Any]:
-    cfg = _config(args)
+    cfg = config_of(args)
     rows = measure_rows(["mixture", "grouped"], args.n, cfg, passes=["fwd"],
                         repeats=args.repeats, compare_torch=False, quiet=args.quiet)
     summary = {}
@@ -92,14 +92,14 @@ def cmd_block_sparse(args) -> dict[str, Any]:
                for r in raw}
     summary.update({f"memory_fwd_bwd_MiB_density_{r['density']:.2f}":
                     round(r.get("memory_bytes_fwd_bwd", 0) / 2**20, 1) for r in raw})
-    return dict(command="block-sparse", config=_config(args), rows=rows, summary=summary)
+    return dict(command="block-sparse", config=config_of(args), rows=rows, summary=summary)
 
 
 def cmd_ring(args) -> dict[str, Any]:
     """Ring rows on 8 fake host devices, or ``--plan`` (:func:`benchmarks.ring.cmd`)."""
     from benchmarks.ring import cmd
 
-    return cmd(args, _config(args))
+    return cmd(args, config_of(args))
 
 
 def cmd_decode(args) -> dict[str, Any]:
@@ -107,12 +107,12 @@ def cmd_decode(args) -> dict[str, Any]:
     and full recomputation, interleaved in one run (:mod:`benchmarks.decode`)."""
     from benchmarks import decode as D
 
-    cfg = dict(_config(args), causal=True, mode=args.mode)
+    cfg = dict(config_of(args), causal=True, mode=args.mode)
     shape = dict(b=args.batch, h=args.heads, hk=cfg["kv_heads"], d=args.head_dim,
                  dtype=args.dtype, ws=tuple(args.segment_lengths),
                  rs=tuple(args.dilation_rates), mode=args.mode)
     log = (lambda *_: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
-    rows, notes = D.rows(args.n, rounds=args.repeats, memory_limit=_memory_limit(), log=log,
+    rows, notes = D.rows(args.n, rounds=args.repeats, memory_limit=memory_limit(), log=log,
                          **shape)
     acc = D.acceptance(**shape)
     by = {(r["row"], r["n"]): r for r in rows}

@@ -164,7 +164,7 @@ def qkvo_bytes(b: int, n: int, h: int, hk: int, d: int, dtype) -> int:
     return item * b * n * d * (2 * h + 2 * hk)
 
 
-def _progress(total: int, desc: str, quiet: bool):
+def progress(total: int, desc: str, quiet: bool):
     try:
         from tqdm.auto import tqdm
     except ImportError:  # progress bars are a dev extra
@@ -184,7 +184,7 @@ def _progress(total: int, desc: str, quiet: bool):
     return tqdm(total=total, desc=desc, unit="run", leave=False, file=sys.stderr)
 
 
-def _memory_limit() -> int:
+def memory_limit() -> int:
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.75)
     except (ValueError, OSError, AttributeError):

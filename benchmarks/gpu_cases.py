@@ -82,7 +82,7 @@ def _sds(shape, dtype):
     return jax.ShapeDtypeStruct(tuple(shape), dtype)
 
 
-def _loss_grad(f, argnums=(0, 1, 2)):
+def loss_grad(f, argnums=(0, 1, 2)):
     """fwd+bwd: the gradient of ``sum(f(...))`` (float32) in ``argnums``."""
     import jax
     import jax.numpy as jnp
@@ -103,7 +103,7 @@ def _dilated(impl, *, n=8192, h=8, hk=8, d=64, dtype="bfloat16", causal=False, g
             return dilax.dilated_attention(q, k, v, ws, rs, is_causal=causal, mode=mode,
                                            implementation=impl, local_window=window)
 
-        return (_loss_grad(f) if grad else f), _qkv(1, n, h, hk, d, dtype)
+        return (loss_grad(f) if grad else f), _qkv(1, n, h, hk, d, dtype)
 
     return build
 
@@ -128,7 +128,7 @@ def _block_sparse(impl, *, n=8192, h=8, hk=8, d=64, dtype="bfloat16", causal=Fal
             return dilax.block_sparse_attention(q, k, v, pattern, is_causal=causal,
                                                 implementation=impl)
 
-        return (_loss_grad(f) if grad else f), _qkv(1, n, h, hk, d, dtype)
+        return (loss_grad(f) if grad else f), _qkv(1, n, h, hk, d, dtype)
 
     return build
 
@@ -151,7 +151,7 @@ def _flash(*, n=8192, h=16, d=64, dtype="bfloat16", causal=True, grad=True, offs
             return flash_attention(q, k, v, scale=d ** -0.5, is_causal=causal, **kw)[0]
 
         args = (_sds((1, n, h, 1, d), dtype), _sds((1, n, h, d), dtype), _sds((1, n, h, d), dtype))
-        return (_loss_grad(f) if grad else f), args
+        return (loss_grad(f) if grad else f), args
 
     return build
 
@@ -166,7 +166,7 @@ def _reference_mha(*, n=8192, h=16, d=64, dtype="bfloat16", causal=True):
         def f(q, k, v):
             return attention.mha(q, k, v, None, sm_scale=d ** -0.5, causal=causal)
 
-        return _loss_grad(f), _qkv(1, n, h, h, d, dtype)
+        return loss_grad(f), _qkv(1, n, h, h, d, dtype)
 
     return build
 

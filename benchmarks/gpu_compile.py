@@ -47,11 +47,11 @@ from benchmarks.gpu_cases import (  # noqa: F401 - Target, Case, report_cases re
     TARGETS,
     Case,
     Target,
-    _loss_grad,
     cases,
+    loss_grad,
     report_cases,
 )
-from benchmarks.gpu_report import _ptxas, kernel_resources, markdown, roofline
+from benchmarks.gpu_report import kernel_resources, markdown, ptxas_path, roofline
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPEC_DIR = os.path.join(HERE, "gpu_targets")
@@ -96,7 +96,7 @@ def compile_items(items: list[tuple[str, int]]) -> list[dict]:
                 platform="cuda", topology=f"1x1x{devices}", target_config=spec)
         return Mesh(np.array(topos[key, devices].devices[:devices]), (axis,))
 
-    ptxas = _ptxas()
+    ptxas = ptxas_path()
     results = []
     for key, index in items:
         case, target = all_cases[index], TARGETS[key]
@@ -109,7 +109,7 @@ def compile_items(items: list[tuple[str, int]]) -> list[dict]:
                 mesh = mesh_of(key, case.devices, "sp")
                 f, args, grad = built
                 fn = (lambda *a, f=f, mesh=mesh: f(*a, mesh))
-                fn = _loss_grad(fn) if grad else fn
+                fn = loss_grad(fn) if grad else fn
                 args = _place(args, NamedSharding(mesh, P(None, "sp")))
             else:
                 fn, args = built
@@ -179,7 +179,7 @@ def run(targets: list[str], out_dir: str, only: str | None = None, jobs: int = 2
     passed &= len(rows) == len(items) and all(r["passed"] for r in rows)
     result = dict(command="gpu-compile", date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   jax=jax.__version__, cores=os.cpu_count(), jobs=jobs, passed=passed,
-                  wall_seconds=round(time.time() - t0, 1), ptxas=_ptxas() is not None,
+                  wall_seconds=round(time.time() - t0, 1), ptxas=ptxas_path() is not None,
                   cpu_seconds=round(usage.ru_utime + usage.ru_stime, 1),
                   targets=[dict(target=key, target_name=TARGETS[key].name,
                                 cases=[r for r in rows if r["target"] == key])

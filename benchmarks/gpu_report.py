@@ -19,7 +19,7 @@ from benchmarks.gpu_cases import TARGETS, Target
 # --------------------------------------------------------------------------------------------
 
 
-def _ptxas() -> str | None:
+def ptxas_path() -> str | None:
     try:
         import nvidia.cuda_nvcc as nvcc  # the pip wheel jax[cuda12] installs
 

@@ -9,8 +9,8 @@ import subprocess
 import sys
 from typing import Any
 
-from benchmarks.common import _memory_limit, _progress
-from benchmarks.rows import _config
+from benchmarks.common import memory_limit, progress
+from benchmarks.rows import config_of
 from dilax.memory import format_bytes
 
 _MAXSEQ_CHILD = r"""
@@ -51,12 +51,12 @@ print(json.dumps({"stage": "ran", "memory_bytes": int(peak), "seconds": dt_s,
 
 def cmd_max_seq(args) -> dict[str, Any]:
     """Doubles n until XLA's memory estimate exceeds the machine, or a run fails."""
-    cfg = _config(args)
-    limit = _memory_limit()
+    cfg = config_of(args)
+    limit = memory_limit()
     rows = []
     passes = ["fwd", "fwd+bwd"]
     largest = {}
-    bar = _progress(len(passes) * len(args.n), "max-seq", args.quiet)
+    bar = progress(len(passes) * len(args.n), "max-seq", args.quiet)
     for pas in passes:
         for n in sorted(args.n):
             child_cfg = dict(cfg, n=n, mode=args.mode, limit=limit, **{"pass": pas})

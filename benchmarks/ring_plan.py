@@ -5,7 +5,7 @@ Everything here is computed from shapes and the STATIC ring schedule, nothing is
 
 Configuration: ``b, n, h, hk, d``, branches ``(w_i, r_i)``, causal, contiguous layout, P
 devices, mixture mode (every branch covers all ``h`` heads). Per device ``m = n / P``. Branch
-kinds as in :func:`dilax.sp.ring_branches._branch_op`: *local* (``m % w == 0``), *halo* or
+kinds as in :func:`dilax.sp.ring_branches.branch_op`: *local* (``m % w == 0``), *halo* or
 *ring*. A branch has ``R = ceil(m / r)`` dilated rows per device (modelled for ``r | m``),
 ``U`` virtual kv heads of ``G`` query heads (``U G = h``, :func:`dilax.layout.plan_branch`).
 
@@ -80,9 +80,12 @@ import functools
 import math
 from typing import Any
 
+from dilax.core import BlockSizes
 from dilax.core.xla import backward_reads_bits
 from dilax.layout import plan_branch
-from dilax.sp.ring_vjp import RING_BACKWARD_BLOCKS, RING_BLOCKS, _row_chunk
+from dilax.semantics import effective_segment_length
+from dilax.sp.ring_branches import branch_kind, ring_blocks
+from dilax.sp.ring_vjp import RING_BLOCKS, row_chunk
 from dilax.sp.schedule import geometry, ring_streams
 
 F32 = 4
@@ -129,6 +132,9 @@ class Branch:
     G: int
     hops: tuple[int, ...]  # per stream (ring)
     L: int  # w / r
+    # the core's blocks: a ring branch's (dilax.sp.ring_branches.ring_blocks); local and
+    # halo branches are modelled with the local branches' RING_BLOCKS
+    blocks: BlockSizes = RING_BLOCKS
 
 
 def longnet_config(n: int, base: int = 2048) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -146,21 +152,24 @@ def _heads(h: int, hk: int, r: int) -> tuple[int, int]:
 
 
 def branches(cfg: Config) -> list[Branch]:
-    """The branches in execution order (spanning, largest r first, then local)."""
+    """The branches in execution order (spanning, largest r first, then local), each as
+    :func:`dilax.sp.ring_branches.branch_op` runs it on the contiguous layout: its kind
+    (:func:`~dilax.sp.ring_branches.branch_kind`), the streams of its ring
+    (:func:`dilax.sp.schedule.ring_streams` of its :func:`~dilax.sp.schedule.geometry`) and
+    the ring's blocks (:func:`~dilax.sp.ring_branches.ring_blocks`)."""
     out = []
     for w, r in zip(cfg.ws, cfg.rs, strict=True):
-        w_eff = min(w, -(-cfg.n // r) * r)
+        w_eff = effective_segment_length(cfg.n, w, r)
         U, G = _heads(cfg.h, cfg.hk, r)
         R = -(-cfg.m // r)
-        local = cfg.P == 1 or cfg.m % w_eff == 0
+        kind = branch_kind(cfg.P, 1, cfg.m, w_eff, r)
         hops: tuple[int, ...] = ()
-        kind = "local"
-        if not local:
+        blocks = RING_BLOCKS
+        if kind == "ring":
             geo = geometry(cfg.n, cfg.P, 1, w_eff, r)
-            kind = "ring" if geo.L > min(geo.cnt) + 1 else "halo"
-            if kind == "ring":
-                hops = tuple(st.hops for st in ring_streams(geo, cfg.causal))
-        out.append(Branch(w_eff, r, kind, R, U, G, hops, w_eff // r))
+            hops = tuple(st.hops for st in ring_streams(geo, cfg.causal))
+            blocks = ring_blocks(geo, None)
+        out.append(Branch(w_eff, r, kind, R, U, G, hops, w_eff // r, blocks))
     return sorted(out, key=lambda br: (br.kind == "local", -br.r))
 
 
@@ -215,8 +224,7 @@ def tiles(cfg: Config, br: Branch, count: int = 2, backward: bool = False) -> in
     """The core's work on one block pair: ``count`` float32 score tiles ``(b, h, bq, bk)``
     (forward: scores and probabilities; backward: five, P, dP, dS and two copies; the ring
     branches' backward blocks are ``RING_BACKWARD_BLOCKS``)."""
-    bq, bk = ((RING_BACKWARD_BLOCKS if br.kind == "ring" else RING_BLOCKS.backward)
-              if backward else (RING_BLOCKS.block_q, RING_BLOCKS.block_k))
+    bq, bk = br.blocks.backward if backward else (br.blocks.block_q, br.blocks.block_k)
     return count * cfg.b * cfg.h * min(bq, br.R) * min(bk, br.R) * F32
 
 
@@ -251,7 +259,7 @@ def backward_reads(cfg: Config, q_rows: int, kv_rows: int, kv_heads: int) -> dic
 
 
 def ring_forward_work(cfg: Config, br: Branch) -> dict[str, int]:
-    rc = _row_chunk(br.R)
+    rc = row_chunk(br.R)
     q = cfg.b * br.R * cfg.h * cfg.d * cfg.sw
     return {**bits(cfg, rc, br.R, br.U),
         "dilated q (+ loop copy)": ((br.r > 1) + _looped(br)) * q,
@@ -264,7 +272,7 @@ def ring_forward_work(cfg: Config, br: Branch) -> dict[str, int]:
 
 
 def local_forward_work(cfg: Config, br: Branch) -> dict[str, int]:
-    bq = min(RING_BLOCKS.block_q, br.R)
+    bq = min(br.blocks.block_q, br.R)
     return {**bits(cfg, cfg.m, cfg.m, cfg.hk),
             "result being built": result(cfg, br), "score tiles": tiles(cfg, br),
             "row blocks (q, out)": 2 * cfg.b * cfg.h * bq * cfg.d * F32}
@@ -312,7 +320,7 @@ def _one_block(br: Branch) -> bool:
     two query-block loops (causal-masked, then unmasked) have bodies that do not depend on
     the loop index, so XLA hoists them out of the loops and keeps their blocks live together
     (:func:`dilax.core.xla.backward`)."""
-    return br.kind == "local" and br.L <= min(RING_BLOCKS.backward)
+    return br.kind == "local" and br.L <= min(br.blocks.backward)
 
 
 def local_backward_work(cfg: Config, br: Branch) -> dict[str, int]:
@@ -325,11 +333,11 @@ def local_backward_work(cfg: Config, br: Branch) -> dict[str, int]:
     q, dO and K blocks) live across the unmasked loop, which carries its hoisted scores,
     ``dP - delta``, q, dO and K blocks and computes three tiles, a dO block and the dK/dV
     block sums: seven tiles, five row blocks, four K/V blocks ``b U bk d 4``."""
-    bq = min(RING_BLOCKS.backward[0], br.R)
+    bq = min(br.blocks.backward[0], br.R)
     block = cfg.b * cfg.h * bq * cfg.d * F32
     shards = backward_reads(cfg, cfg.m, cfg.m, cfg.hk)
     if _one_block(br):
-        bk = min(RING_BLOCKS.backward[1], br.R)
+        bk = min(br.blocks.backward[1], br.R)
         return {**shards, "dO f32": cfg.b * br.R * cfg.h * cfg.d * F32,
                 "score tiles": tiles(cfg, br, 7, True), "row blocks": 5 * block,
                 "K/V blocks": 4 * cfg.b * br.U * bk * cfg.d * F32}

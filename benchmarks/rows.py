@@ -14,7 +14,7 @@ import numpy as np
 
 import dilax
 from benchmarks import common
-from benchmarks.common import _memory_limit, _progress
+from benchmarks.common import memory_limit, progress
 from dilax.layout import attended_pairs
 from dilax.memory import format_bytes, memory_report
 
@@ -27,7 +27,7 @@ DEFAULT_ROWS = ("dense", "mixture", "grouped")
 EXTRA_ROWS = ("mixture-padded", "mixture-window")  # opt-in: --rows mixture,mixture-padded
 
 
-def _config(args) -> dict[str, Any]:
+def config_of(args) -> dict[str, Any]:
     return dict(
         batch=args.batch, heads=args.heads, kv_heads=args.kv_heads or args.heads,
         head_dim=args.head_dim, dtype=args.dtype, segment_lengths=args.segment_lengths,
@@ -83,9 +83,9 @@ def measure_rows(rows: Sequence[str], ns: Sequence[int], cfg: dict[str, Any], *,
                   "(pip install torch==2.13.0)", file=sys.stderr)
     all_rows = list(rows) + (["torch-grouped"] if torch_mod is not None else [])
     probe = common.MatmulProbe() if run else None
-    bar = _progress(len(all_rows) * len(ns) * len(passes), "benchmark", quiet)
+    bar = progress(len(all_rows) * len(ns) * len(passes), "benchmark", quiet)
     results = []
-    limit = _memory_limit()
+    limit = memory_limit()
     for n in ns:
         q, k, v = common.random_qkv(b, n, h, hk, d, dtype)
         floor = common.qkvo_bytes(b, n, h, hk, d, dtype)

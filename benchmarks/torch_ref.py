@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dilax.reference import group_sizes
+from dilax.semantics import group_sizes
 
 
 def dilated_attention_grouped_torch(q, k, v, segment_lengths, dilation_rates, is_causal=False):

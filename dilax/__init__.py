@@ -9,6 +9,7 @@ after a plain ``import dilax``).
 """
 
 from dilax import memory, patterns
+from dilax._version import __version__  # noqa: F401 - dilax.__version__
 from dilax.attention_fn import attention_fn
 from dilax.attention_mask import AttentionMask
 from dilax.backend import describe
@@ -17,7 +18,7 @@ from dilax.content_adaptive import content_adaptive_attention
 from dilax.core import BlockSizes, attention_core, merge_attention_states
 from dilax.decode import KVCache, dilated_attention_decode
 from dilax.dilated import dilated_attention
-from dilax.reference import dilated_counts
+from dilax.semantics import dilated_counts
 from dilax.settings import DilatedSettings
 from dilax.sp import (
     SequenceParallel,
@@ -27,7 +28,6 @@ from dilax.sp import (
     sharded_dilated_attention,
 )
 
-__version__ = "0.1.0"
 # Submodules that import Flax (or are rarely needed): attributes of dilax on first access.
 _LAZY_SUBMODULES = ("data", "factory", "models", "nn", "sample", "train")
 

@@ -201,7 +201,7 @@ def check_real(value: Any, name: str) -> float:
 
 
 def check_block_sizes(block_sizes: Any) -> Any:
-    from dilax.core import BlockSizes  # lazy: core is heavier than the checks
+    from dilax.core.blocks import BlockSizes  # lazy: core is heavier than the checks
 
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be a dilax.BlockSizes, got {type(block_sizes).__name__}")

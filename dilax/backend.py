@@ -14,6 +14,11 @@ from typing import TextIO
 import jax
 
 from dilax import registry
+from dilax.core.platform import (  # noqa: F401 - re-exported here
+    CUDNN_NEEDS_GPU,
+    cuda_plugin_available,
+    require_cudnn,
+)
 
 IMPLEMENTATIONS = registry.IMPLEMENTATIONS
 
@@ -55,31 +60,6 @@ def resolve_implementation(implementation: str | None, *, interpret: bool = Fals
     backend = current_backend() if backend is None else backend
     request = registry.CoreRequest("dilated_branch", platform=backend, interpret=interpret)
     return registry.choose(None, request, allowed)[0]
-
-
-CUDNN_NEEDS_GPU = ("implementation='cudnn' runs cuDNN's fused attention, which compiles only "
-                   "for a CUDA GPU: use implementation='xla', or 'pallas' with interpret=True "
-                   "to run the Pallas kernels in the interpreter")
-
-
-def cuda_plugin_available() -> bool:
-    """Whether this jaxlib has the CUDA plugin (``jax[cuda12]``), with or without a GPU."""
-    try:
-        from jax._src.lib import cuda_versions
-    except ImportError:  # pragma: no cover - depends on the jax build
-        return False
-    return cuda_versions is not None
-
-
-def require_cudnn(x: jax.Array) -> jax.Array:
-    """``x``, checked to be compiled for a CUDA device (at lowering), in a jaxlib that has
-    cuDNN (now: jax's cuDNN attention needs the CUDA plugin already to trace)."""
-    from pallas_kernels.platform import require_platform  # lazy: kernels are optional
-
-    if not cuda_plugin_available():
-        raise ValueError(f"{CUDNN_NEEDS_GPU} (this jaxlib has no CUDA plugin; "
-                         "pip install 'jax[cuda12]' to compile for a CUDA target)")
-    return require_platform(x, CUDNN_NEEDS_GPU, platforms=("cuda",))
 
 
 def resolve_core(implementation: str | None, *, interpret: bool = False,
@@ -146,7 +126,7 @@ def describe(file: TextIO | None = None) -> None:
 
     Returns ``None``, like :func:`help`, so a REPL or notebook shows the text once.
     """
-    from dilax import __version__
+    from dilax._version import __version__
 
     lines = [
         f"dilax {__version__}, jax {jax.__version__}",

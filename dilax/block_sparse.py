@@ -37,12 +37,11 @@ from dilax.patterns import BlockSparsePattern, mask_tables
 from dilax.reference import length_mask, masked_attention
 from dilax.sp.block_sparse_ring import check_sharded_block_sparse, sharded_block_sparse
 from dilax.sp.config import SequenceParallel, check_sequence_parallel
+from dilax.utils import cdiv
 
 IMPLEMENTATIONS = V.BLOCK_SPARSE_IMPLEMENTATIONS
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # -- static plans -------------------------------------------------------------------------
@@ -133,7 +132,7 @@ def attend_tables(q, k, v, idx, kv_len, diag_len, *, block_size: int, U: int, G:
     ``lse (b, n, h)`` float32.
     """
     n = q.shape[1]
-    size = _cdiv(n, block_size) * block_size
+    size = cdiv(n, block_size) * block_size
     kv_len, diag_len, q_len = table_lengths(idx, kv_len, diag_len, block_size,
                                             size // block_size, query_seq_lengths,
                                             key_value_seq_lengths)

@@ -17,13 +17,11 @@ from jax import lax
 
 from dilax.core import BlockSizes, attention_core, merge_attention_states
 from dilax.patterns import BlockSparsePattern
+from dilax.utils import cdiv
 
 # Upper bound on gathered K+V bytes per lax.map step (a few query blocks at a time).
 _ROW_BUDGET_BYTES = 64 * 2**20
 
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # -- validation ---------------------------------------------------------------------------
@@ -38,7 +36,7 @@ def check_pattern(pattern, q: jax.Array) -> BlockSparsePattern:
         )
     _, n, h, _ = q.shape
     bs = pattern.block_size
-    nb = _cdiv(n, bs)
+    nb = cdiv(n, bs)
     if pattern.num_q_blocks != nb or pattern.num_k_blocks != nb:
         raise ValueError(
             f"pattern has {pattern.num_q_blocks}x{pattern.num_k_blocks} blocks of block_size "

@@ -12,10 +12,7 @@ from jax import lax
 
 from dilax import _validation as V
 from dilax.block_sparse import attend_tables, pad_seq
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from dilax.utils import cdiv
 
 
 def _check_top_k(block_size, top_k, n) -> tuple[int, int]:
@@ -23,7 +20,7 @@ def _check_top_k(block_size, top_k, n) -> tuple[int, int]:
     if block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size}")
     top_k = V.static_int(top_k, "top_k")
-    nb = _cdiv(n, block_size)
+    nb = cdiv(n, block_size)
     if not 1 <= top_k <= nb:
         raise ValueError(
             f"top_k must be in [1, ceil(n / block_size)] = [1, {nb}] key blocks, got {top_k}"
@@ -35,7 +32,7 @@ def _block_means(x: jax.Array, bs: int, lengths: jax.Array | None = None) -> jax
     """``(b, n, H, d)`` -> float32 ``(b, ceil(n/B), H, d)`` means over each block's tokens
     (only the tokens before ``lengths (b,)`` when given; 0 for a block without any)."""
     b, n, H, d = x.shape
-    nb = _cdiv(n, bs)
+    nb = cdiv(n, bs)
     x = x.astype(jnp.float32)
     if lengths is None:
         sizes = jnp.asarray(np.minimum(bs, n - np.arange(nb) * bs).astype(np.float32))[None]
@@ -76,7 +73,7 @@ def content_adaptive_selection(
     b, n, h, d = q.shape
     hk = k.shape[2]
     bs, top_k = _check_top_k(block_size, top_k, n)
-    nb = _cdiv(n, bs)
+    nb = cdiv(n, bs)
     q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n)
     kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)
     qm = lax.stop_gradient(_block_means(q, bs, q_len)).reshape(b, nb, hk, h // hk, d)
@@ -145,7 +142,7 @@ def content_adaptive_attention(
     hk = k.shape[2]
     bs, top_k = _check_top_k(block_size, top_k, n)
     V.check_memory(q, k, op="content_adaptive_attention")
-    nb = _cdiv(n, bs)
+    nb = cdiv(n, bs)
     q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n)
     kv_len_seq = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)
     idx, counts = content_adaptive_selection(q, k, bs, top_k, is_causal=is_causal,

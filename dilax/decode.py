@@ -32,7 +32,7 @@ from dilax import _validation as V
 from dilax import registry
 from dilax.core import XLA, BlockSizes, Mask, identity_view, merge_attention_states
 from dilax.layout import expand_slots, plan_branch, slot_layout, slot_view
-from dilax.reference import group_sizes
+from dilax.semantics import branch_heads, effective_segment_length
 
 __all__ = ["KVCache", "dilated_attention_decode"]
 
@@ -103,15 +103,9 @@ class _Branch:
 def _branches(h, ws, rs, mode, local_window, max_len) -> tuple[_Branch, ...]:
     # A segment longer than the cache is one segment: cap w as dilated_attention caps it at n
     # (same segments for every position < max_len), so no window outgrows the cache.
-    ws = tuple(min(w, -(-max_len // r) * r) for w, r in zip(ws, rs))
-    if mode == "mixture":
-        out = [_Branch(w, r, w // r, tuple(range(h)), tuple(j % r for j in range(h)))
-               for w, r in zip(ws, rs)]
-    else:
-        out, start = [], 0
-        for i, (size, w, r) in enumerate(zip(group_sizes(h, len(ws)), ws, rs)):
-            out.append(_Branch(w, r, w // r, tuple(range(start, start + size)), (i % r,) * size))
-            start += size
+    ws = tuple(effective_segment_length(max_len, w, r) for w, r in zip(ws, rs))
+    out = [_Branch(br.w, br.r, br.w // br.r, br.heads, br.offsets)
+           for br in branch_heads(h, ws, rs, mode)]
     if local_window is not None:
         out.append(_Branch(None, 1, local_window + 1, tuple(range(h)), (0,) * h))
     return tuple(out)

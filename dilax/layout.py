@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dilax.core import Mask, SlotView, static_take
-from dilax.reference import group_sizes
+from dilax.semantics import branch_heads, effective_segment_length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,7 @@ def plan_branch(
     offsets: tuple[int, ...],
 ) -> BranchPlan:
     """Builds the :class:`BranchPlan` of branch ``(w, r)`` for ``heads`` at ``offsets``."""
-    w_eff = min(w, -(-n // r) * r)  # w > n: one segment covering the whole sequence
+    w_eff = effective_segment_length(n, w, r)
     num_segments = -(-n // w_eff)
     per_kv = num_heads // num_kv_heads
     # Pair query heads by (kv head, slot); sorting by slot first gives strided runs for slices.
@@ -170,21 +170,8 @@ def dilated_branches(
     dilation_rates: tuple[int, ...], mode: str,
 ) -> list[BranchPlan]:
     """The static core calls of a configuration (one per branch, per group in grouped mode)."""
-    plans = []
-    if mode == "mixture":
-        heads = tuple(range(num_heads))
-        for w, r in zip(segment_lengths, dilation_rates):
-            plans.append(plan_branch(n, num_heads, num_kv_heads, w, r, heads,
-                                     tuple(j % r for j in heads)))
-    else:
-        start = 0
-        for i, (size, w, r) in enumerate(
-            zip(group_sizes(num_heads, len(segment_lengths)), segment_lengths, dilation_rates)
-        ):
-            heads = tuple(range(start, start + size))
-            plans.append(plan_branch(n, num_heads, num_kv_heads, w, r, heads, (i % r,) * size))
-            start += size
-    return plans
+    return [plan_branch(n, num_heads, num_kv_heads, br.w, br.r, br.heads, br.offsets)
+            for br in branch_heads(num_heads, segment_lengths, dilation_rates, mode)]
 
 
 def attended_pairs(

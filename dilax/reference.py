@@ -1,45 +1,30 @@
-"""Mask-based reference of docs/semantics.md: the test oracle (small n only).
+"""Mask-based reference of docs/semantics.md: the test oracle (small n only), and
+``implementation="reference"``.
 
-It builds the explicit ``(h, n, n)`` count matrix ``C`` of a dilated configuration and runs
-dense attention with bias ``log C``. Nothing here is fast; everything here is simple enough to
-check by eye against the spec.
+It takes the explicit ``(h, n, n)`` count matrix ``C`` of a dilated configuration
+(:func:`dilax.semantics.dilated_counts`) and runs dense attention with bias ``log C``. A leaf:
+it imports nothing of dilax but :mod:`dilax.semantics`. Nothing here is fast; everything here
+is simple enough to check by eye against the spec.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The count matrix is the semantics' (dilax.semantics); re-exported for the tests.
+from dilax.semantics import branch_mask, dilated_counts, group_sizes, window_mask
 
-def branch_mask(n: int, w: int, r: int, offset: int, is_causal: bool) -> np.ndarray:
-    """Boolean ``(n, n)`` mask of one branch ``(w, r)`` with offset ``offset``
-    (docs/semantics.md)."""
-    pos = np.arange(n)
-    sel = pos % r == offset
-    same_segment = (pos[:, None] // w) == (pos[None, :] // w)
-    mask = sel[:, None] & sel[None, :] & same_segment
-    if is_causal:
-        mask &= pos[None, :] <= pos[:, None]
-    return mask
-
-
-def group_sizes(num_heads: int, num_groups: int) -> tuple[int, ...]:
-    """Grouped mode head split: ``h // G`` each, the first ``h % G`` groups one more."""
-    base, extra = divmod(num_heads, num_groups)
-    return tuple(base + (1 if i < extra else 0) for i in range(num_groups))
-
-
-def window_mask(n: int, window: int, is_causal: bool) -> np.ndarray:
-    """Boolean ``(n, n)`` mask of the local window branch: ``|p - t| <= window`` (and
-    ``t <= p`` when causal)."""
-    pos = np.arange(n)
-    mask = np.abs(pos[:, None] - pos[None, :]) <= window
-    if is_causal:
-        mask &= pos[None, :] <= pos[:, None]
-    return mask
+__all__ = [
+    "branch_mask",
+    "dilated_attention_reference",
+    "dilated_counts",
+    "group_sizes",
+    "length_mask",
+    "masked_attention",
+    "window_mask",
+]
 
 
 def length_mask(n: int, query_seq_lengths=None, key_value_seq_lengths=None,
@@ -58,48 +43,6 @@ def length_mask(n: int, query_seq_lengths=None, key_value_seq_lengths=None,
     if key_padding_mask is not None:
         valid = valid & jnp.asarray(key_padding_mask, bool)[:, None, :]
     return jnp.broadcast_to(valid, (valid.shape[0], n, n))[:, None].astype(jnp.float32)
-
-
-@functools.lru_cache(maxsize=64)
-def _dilated_counts_cached(n, num_heads, segment_lengths, dilation_rates, mode, is_causal,
-                           local_window=None):
-    counts = np.zeros((num_heads, n, n), np.float32)
-    if mode == "mixture":
-        for j in range(num_heads):
-            for w, r in zip(segment_lengths, dilation_rates):
-                counts[j] += branch_mask(n, w, r, j % r, is_causal)
-            if local_window is not None:
-                counts[j] += window_mask(n, local_window, is_causal)
-    else:
-        start = 0
-        for i, (size, w, r) in enumerate(
-            zip(group_sizes(num_heads, len(segment_lengths)), segment_lengths, dilation_rates)
-        ):
-            m = branch_mask(n, w, r, i % r, is_causal)
-            counts[start : start + size] = m
-            start += size
-    counts.setflags(write=False)
-    return counts
-
-
-def dilated_counts(
-    n: int,
-    num_heads: int,
-    segment_lengths: tuple[int, ...],
-    dilation_rates: tuple[int, ...],
-    mode: str = "mixture",
-    is_causal: bool = False,
-    local_window: int | None = None,
-) -> np.ndarray:
-    """``C[j, p, t]``: number of branches in which query ``p`` of head ``j`` may attend ``t``
-    (the local window, when given, is one more branch: ``+1`` where ``|p - t| <= W``).
-
-    Returns a read-only float32 array of shape ``(h, n, n)``.
-    """
-    return _dilated_counts_cached(
-        int(n), int(num_heads), tuple(segment_lengths), tuple(dilation_rates), mode,
-        bool(is_causal), None if local_window is None else int(local_window),
-    )
 
 
 def masked_attention(

@@ -38,8 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import (
-    _cdiv_nonneg,
     backward_rows,
+    cdiv_nonneg,
     check_grouped_qkv,
     dkdv_call,
     dkdv_loop,
@@ -52,7 +52,7 @@ from pallas_kernels.common import (
     padded_head_dim,
 )
 from pallas_kernels.config import MIN_BLOCK, KernelConfig, default_config, triton_compiler_params
-from pallas_kernels.reference import masked_reference
+from pallas_kernels.reference import block_sparse_reference  # noqa: F401 - beside its kernel
 from pallas_kernels.tables import (
     block_mask_from_tables,
     causal_counts,
@@ -131,7 +131,7 @@ def _query_tile_segments(idx_ref, cnt, *, is_causal, block, block_q, block_k, se
     if is_causal:  # key tiles of the diagonal block up to the tile's last query
         diag = last == qb
         rows = (lax.rem(i, jnp.int32(sub_q)) + 1) * block_q
-        tail_tiles = jnp.where(diag, jnp.minimum(tail_tiles, _cdiv_nonneg(rows, block_k)),
+        tail_tiles = jnp.where(diag, jnp.minimum(tail_tiles, cdiv_nonneg(rows, block_k)),
                                tail_tiles)
         is_tail = is_tail | diag
     if ragged:  # key tiles of the last block that hold keys < seq_len
@@ -480,27 +480,3 @@ def block_sparse_flash_attention(
     q_cnt = jnp.asarray(q_cnt, jnp.int32)
     return _sparse(q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, block_size, float(scale),
                    bool(is_causal), config, interpret or False, bool(debug))
-
-
-def block_sparse_reference(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    block_mask: np.ndarray,
-    *,
-    block_size: int,
-    scale: float,
-    is_causal: bool = False,
-) -> tuple[jax.Array, jax.Array]:
-    """Dense XLA reference of :func:`block_sparse_flash_attention` from a boolean block mask.
-
-    ``block_mask: (H_pat, nq_blocks, nk_blocks)``. Builds the explicit ``(H_pat, n, n)`` mask
-    (small ``n`` only) and returns ``(out, lse)`` in the grouped layout.
-    """
-    B, n, Hk, G, d = q.shape
-    mask = np.repeat(np.repeat(np.asarray(block_mask, bool), block_size, 1), block_size, 2)
-    mask = mask[:, :n, :n]
-    if is_causal:
-        mask = mask & np.tril(np.ones((n, n), bool))[None]
-    out, lse = masked_reference(q.reshape(B, n, Hk * G, d), k, v, mask, scale)
-    return out.reshape(q.shape), lse.reshape(B, n, Hk, G)

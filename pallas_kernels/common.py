@@ -42,16 +42,16 @@ def gpu_only(x, interpret):
     return x if interpret else require_platform(x, NEEDS_GPU)
 
 
-def _arange(n: int):
+def arange_i32(n: int):
     return jnp.arange(n, dtype=jnp.int32)
 
 
-def _cdiv_nonneg(a, b: int):
+def cdiv_nonneg(a, b: int):
     """``ceil(a / b)`` for traced ``a >= 0`` (``lax.div`` truncates, which is safe for Triton)."""
     return lax.div(a + (b - 1), jnp.int32(b))
 
 
-def _floordiv_clamped(a, b: int):
+def floordiv_clamped(a, b: int):
     """``max(a, 0) // b`` for traced ints."""
     return lax.div(jnp.maximum(a, 0), jnp.int32(b))
 
@@ -94,7 +94,7 @@ def online_softmax(q, q_pos, k_ref, v_ref, *, segments, kv_len, k_offset, scale,
             v = v_ref[pl.ds(start, block_k), :]
             s = _dot(q, k, 1, 1) * scale
             if masked:
-                k_idx = start + _arange(block_k)
+                k_idx = start + arange_i32(block_k)
                 s = jnp.where(key_mask(q_pos, k_idx, kv_len, k_offset, is_causal), s, _NEG_INF)
                 # Zero keys beyond kv_len so NaN/inf there can never leak through 0 * x.
                 v = jnp.where((k_idx < kv_len)[:, None], v, jnp.zeros((), v.dtype))
@@ -134,7 +134,7 @@ def dq_loop(q, do, lse, delta, q_pos, k_ref, v_ref, *, segments, kv_len, k_offse
             k = k_ref[pl.ds(start, block_k), :]
             v = v_ref[pl.ds(start, block_k), :]
             if masked:
-                k_idx = start + _arange(block_k)
+                k_idx = start + arange_i32(block_k)
                 valid = (k_idx < kv_len)[:, None]
                 k = jnp.where(valid, k, jnp.zeros((), k.dtype))
                 v = jnp.where(valid, v, jnp.zeros((), v.dtype))
@@ -170,7 +170,7 @@ def dkdv_loop(carry, g, k, v, k_idx, kv_len, q_ref, do_ref, lse_ref, delta_ref, 
             delta = delta_ref[g, pl.ds(start, block_q)]
             s = _dot(q, k, 1, 1) * scale
             if masked:
-                q_pos = q_offset + start + _arange(block_q)
+                q_pos = q_offset + start + arange_i32(block_q)
                 s = jnp.where(key_mask(q_pos, k_idx, kv_len, k_offset, is_causal), s, _NEG_INF)
             p = jnp.exp(s - lse[:, None])
             dv = dv + _dot(p.astype(do.dtype), do, 0, 0)

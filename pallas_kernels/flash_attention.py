@@ -36,14 +36,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import (
-    _arange,
-    _cdiv_nonneg,
-    _floordiv_clamped,
+    arange_i32,
     backward_rows,
+    cdiv_nonneg,
     check_grouped_qkv,
     dkdv_call,
     dkdv_loop,
     dq_loop,
+    floordiv_clamped,
     for_each_group,
     gpu_only,
     online_softmax,
@@ -78,7 +78,7 @@ _F32 = jnp.float32
 def _causal_key_blocks(q_block, block_q, block_k, q_offset, k_offset):
     """Number of leading key blocks holding a key visible to some query of ``q_block``."""
     last = q_offset - k_offset + (q_block + 1) * block_q - 1  # last visible local key index
-    return jnp.where(last >= 0, _floordiv_clamped(last, block_k) + 1, 0)
+    return jnp.where(last >= 0, floordiv_clamped(last, block_k) + 1, 0)
 
 
 def _key_segments(offs_ref, kvlen_ref, is_causal, block_q, block_k):
@@ -86,14 +86,14 @@ def _key_segments(offs_ref, kvlen_ref, is_causal, block_q, block_k):
     the tiles that straddle ``kv_len`` or the causal diagonal), ``kv_len`` and ``k_offset``."""
     i = pl.program_id(0)
     q_offset, k_offset, kv_len = offs_ref[0], offs_ref[1], kvlen_ref[0]
-    q_pos = q_offset + i * block_q + _arange(block_q)
-    hi = _cdiv_nonneg(kv_len, block_k)
+    q_pos = q_offset + i * block_q + arange_i32(block_q)
+    hi = cdiv_nonneg(kv_len, block_k)
     full = lax.div(kv_len, jnp.int32(block_k))  # tiles entirely below kv_len
     if is_causal:
         hi = jnp.minimum(hi, _causal_key_blocks(i, block_q, block_k, q_offset, k_offset))
         # tiles whose last key is visible to the tile's first query
         first_q = q_offset - k_offset + i * block_q
-        full = jnp.minimum(full, _floordiv_clamped(first_q + 1, block_k))
+        full = jnp.minimum(full, floordiv_clamped(first_q + 1, block_k))
     full = jnp.minimum(full, hi)
     segments = [(full, lambda s: s, False), (hi - full, lambda s: full + s, True)]
     return q_pos, segments, kv_len, k_offset
@@ -127,21 +127,21 @@ def _dkdv_kernel(offs_ref, kvlen_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
                  dv_ref, *, scale, is_causal, block_q, block_k, num_q_blocks, groups):
     j = pl.program_id(0)
     q_offset, k_offset, kv_len = offs_ref[0], offs_ref[1], kvlen_ref[0]
-    k_idx = j * block_k + _arange(block_k)
+    k_idx = j * block_k + arange_i32(block_k)
     valid = (k_idx < kv_len)[:, None]
     k = jnp.where(valid, k_ref[...], jnp.zeros((), k_ref.dtype))
     v = jnp.where(valid, v_ref[...], jnp.zeros((), v_ref.dtype))
     lo = jnp.int32(0)
     if is_causal:  # first query that can see key j * block_k
         first = k_offset - q_offset + j * block_k
-        lo = jnp.minimum(_floordiv_clamped(first, block_q), num_q_blocks)
+        lo = jnp.minimum(floordiv_clamped(first, block_q), num_q_blocks)
     hi = jnp.where(j * block_k < kv_len, num_q_blocks, lo)
     # Query tiles [lo, mid) need the element mask (the causal diagonal), [mid, hi) do not;
     # a key tile that straddles kv_len needs it everywhere.
     mid = lo
     if is_causal:  # first query tile whose first query sees the tile's last key
         last_key = k_offset - q_offset + j * block_k + block_k - 1
-        mid = jnp.clip(_cdiv_nonneg(jnp.maximum(last_key, 0), block_q), lo, hi)
+        mid = jnp.clip(cdiv_nonneg(jnp.maximum(last_key, 0), block_q), lo, hi)
     mid = jnp.where((j + 1) * block_k <= kv_len, mid, hi)
 
     def per_group(g, carry):

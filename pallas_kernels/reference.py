@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 _F32 = jnp.float32
@@ -58,3 +59,28 @@ def attention_reference(q, k, v, *, scale: float, is_causal: bool = False, kv_le
 
 
 __all__ = ["attention_reference", "masked_reference"]
+
+
+def block_sparse_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    block_mask: np.ndarray,
+    *,
+    block_size: int,
+    scale: float,
+    is_causal: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Dense XLA reference of
+    :func:`pallas_kernels.block_sparse.block_sparse_flash_attention` from a boolean block mask.
+
+    ``block_mask: (H_pat, nq_blocks, nk_blocks)``. Builds the explicit ``(H_pat, n, n)`` mask
+    (small ``n`` only) and returns ``(out, lse)`` in the grouped layout.
+    """
+    B, n, Hk, G, d = q.shape
+    mask = np.repeat(np.repeat(np.asarray(block_mask, bool), block_size, 1), block_size, 2)
+    mask = mask[:, :n, :n]
+    if is_causal:
+        mask = mask & np.tril(np.ones((n, n), bool))[None]
+    out, lse = masked_reference(q.reshape(B, n, Hk * G, d), k, v, mask, scale)
+    return out.reshape(q.shape), lse.reshape(B, n, Hk, G)

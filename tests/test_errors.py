@@ -87,7 +87,7 @@ def _cli(*flags):
     return lambda: train.configs_from_argv(base + list(flags))
 
 
-# Every other public entry point: same contract (see tests/test_fuzz.py for the fuzz).
+# Every other public entry point: same contract (see tests/test_fuzz_*.py for the fuzz).
 ERROR_TABLE += [
     ("huge n fails fast from the shapes", _eval(
         lambda q: dilax.dilated_attention(q, q, q, (2048,), (1,)), BIG), ValueError,

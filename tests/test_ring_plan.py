@@ -85,3 +85,27 @@ def test_committed_plan_markdown_is_its_json():
     assert markdown(result) == (results / "ring-plan.md").read_text()
     assert result["config"]["n"] == 2**30 and len(result["validation"]) == 24
     assert all(v["compiled_sent"] == v["model_sent"] for v in result["validation"])
+
+
+def test_plan_branches_are_the_ring_ops():
+    """The plan's branches are the ops the ring builds (dilax.sp.ring_branches.branch_op on the
+    plans of dilax.layout.dilated_branches): same kind, same streams, same blocks."""
+    from dilax.layout import dilated_branches
+    from dilax.sp.ring_branches import branch_op
+
+    for n, P, ws, rs in [(1536, 4, (128, 1536), (1, 4)), (1536, 4, (256,), (2,)),
+                         (4096, 8, (256, 1024, 4096), (1, 4, 16))]:
+        for causal in (True, False):
+            cfg = RP.Config(n, P, ws, rs, causal=causal)
+            got = {}
+            for plan in dilated_branches(n, cfg.h, cfg.hk, ws, rs, "mixture"):
+                op = branch_op(plan, P, 1, cfg.m, cfg.h, cfg.hk, "sp", 1.0, causal, None)
+                ring = getattr(op, "ring", "local")
+                kind = ring if ring in ("local", None) else "ring"
+                got[(plan.w, plan.r)] = (
+                    {None: "halo"}.get(kind, kind),
+                    tuple(s.hops for s in ring.streams) if kind == "ring" else (),
+                    ring.block_sizes if kind == "ring" else None)
+            for br in RP.branches(cfg):
+                assert got[(br.w, br.r)] == (br.kind, br.hops,
+                                             br.blocks if br.kind == "ring" else None)

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -47,14 +46,13 @@ def interrupted(tmp_path_factory):
         [sys.executable, "-m", "dilax.train", "--data", str(data), "--checkpoint-dir",
          str(ckpt), "--steps", "500", *MODEL, *RUN], stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, env=env, cwd=d)
-    lines, deadline = [], time.monotonic() + 240
+    lines = []
     try:
         for line in proc.stdout:
             lines.append(line)
             if line.startswith("step 2:"):
                 proc.send_signal(signal.SIGINT)
                 break
-            assert time.monotonic() < deadline, "".join(lines)
         lines += proc.stdout.readlines()
         proc.wait(timeout=120)
     finally:

@@ -29,7 +29,7 @@ from dilax.core.blocks import BlockSizes, default_block_sizes
 from dilax.core.mask import Mask
 from dilax.core.ordering import when
 from dilax.core.view import SlotView, identity_view
-from pallas_kernels.common import output_delta  # rowsum(dO * O) - dlse, float32
+from dilax.utils import output_delta, varying_axes  # delta: rowsum(dO * O) - dlse, float32
 
 _F32 = jnp.float32
 
@@ -51,7 +51,7 @@ def sum_invariant_axes(primals, grads):
     gets the sum of the per-device cotangents: the transpose of its implicit broadcast."""
     out = []
     for primal, grad in zip(primals, grads):
-        extra = tuple(a for a in xla._varying_axes(grad) if a not in xla._varying_axes(primal))
+        extra = tuple(a for a in varying_axes(grad) if a not in varying_axes(primal))
         out.append(lax.psum(grad, extra) if extra else grad)
     return tuple(out)
 
@@ -202,7 +202,7 @@ class CudnnCore:
                 and mask.q_offset == mask.k_offset == 0):
             raise ValueError("implementation='cudnn' supports no query/key offsets; "
                              "use implementation='xla' or 'pallas'")
-        from dilax.backend import require_cudnn  # lazy: backend resolves cores lazily
+        from dilax.core.platform import require_cudnn  # lazy: kernels are optional
 
         qg, kg, vg = view.gather_q(require_cudnn(q)), view.gather_kv(k), view.gather_kv(v)
         B, L, U, G, d = qg.shape

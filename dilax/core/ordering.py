@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dilax.utils import mark_varying
+
 
 def fence_after(x: jax.Array) -> jax.Array:
     """A boolean scalar that is always true but that XLA only knows once ``x`` exists.
@@ -44,4 +46,4 @@ def _zeros_like_type(s: jax.ShapeDtypeStruct) -> jax.Array:
     z = jnp.zeros(s.shape, s.dtype)
     mat = getattr(s, "manual_axis_type", None)
     axes = tuple(sorted(mat.varying, key=str)) if mat is not None else ()
-    return lax.pcast(z, axes, to="varying") if axes else z
+    return mark_varying(axes, z)[0]

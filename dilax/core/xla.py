@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from dilax.core.blocks import BlockSizes
 from dilax.core.mask import Mask
 from dilax.core.view import SlotView, static_take
+from dilax.utils import cdiv, mark_varying, varying_axes
 
 _F32 = jnp.float32
-
-
-def _cdiv(a, b):
-    return (a + b - 1) // b
 
 
 def _head_groups(num_kv: int, q_per_kv: int, heads_per_step: int | None):
@@ -32,8 +28,8 @@ def _head_groups(num_kv: int, q_per_kv: int, heads_per_step: int | None):
     if heads_per_step is None:
         return ((0, num_kv),)
     per = max(1, heads_per_step // q_per_kv)
-    count = _cdiv(num_kv, per)
-    size = _cdiv(num_kv, count)
+    count = cdiv(num_kv, per)
+    size = cdiv(num_kv, count)
     return tuple((u, min(num_kv, u + size)) for u in range(0, num_kv, size))
 
 
@@ -112,27 +108,6 @@ def _key_valid_block(kv_valid, b, u0, u1, k_start, block_k):
     return lax.dynamic_slice(kv_valid, (b, u0, k_start), (1, u1 - u0, block_k))[0]
 
 
-def _varying_axes(*refs) -> tuple:
-    axes = set()
-    for ref in refs:
-        if ref is not None:
-            aval = jax.typeof(ref)
-            manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
-            axes |= set(manual.varying if manual is not None else getattr(aval, "vma", ()))
-    return tuple(sorted(axes))
-
-
-def _varying_like(axes, *xs):
-    """Gives fresh loop-carry values the device-varying type ``axes`` under ``shard_map``.
-
-    Inside ``jax.shard_map`` (with ``check_vma``), a ``fori_loop`` carry must keep its type, so
-    zeros created for it have to be marked varying over the mesh axes its updates vary over.
-    """
-    if not axes:
-        return xs
-    return tuple(lax.pcast(x, axes, to="varying") for x in xs)
-
-
 def _scaled(qb, scale):
     """``q * scale``: in place for float32; half types are widened first so the logits match
     a float32 computation (rounding ``q * scale`` to bf16 would shift every score)."""
@@ -196,11 +171,11 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
     B, Lq = q.shape[:2]
     Lk, d = k.shape[1], k.shape[-1]
     U, G = len(view.kv_index), view.q_per_kv
-    nq, nk = _cdiv(Lq, block_q), _cdiv(Lk, block_k)
+    nq, nk = cdiv(Lq, block_q), cdiv(Lk, block_k)
     qp = _pad_axis(_as_bits(q), 1, nq * block_q)
     kp, vp, kv_len, kv_valid = _pad_keys(_as_bits(k), _as_bits(v), kv_len, kv_valid,
                                          nk * block_k, U)
-    axes = _varying_axes(q, k, v, kv_len, q_offset, k_offset, q_len)
+    axes = varying_axes(q, k, v, kv_len, q_offset, k_offset, q_len)
 
     groups = _head_groups(U, G, heads_per_step)
 
@@ -223,7 +198,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
         q_valid = _q_valid(qi * block_q, block_q, ql)
         q_first = q_offset + qi * block_q
         q_pos = q_first + lax.iota(jnp.int32, block_q)
-        hi = nk if kl is None else jnp.minimum(nk, _cdiv(jnp.max(kl), block_k))
+        hi = nk if kl is None else jnp.minimum(nk, cdiv(jnp.max(kl), block_k))
         if ql is not None:  # a query block wholly past the valid rows reads no key block
             hi = jnp.where(qi * block_q < jnp.max(ql), hi, 0)
         lo = 0
@@ -264,7 +239,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
 
             return body
 
-        carry = _varying_like(
+        carry = mark_varying(
             axes,
             jnp.full((U, G, block_q), -jnp.inf, _F32),
             jnp.zeros((U, G, block_q), _F32),
@@ -299,7 +274,7 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
     B, Lq = q.shape[:2]
     Lk, d = k.shape[1], k.shape[-1]
     U, G = len(view.kv_index), view.q_per_kv
-    nq, nk = _cdiv(Lq, block_q), _cdiv(Lk, block_k)
+    nq, nk = cdiv(Lq, block_q), cdiv(Lk, block_k)
     lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
     pad_q = functools.partial(_pad_axis, axis=1, size=nq * block_q)
     # Bits (no float32 copies of the inputs) only where the copies would be large: below
@@ -308,14 +283,14 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
     qp, dop = pad_q(bits(q)), pad_q(bits(dout))
     lsep, deltap = pad_q(lse_safe), pad_q(delta)
     kp, vp, kv_len, kv_valid = _pad_keys(bits(k), bits(v), kv_len, kv_valid, nk * block_k, U)
-    axes = _varying_axes(q, k, v, kv_len, q_offset, k_offset, dout, delta, q_len)
+    axes = varying_axes(q, k, v, kv_len, q_offset, k_offset, dout, delta, q_len)
     out_view = view.output_view()  # reads dout, lse, delta (output layout) per block
 
     # float32 accumulators in the input layouts, padded to whole blocks; ``acc`` (gradients
     # of earlier branches) is added into in place, so a branch needs no gradient buffers of
     # its own. Heads/slots the view does not read receive zeros.
     if acc is None:
-        acc = _varying_like(axes, *(jnp.zeros(x.shape, _F32) for x in (q, k, v)))
+        acc = mark_varying(axes, *(jnp.zeros(x.shape, _F32) for x in (q, k, v)))
     dq0 = _pad_axis(acc[0].astype(_F32), 1, nq * block_q)
     dk0 = _pad_axis(acc[1].astype(_F32), 1, nk * block_k)
     dv0 = _pad_axis(acc[2].astype(_F32), 1, nk * block_k)
@@ -337,11 +312,11 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
         ql = None if q_len is None else q_len[bi]
         hi = nq if kl is None else jnp.where(k0 < jnp.max(kl), nq, 0)
         if ql is not None:  # query blocks wholly past the valid rows are skipped
-            hi = jnp.minimum(hi, _cdiv(jnp.max(ql), block_q))
+            hi = jnp.minimum(hi, cdiv(jnp.max(ql), block_q))
         if is_causal:
             lo = jnp.clip((k_offset + k0 - q_offset) // block_q, 0, nq)
             # Query blocks whose first query sees the whole key block need no causal mask.
-            full_lo = jnp.clip(_cdiv(k_offset + k0 + block_k - 1 - q_offset, block_q), lo, nq)
+            full_lo = jnp.clip(cdiv(k_offset + k0 + block_k - 1 - q_offset, block_q), lo, nq)
         else:
             lo = full_lo = 0
         if window is not None:  # only the query blocks that meet the band, all masked
@@ -382,8 +357,8 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
 
             return body
 
-        carry = _varying_like(axes, jnp.zeros((U, block_k, d), _F32),
-                              jnp.zeros((U, block_k, d), _F32)) + (dq,)
+        carry = mark_varying(axes, jnp.zeros((U, block_k, d), _F32),
+                             jnp.zeros((U, block_k, d), _F32)) + (dq,)
         if is_causal or window is not None:
             carry = lax.fori_loop(lo, full_lo, make_body(True), carry)
             carry = lax.fori_loop(full_lo, hi, make_body(False), carry)

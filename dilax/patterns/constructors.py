@@ -10,16 +10,11 @@ from typing import Any
 import numpy as np
 
 from dilax import _validation as V
-from dilax.patterns.pattern import BlockSparsePattern, _cdiv
+from dilax.patterns.pattern import BlockSparsePattern, from_mask, positive_int
+from dilax.semantics import branch_heads
+from dilax.utils import cdiv
 
 # -- validation helpers -------------------------------------------------------------------
-
-
-def _positive(value: Any, name: str) -> int:
-    value = V.static_int(value, name)
-    if value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value}")
-    return value
 
 
 def _non_negative(value: Any, name: str) -> int:
@@ -30,9 +25,9 @@ def _non_negative(value: Any, name: str) -> int:
 
 
 def _num_blocks(n: Any, block_size: Any, num_heads: int = 1) -> tuple[int, int, int]:
-    n = _positive(n, "n")
-    block_size = _positive(block_size, "block_size")
-    nb = _cdiv(n, block_size)
+    n = positive_int(n, "n")
+    block_size = positive_int(block_size, "block_size")
+    nb = cdiv(n, block_size)
     _check_mask_fits(nb, num_heads, n, block_size)
     return n, block_size, nb
 
@@ -51,47 +46,13 @@ def _check_mask_fits(nb: int, num_heads: int, n: int, block_size: int) -> None:
 
 def _block_extents(n: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """First and last token of every block (the last block may be partial)."""
-    nb = _cdiv(n, block_size)
+    nb = cdiv(n, block_size)
     first = np.arange(nb) * block_size
     last = np.minimum(first + block_size, n) - 1
     return first, last
 
 
 # -- constructors -------------------------------------------------------------------------
-
-
-def from_mask(block_mask: Any, block_size: int) -> BlockSparsePattern:
-    """Pattern from a boolean block mask.
-
-    Args:
-      block_mask: array-like of bools (or 0/1), shape ``(nq, nk)`` (shared by all heads) or
-        ``(H, nq, nk)`` (``H`` must then equal the number of query heads ``h``, or be 1).
-      block_size: tokens per block.
-    """
-    block_size = _positive(block_size, "block_size")
-    if isinstance(block_mask, BlockSparsePattern):
-        raise TypeError("block_mask must be an array, got a BlockSparsePattern")
-    try:
-        arr = np.asarray(block_mask)
-    except Exception as e:  # noqa: BLE001 - re-raised with the argument's name
-        raise TypeError(f"block_mask must be array-like, got {type(block_mask).__name__}") from e
-    if arr.dtype != bool:
-        if not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
-            raise TypeError(f"block_mask must hold bools or 0/1 values, got dtype {arr.dtype}")
-        if not np.all((arr == 0) | (arr == 1)):
-            raise ValueError("block_mask must hold only bools or 0/1 values")
-        arr = arr.astype(bool)
-    if arr.ndim == 2:
-        arr = arr[None]
-    if arr.ndim != 3:
-        raise ValueError(
-            f"block_mask must have shape (nq, nk) or (heads, nq, nk), got {tuple(arr.shape)}"
-        )
-    if min(arr.shape) <= 0:
-        raise ValueError(f"block_mask must be non-empty in every axis, got {tuple(arr.shape)}")
-    arr = np.ascontiguousarray(arr)
-    return BlockSparsePattern(block_size, arr.shape[0], arr.shape[1], arr.shape[2],
-                              np.packbits(arr.reshape(-1)).tobytes())
 
 
 def local_window(n: int, block_size: int, window: int) -> BlockSparsePattern:
@@ -144,7 +105,7 @@ def global_local(n: int, block_size: int, global_tokens: int, window: int) -> Bl
     if global_tokens > n:
         raise ValueError(f"global_tokens must be <= n={n}, got {global_tokens}")
     mask = local_window(n, block_size, window).block_mask[0].copy()
-    g = _cdiv(global_tokens, block_size)
+    g = cdiv(global_tokens, block_size)
     mask[:g, :] = True
     mask[:, :g] = True
     return from_mask(mask, block_size)
@@ -165,7 +126,7 @@ def hierarchical(n: int, levels: Sequence[tuple[int, int]]) -> BlockSparsePatter
     Example: ``hierarchical(8192, ((64, 2), (512, 2), (4096, 1)))``: 5 neighbouring 64-blocks,
     every 8th block within 2 x 512 tokens, every 64th within 4096 tokens.
     """
-    n = _positive(n, "n")
+    n = positive_int(n, "n")
     if isinstance(levels, (str, bytes)) or not isinstance(levels, (Sequence, np.ndarray)):
         raise TypeError(f"levels must be a sequence of (block_size, num_neighbors) pairs, "
                         f"got {type(levels).__name__}")
@@ -178,7 +139,7 @@ def hierarchical(n: int, levels: Sequence[tuple[int, int]]) -> BlockSparsePatter
         ):
             raise ValueError(f"levels[{i}] must be a (block_size, num_neighbors) pair, "
                              f"got {level!r}")
-        s = _positive(level[0], f"levels[{i}][0] (block_size)")
+        s = positive_int(level[0], f"levels[{i}][0] (block_size)")
         k = _non_negative(level[1], f"levels[{i}][1] (num_neighbors)")
         if parsed:
             prev = parsed[-1][0]
@@ -189,7 +150,7 @@ def hierarchical(n: int, levels: Sequence[tuple[int, int]]) -> BlockSparsePatter
                 )
         parsed.append((s, k))
     block_size = parsed[0][0]
-    nb = _cdiv(n, block_size)
+    nb = cdiv(n, block_size)
     _check_mask_fits(nb, 1, n, block_size)
     blocks = np.arange(nb)
     mask = np.zeros((nb, nb), bool)
@@ -213,7 +174,7 @@ def random(n: int, block_size: int, density: float, seed: int = 0, *,
     """
     n, block_size, nb = _num_blocks(n, block_size)
     seed = _non_negative(seed, "seed")
-    num_heads = _positive(num_heads, "num_heads")
+    num_heads = positive_int(num_heads, "num_heads")
     _check_mask_fits(nb, num_heads, n, block_size)
     if isinstance(density, bool) or not isinstance(density, (numbers.Real, np.floating)):
         raise TypeError(f"density must be a float in [0, 1], got {density!r}")
@@ -257,19 +218,13 @@ def dilated_segments(
     if num_heads is None:
         head_branches = [[(w, r, o) for w, r in zip(ws, rs, strict=True) for o in range(min(r, n))]]
     else:
-        num_heads = _positive(num_heads, "num_heads")
+        num_heads = positive_int(num_heads, "num_heads")
         _check_mask_fits(nb, num_heads, n, block_size)
         mode = V.check_mode(mode, num_heads, len(ws))
-        if mode == "mixture":
-            head_branches = [
-                [(w, r, j % r) for w, r in zip(ws, rs, strict=True)] for j in range(num_heads)
-            ]
-        else:
-            from dilax.reference import group_sizes
-
-            head_branches = []
-            for i, size in enumerate(group_sizes(num_heads, len(ws))):
-                head_branches += [[(ws[i], rs[i], i % rs[i])]] * size
+        head_branches = [[] for _ in range(num_heads)]
+        for br in branch_heads(num_heads, ws, rs, mode):
+            for j, o in zip(br.heads, br.offsets, strict=True):
+                head_branches[j].append((br.w, br.r, o))
     mask = np.zeros((len(head_branches), nb, nb), bool)
     for hd, branches in enumerate(head_branches):
         for w, r, o in branches:

@@ -13,11 +13,7 @@ from typing import Any
 import numpy as np
 
 from dilax import _validation as V
-from pallas_kernels.tables import tables_from_block_mask
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from dilax.utils import cdiv
 
 
 def _readonly(x: np.ndarray) -> np.ndarray:
@@ -56,10 +52,10 @@ class BlockSparsePattern:
         if not isinstance(self.packed_mask, bytes):
             raise TypeError("BlockSparsePattern.packed_mask must be bytes (np.packbits output)")
         size = self.num_heads * self.num_q_blocks * self.num_k_blocks
-        if len(self.packed_mask) != _cdiv(size, 8):
+        if len(self.packed_mask) != cdiv(size, 8):
             raise ValueError(
                 f"BlockSparsePattern.packed_mask holds {len(self.packed_mask)} bytes, expected "
-                f"{_cdiv(size, 8)} for a ({self.num_heads}, {self.num_q_blocks}, "
+                f"{cdiv(size, 8)} for a ({self.num_heads}, {self.num_q_blocks}, "
                 f"{self.num_k_blocks}) mask"
             )
 
@@ -67,8 +63,6 @@ class BlockSparsePattern:
     @classmethod
     def from_array(cls, block_mask: Any, block_size: int) -> BlockSparsePattern:
         """Pattern from a boolean ``(nq, nk)`` or ``(H, nq, nk)`` array (see :func:`from_mask`)."""
-        from dilax.patterns.constructors import from_mask  # it imports this module
-
         return from_mask(block_mask, block_size)
 
     # -- views ----------------------------------------------------------------------------
@@ -131,7 +125,7 @@ class BlockSparsePattern:
     def expanded_mask(self, n: int | None = None, is_causal: bool = False) -> np.ndarray:
         """Token-level boolean mask ``(H_pat, n, n)`` (small ``n`` only; tests, plots)."""
         n = self.seq_len if n is None else V.static_int(n, "n")
-        if _cdiv(n, self.block_size) != self.num_q_blocks or self.num_q_blocks != self.num_k_blocks:
+        if cdiv(n, self.block_size) != self.num_q_blocks or self.num_q_blocks != self.num_k_blocks:
             raise ValueError(
                 f"n={n} does not fit pattern with {self.num_q_blocks}x{self.num_k_blocks} blocks "
                 f"of size {self.block_size} (needs ceil(n / block_size) == num blocks)"
@@ -161,8 +155,6 @@ class BlockSparsePattern:
                 f"cannot combine patterns with {self.num_heads} and {other.num_heads} heads with "
                 f"'{sym}' (head counts must match, or one pattern must be shared: num_heads=1)"
             )
-        from dilax.patterns.constructors import from_mask  # it imports this module
-
         return from_mask(op(self.block_mask, other.block_mask), self.block_size)
 
     def __or__(self, other: BlockSparsePattern) -> BlockSparsePattern:
@@ -185,10 +177,10 @@ class BlockSparsePattern:
         if max_blocks <= 0:
             raise ValueError(f"max_blocks must be positive, got {max_blocks}")
         mask = (self.causal_mask() if is_causal else self.block_mask)[head]
-        fq = _cdiv(mask.shape[0], max_blocks)
-        fk = _cdiv(mask.shape[1], max_blocks)
+        fq = cdiv(mask.shape[0], max_blocks)
+        fk = cdiv(mask.shape[1], max_blocks)
         if fq > 1 or fk > 1:
-            rows, cols = _cdiv(mask.shape[0], fq), _cdiv(mask.shape[1], fk)
+            rows, cols = cdiv(mask.shape[0], fq), cdiv(mask.shape[1], fk)
             padded = np.zeros((rows * fq, cols * fk), bool)
             padded[: mask.shape[0], : mask.shape[1]] = mask
             mask = padded.reshape(rows, fq, cols, fk).any(axis=(1, 3))
@@ -270,6 +262,9 @@ def _causal_block_mask(pattern: BlockSparsePattern) -> np.ndarray:
 def mask_tables(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Tables of a boolean ``(..., nq, nk)`` mask in :meth:`BlockSparsePattern.tables` format
     (:func:`pallas_kernels.tables.tables_from_block_mask`), read-only."""
+    # Lazy: importing pallas_kernels loads Pallas, which ``import dilax`` does not need.
+    from pallas_kernels.tables import tables_from_block_mask
+
     indices, counts = tables_from_block_mask(mask)
     return _readonly(indices), _readonly(counts)
 
@@ -279,3 +274,43 @@ def _tables(pattern: BlockSparsePattern, is_causal: bool) -> tuple[np.ndarray, n
     return mask_tables(pattern.causal_mask() if is_causal else pattern.block_mask)
 
 
+def positive_int(value: Any, name: str) -> int:
+    """``value`` as a static int, ``ValueError`` naming ``name`` unless it is positive."""
+    value = V.static_int(value, name)
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return value
+
+
+def from_mask(block_mask: Any, block_size: int) -> BlockSparsePattern:
+    """Pattern from a boolean block mask.
+
+    Args:
+      block_mask: array-like of bools (or 0/1), shape ``(nq, nk)`` (shared by all heads) or
+        ``(H, nq, nk)`` (``H`` must then equal the number of query heads ``h``, or be 1).
+      block_size: tokens per block.
+    """
+    block_size = positive_int(block_size, "block_size")
+    if isinstance(block_mask, BlockSparsePattern):
+        raise TypeError("block_mask must be an array, got a BlockSparsePattern")
+    try:
+        arr = np.asarray(block_mask)
+    except Exception as e:  # noqa: BLE001 - re-raised with the argument's name
+        raise TypeError(f"block_mask must be array-like, got {type(block_mask).__name__}") from e
+    if arr.dtype != bool:
+        if not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
+            raise TypeError(f"block_mask must hold bools or 0/1 values, got dtype {arr.dtype}")
+        if not np.all((arr == 0) | (arr == 1)):
+            raise ValueError("block_mask must hold only bools or 0/1 values")
+        arr = arr.astype(bool)
+    if arr.ndim == 2:
+        arr = arr[None]
+    if arr.ndim != 3:
+        raise ValueError(
+            f"block_mask must have shape (nq, nk) or (heads, nq, nk), got {tuple(arr.shape)}"
+        )
+    if min(arr.shape) <= 0:
+        raise ValueError(f"block_mask must be non-empty in every axis, got {tuple(arr.shape)}")
+    arr = np.ascontiguousarray(arr)
+    return BlockSparsePattern(block_size, arr.shape[0], arr.shape[1], arr.shape[2],
+                              np.packbits(arr.reshape(-1)).tobytes())

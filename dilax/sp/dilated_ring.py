@@ -17,7 +17,7 @@ Valid lengths (global positions) bound the keys of every branch: the local branc
 chunk's own lengths, the spanning ones a per-batch-row count of valid dilated rows; query
 rows past their length are zeroed after the merge (cotangent 0: no gradient from them). The
 local window (``local_window=W``) is one more branch: each chunk receives ``W`` boundary rows
-from the devices holding its neighbouring chunks (:class:`_WindowBranch`).
+from the devices holding its neighbouring chunks (:class:`WindowBranch`).
 
 Branches are merged exactly like the single-device function (log-sum-exp weights in
 ``mode="mixture"``, ``1/G`` in ``mode="grouped"``), so the result equals
@@ -57,7 +57,7 @@ from dilax.settings import DilatedSettings, check_dilated_request, settings_from
 from dilax.sp.config import SequenceParallel, check_sequence_parallel
 from dilax.sp.layout import check_layout, relayout
 from dilax.sp.mesh import axis_size, check_sharded_shape, shard_sequence
-from dilax.sp.ring_branches import _branch_op, _chunk_starts, _is_local, _WindowBranch
+from dilax.sp.ring_branches import WindowBranch, branch_op, chunk_starts, is_local
 from dilax.sp.ring_vjp import RING_BLOCKS
 
 
@@ -201,13 +201,13 @@ def ring_dilated_core(q, k, v, mask: AttentionMask, settings: DilatedSettings, *
     # small) branch outputs are live next to the branch being computed, whatever the XLA
     # scheduler prefers. All branches and the merge are one custom_vjp, whose backward adds
     # every branch's float32 gradients into one accumulator.
-    order = sorted(plans, key=lambda p: (_is_local(p, P, C, m), -p.r))
-    ops = tuple(_branch_op(p, P, C, m, h, k.shape[2], axis_name, scale, is_causal, block_sizes)
+    order = sorted(plans, key=lambda p: (is_local(p, P, C, m), -p.r))
+    ops = tuple(branch_op(p, P, C, m, h, k.shape[2], axis_name, scale, is_causal, block_sizes)
                 for p in order)
     if window is not None:
-        ops += (_WindowBranch(window_plan(m // C, h, k.shape[2], window), P, C, n, axis_name,
-                              scale, is_causal, block_sizes or RING_BLOCKS),)
-    starts = _chunk_starts(P, C, m // C, axis_name) if (q_len, kv_len) != (None, None) else None
+        ops += (WindowBranch(window_plan(m // C, h, k.shape[2], window), P, C, n, axis_name,
+                             scale, is_causal, block_sizes or RING_BLOCKS),)
+    starts = chunk_starts(P, C, m // C, axis_name) if (q_len, kv_len) != (None, None) else None
     aux = None
     if kv_len is not None:
         # global lengths (spanning and window branches) and each chunk's own (local ones)

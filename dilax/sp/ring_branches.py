@@ -1,13 +1,13 @@
 """The branch kinds of ring dilated attention (:mod:`dilax.sp.dilated_ring`), each a
-:class:`dilax.branches.BranchOp` on the local shard, and :func:`_branch_op`, which picks one
-per branch statically:
+:class:`dilax.branches.BranchOp` on the local shard, and :func:`branch_op`, which picks one
+per branch statically (:func:`branch_kind`):
 
 * :class:`_LocalBranch` -- every segment lies inside one chunk of the shard: the single-device
   core folded over the chunks, no communication.
 * :class:`_SpanningBranch` -- segments span several devices: the ring
   (:mod:`dilax.sp.ring_vjp`) or, for short unaligned segments, the halo exchange
   (:func:`_halo_branch`).
-* :class:`_WindowBranch` -- the local window ``|p - t| <= W``: each chunk receives ``W``
+* :class:`WindowBranch` -- the local window ``|p - t| <= W``: each chunk receives ``W``
   boundary rows from the devices holding its neighbouring chunks.
 """
 
@@ -31,12 +31,12 @@ from dilax.sp.ring_vjp import (
     RING_BACKWARD_BLOCKS,
     RING_BLOCKS,
     RingConfig,
-    _varying_like,
     ring_backward,
     ring_backward_in_place,
     ring_forward,
 )
 from dilax.sp.schedule import Geometry, geometry, ring_streams
+from dilax.utils import varying_like
 
 _F32 = jnp.float32
 
@@ -193,7 +193,7 @@ class _SpanningBranch:
             # dout and delta back to the ring layout: the transposes of the (linear) output
             # layout map and of the lse map (a gather of each row's one valid source).
             lse_raw = res
-            zeros = _varying_like(jnp.zeros(lse_raw.shape + dout.shape[-1:], _F32), q, k, v)
+            zeros = varying_like(jnp.zeros(lse_raw.shape + dout.shape[-1:], _F32), q, k, v)
             dout_raw = jax.vjp(self._post_out, zeros)[1](dout)[0]
             delta_raw = jax.vjp(self._post_lse, lse_raw)[1](delta)[0]
             grads = ring_backward(self.ring, q, k, v, lse_raw, dout_raw, delta_raw,
@@ -224,14 +224,14 @@ class _LocalBranch:
         return self.op.backward(q, k, v, self._aux(aux), res, lse, dout, dlse, delta, acc)
 
 
-def _chunk_starts(P: int, C: int, mc: int, axis_name) -> list[jax.Array]:
+def chunk_starts(P: int, C: int, mc: int, axis_name) -> list[jax.Array]:
     """Global position of the first row of each local chunk of ``mc`` rows."""
     idx = lax.axis_index(axis_name)
     return [lookup([vblock(P, C, i, c) * mc for i in range(P)], idx) for c in range(C)]
 
 
 @dataclasses.dataclass(frozen=True)
-class _WindowBranch:
+class WindowBranch:
     """The local-window branch ``|p - t| <= W`` on the ring (docs: "Local window branch"):
     each chunk receives the ``W`` rows before it (and after it, when not causal) from the
     devices holding its neighbouring chunks (one ``ppermute`` each), then one core call per
@@ -271,7 +271,7 @@ class _WindowBranch:
         lk = kb.shape[1]
         # Buffer row t of chunk c is global key position start_c - W + t: valid iff in
         # [0, kv_len) (the halo of the first chunk lies before the sequence).
-        starts = jnp.stack(_chunk_starts(P, C, mc, self.axis_name)) - W  # (C,)
+        starts = jnp.stack(chunk_starts(P, C, mc, self.axis_name)) - W  # (C,)
         limit = (jnp.full((b,), self.n, jnp.int32) if aux is None else aux[0])  # (b,)
         pos = starts[:, None] + jnp.arange(lk)[None]  # (C, lk)
         valid = (pos[None] >= 0) & (pos[None] < limit[:, None, None])  # (b, C, lk)
@@ -294,31 +294,48 @@ class _WindowBranch:
         return grads if acc is None else tuple(a + g for a, g in zip(acc, grads, strict=True))
 
 
-def _branch_op(plan: BranchPlan, P, C, m, h, hk, axis_name, scale, is_causal, block_sizes):
+def branch_op(plan: BranchPlan, P, C, m, h, hk, axis_name, scale, is_causal, block_sizes):
     """Branch ``plan`` on local shards of ``m`` positions as a
     :class:`dilax.branches.BranchOp`: a :class:`~dilax.branches.CoreBranch` over the ``C``
     chunks of the shard when every segment lies inside one chunk, else a spanning branch."""
     n = P * m
     geo = geometry(n, P, C, plan.w, plan.r)
-    bs = block_sizes or RING_BLOCKS
-    if _is_local(plan, P, C, m):
+    kind = branch_kind(P, C, m, plan.w, plan.r)
+    if kind == "local":
         loc = _plan_branch(geo.mc, h, hk, plan.w, plan.r, plan.q_heads, plan.q_slots)
-        return _LocalBranch(CoreBranch(loc, scale, is_causal, bs, fold=C))
+        return _LocalBranch(CoreBranch(loc, scale, is_causal, block_sizes or RING_BLOCKS,
+                                       fold=C))
     n_u = tuple(-(-(n - o) // plan.r) for o in plan.kv_slots)
     cfg = None
-    if geo.L > min(geo.cnt) + 1:
-        bwd = bs.backward if block_sizes else RING_BACKWARD_BLOCKS
-        blocks = BlockSizes(*(min(x, geo.R) for x in (bs.block_q, bs.block_k, *bwd)))
+    if kind == "ring":
         cfg = RingConfig(axis_name, geo, n_u, ring_streams(geo, is_causal), scale, is_causal,
-                         blocks, None)
+                         ring_blocks(geo, block_sizes), None)
     op = _SpanningBranch(plan, geo, n_u, axis_name, scale, is_causal, block_sizes, cfg)
     if cfg is not None:
         op = dataclasses.replace(op, ring=dataclasses.replace(cfg, dilate=op._dilate))
     return op
 
 
-def _is_local(plan: BranchPlan, P: int, C: int, m: int) -> bool:
+def is_local(plan: BranchPlan, P: int, C: int, m: int) -> bool:
     """Whether every segment of ``plan`` lies inside one chunk of ``m / C`` local positions
     (then the branch needs no communication)."""
-    geo = geometry(P * m, P, C, plan.w, plan.r)
-    return geo.V == 1 or geo.mc % plan.w == 0
+    return branch_kind(P, C, m, plan.w, plan.r) == "local"
+
+
+def branch_kind(P: int, C: int, m: int, w: int, r: int) -> str:
+    """How :func:`branch_op` runs branch ``(w, r)`` (effective ``w``) on ``P`` shards of ``m``
+    positions in ``C`` chunks each: ``"local"`` (every segment inside one chunk: no
+    communication), ``"ring"`` (the K/V chunks travel, :mod:`dilax.sp.ring_vjp`) or ``"halo"``
+    (segments shorter than a chunk but unaligned with it: :func:`_halo_branch`)."""
+    geo = geometry(P * m, P, C, w, r)
+    if geo.V == 1 or geo.mc % w == 0:
+        return "local"
+    return "ring" if geo.L > min(geo.cnt) + 1 else "halo"
+
+
+def ring_blocks(geo: Geometry, block_sizes: BlockSizes | None) -> BlockSizes:
+    """The core's blocks on a ring branch: ``block_sizes`` (default :data:`RING_BLOCKS`, with
+    :data:`RING_BACKWARD_BLOCKS` backward), each at most the ``R`` dilated rows of a chunk."""
+    bs = block_sizes or RING_BLOCKS
+    bwd = bs.backward if block_sizes else RING_BACKWARD_BLOCKS
+    return BlockSizes(*(min(x, geo.R) for x in (bs.block_q, bs.block_k, *bwd)))

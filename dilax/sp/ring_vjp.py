@@ -42,23 +42,9 @@ from dilax.core.view import SplitView
 from dilax.layout import BranchPlan, slot_layout, slot_view, unslot
 from dilax.sp.layout import lookup
 from dilax.sp.schedule import Geometry, Stream
+from dilax.utils import varying_like
 
 _F32 = jnp.float32
-
-
-def _varying_like(x: jax.Array, *refs: jax.Array) -> jax.Array:
-    """``x`` typed as varying over the mesh axes the ``refs`` vary over.
-
-    Under ``shard_map(check_vma=True)`` a freshly created constant (zeros, -inf) is not
-    per-device; loop carries and ``lax.cond`` branches must agree on the type.
-    """
-    try:
-        have = jax.typeof(x).manual_axis_type.varying
-        want = frozenset().union(*(jax.typeof(r).manual_axis_type.varying for r in refs))
-    except AttributeError:  # outside shard_map, or a jax without varying-axis types
-        return x
-    missing = tuple(sorted(want - have, key=str))
-    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,8 +127,8 @@ def _pair_forward(cfg: RingConfig, q, k, v, Fq, cq, Fk, ck, ok, n_u=None):
             return o.reshape(q.shape), lse.reshape(q.shape[:-1])
 
         def skip(ops):
-            return (_varying_like(jnp.zeros(ops[0].shape, _F32), *ops),
-                    _varying_like(jnp.full(ops[0].shape[:-1], -jnp.inf, _F32), *ops))
+            return (varying_like(jnp.zeros(ops[0].shape, _F32), *ops),
+                    varying_like(jnp.full(ops[0].shape[:-1], -jnp.inf, _F32), *ops))
 
         results.append((lax.cond(pred, run, skip, (q, ks, vs)), rows))
     (out, lse), _ = results[0]
@@ -180,7 +166,7 @@ def _pair_backward(cfg: RingConfig, view, q, k, v, lse, dout, delta, Fq, cq, Fk,
         if lo is None:
             into = acc
         else:  # the shifted keys' gradients are shifted back before they are added
-            into = (acc[0],) + tuple(_varying_like(jnp.zeros(x.shape, _F32), x, acc[0])
+            into = (acc[0],) + tuple(varying_like(jnp.zeros(x.shape, _F32), x, acc[0])
                                      for x in (ks, vs))
         out = lax.cond(pred, grads, lambda ops: tuple(ops[6:]),
                        (q, ks, vs, lse_c, dout, delta, *into))
@@ -199,7 +185,7 @@ RING_BLOCKS = BlockSizes(128, 128, 128, 128)
 RING_BACKWARD_BLOCKS = (64, 64)
 
 
-def _row_chunk(R: int) -> int:
+def row_chunk(R: int) -> int:
     """Query rows per folding step: the partial result of one hop is ``(rows, U, G, d)``
     float32 and is merged into the state in place, so it stays small next to the shard."""
     if R <= _ROW_CHUNK:
@@ -213,7 +199,7 @@ def _fold_pair(cfg: RingConfig, q, k, v, Fq, cq, Fk, ck, ok, state, n_u=None):
     (float32 ``out``, ``lse``), a chunk of query rows at a time."""
     out, lse = state
     R = q.shape[1]
-    rc = _row_chunk(R)
+    rc = row_chunk(R)
     if rc == R:
         return merge_attention_states(out, lse, *_pair_forward(cfg, q, k, v, Fq, cq, Fk, ck, ok,
                                                                     n_u))
@@ -272,8 +258,8 @@ def _ring_forward(qd, kd, vd, cfg: RingConfig, n_u=None):
         return tuple(state)
 
     b, _, R, U, G, d = qd.shape
-    state = ((_varying_like(jnp.zeros((b, R, U, G, d), _F32), qd, kd),
-              _varying_like(jnp.full((b, R, U, G), -jnp.inf, _F32), qd, kd)),) * C
+    state = ((varying_like(jnp.zeros((b, R, U, G, d), _F32), qd, kd),
+              varying_like(jnp.full((b, R, U, G), -jnp.inf, _F32), qd, kd)),) * C
     if not cfg.streams:
         return _stack_state(visit(state, kd, vd, idx))
     # Every transfer sits inside a loop body next to the compute it overlaps with (iteration s
@@ -324,7 +310,7 @@ def _ring_backward(cfg: RingConfig, kd, vd, qside, n_u=None):
         return tuple(dq), tuple(dk), tuple(dv)
 
     kc, vc = tuple(kd[:, c] for c in range(C)), tuple(vd[:, c] for c in range(C))
-    zeros = lambda x: tuple(_varying_like(jnp.zeros(y.shape, _F32), y, dq[0]) for y in x)
+    zeros = lambda x: tuple(varying_like(jnp.zeros(y.shape, _F32), y, dq[0]) for y in x)
     dk = dv = None
     for st in cfg.streams:
         def transfer(carry, first, st=st):
@@ -370,7 +356,7 @@ def ring_backward(cfg: RingConfig, q, k, v, lse, dout, delta, n_u=None):
     b, C, R, U, G, d = qd.shape
     # The query side with the core's flat heads, carried as is through the hops.
     flat = lambda x: tuple(x[:, c].reshape(b, R, U * G, *x.shape[5:]) for c in range(C))
-    dq0 = tuple(_varying_like(jnp.zeros((b, R, U * G, d), _F32), qd, kd, dout)
+    dq0 = tuple(varying_like(jnp.zeros((b, R, U * G, d), _F32), qd, kd, dout)
                 for _ in range(C))
     qside = (identity_view(U, G), flat(qd), flat(lse), flat(dout), flat(delta), dq0)
     dq, dk, dv = _ring_backward(cfg, kd, vd, qside, n_u)
@@ -395,7 +381,7 @@ def ring_backward_in_place(cfg: RingConfig, q, k, v, lse, dout, delta, n_u, acc,
     view = SplitView(slot_view(rows_plan, h, k.shape[2]),
                      identity_view(U, len(rows_plan.q_heads) // U))
     if acc is None:
-        acc = tuple(_varying_like(jnp.zeros(x.shape, _F32), q, k, dout) for x in (q, k, v))
+        acc = tuple(varying_like(jnp.zeros(x.shape, _F32), q, k, dout) for x in (q, k, v))
     dq0 = slot_layout(acc[0], rows_plan)
     dq, dk, dv = _ring_backward(cfg, kd, vd, (view, (slot_layout(q, rows_plan),), (lse,),
                                               (dout,), (delta,), (dq0,)), n_u)
