@@ -124,16 +124,16 @@ def _drop_invalid_rows(out, lse, view, mask, len_q):
 
 
 def _refuse_masks(name: str, mask: Mask) -> None:
-    """A kernel core given a mask it has no form for raises (the registry keeps such calls
-    away from it; reaching here is a caller's bug, never a reason to run another core)."""
-    from dilax.registry import CoreRequest, supports  # lazy: the registry builds cores
-
-    request = CoreRequest("dilated_branch", has_window=mask.window is not None,
-                          has_key_padding=mask.kv_valid is not None)
-    reason = supports(name, request)
-    if reason is not None:
-        raise ValueError(f"implementation={name!r}: {reason} (dilax.registry decides which "
-                         "core runs which call; use implementation=None or 'xla')")
+    """A kernel core given a mask it has no form for raises (:mod:`dilax.registry` keeps such
+    calls away from it; reaching here is a caller's bug, never a reason to run another core).
+    No registry lookup here: the registry builds cores, so the core does not import it."""
+    missing = [what for what, given in (("a band mask (local_window)", mask.window is not None),
+                                        ("a per-key mask (key padding)", mask.kv_valid is not None))
+               if given]
+    if missing:
+        raise ValueError(f"implementation={name!r}: the kernel has no {' or '.join(missing)} "
+                         "(dilax.registry decides which core runs which call; use "
+                         "implementation=None or 'xla')")
 
 
 @dataclasses.dataclass(frozen=True)
