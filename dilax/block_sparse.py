@@ -32,6 +32,7 @@ import numpy as np
 
 from dilax import _validation as V
 from dilax import registry
+from dilax.batch_dims import fold_batch_dims
 from dilax.block_sparse_tables import check_pattern, head_layout, sparse_attention_tables
 from dilax.patterns import BlockSparsePattern, mask_tables
 from dilax.reference import length_mask, masked_attention
@@ -197,7 +198,8 @@ def block_sparse_attention(
     and, when ``is_causal``, ``t <= p``; one softmax over all attended keys.
 
     Args:
-      q: ``(b, n, h, d)`` queries.
+      q: ``(b, n, h, d)`` queries (any number of leading batch dimensions, rank 3 included,
+        as :func:`dilax.dilated_attention`).
       k, v: ``(b, n, hk, d)``, ``h % hk == 0`` (GQA/MQA without repeating K/V).
       pattern: a :class:`dilax.patterns.BlockSparsePattern` with ``ceil(n / B)`` query and
         key blocks and 1 or ``h`` heads. If ``n % B != 0`` the last block is partial (its
@@ -232,6 +234,9 @@ def block_sparse_attention(
         ``h``; an unknown ``implementation``; ``"pallas"`` with ``n % B != 0``, with lengths,
         or off GPU without ``interpret=True``; a non-positive ``scale``.
     """
+    q, k, v, rows, unfold = fold_batch_dims(q, k, v, query_seq_lengths=query_seq_lengths,
+                                            key_value_seq_lengths=key_value_seq_lengths)
+    query_seq_lengths, key_value_seq_lengths = rows.values()
     q, k, v = V.check_qkv(q, k, v, empty_batch=True)
     pattern = check_pattern(pattern, q)
     is_causal = V.check_bool(is_causal, "is_causal")
@@ -243,7 +248,8 @@ def block_sparse_attention(
             raise ValueError("query_seq_lengths / key_value_seq_lengths are not supported by "
                              "block-sparse attention with sequence_parallel")
         check_sharded_block_sparse(q, pattern, sequence_parallel)
-        return sharded_block_sparse(q, k, v, pattern, is_causal, scale, sequence_parallel)
+        return unfold(sharded_block_sparse(q, k, v, pattern, is_causal, scale,
+                                           sequence_parallel))
     b, n = q.shape[:2]
     q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n)
     kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)
@@ -253,9 +259,9 @@ def block_sparse_attention(
         IMPLEMENTATIONS)
     V.check_memory(q, k, dense=implementation == "reference", op="block_sparse_attention")
     if b == 0:  # the blockwise cores need a row; the result is empty anyway
-        return V.empty_batch(q, v)
-    return _block_sparse_dispatch(q, k, v, q_len, kv_len, pattern, is_causal, scale,
-                                  implementation, interpret)
+        return unfold(V.empty_batch(q, v))
+    return unfold(_block_sparse_dispatch(q, k, v, q_len, kv_len, pattern, is_causal, scale,
+                                         implementation, interpret))
 
 
 # One compiled program per static configuration: an eager call runs exactly the program a

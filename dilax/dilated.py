@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from dilax import _validation as V
 from dilax.attention_mask import AttentionMask
 from dilax.backend import resolve_core, resolve_implementation
+from dilax.batch_dims import fold_batch_dims
 from dilax.branches import CoreBranch, attend_branches
 from dilax.core import XLA, BlockSizes, Core
 from dilax.layout import dilated_branches, window_plan
@@ -83,7 +84,9 @@ def dilated_attention(
     """Dilated attention (LongNet), exactly as specified in docs/semantics.md.
 
     Args:
-      q: ``(b, n, h, d)`` queries.
+      q: ``(b, n, h, d)`` queries; any number of leading batch dimensions,
+        ``(batch..., n, h, d)`` (rank 3 included), with per-row arguments shaped to match
+        (:func:`dilax.batch_dims.fold_batch_dims`).
       k, v: ``(b, n, hk, d)`` keys and values, ``h % hk == 0`` (GQA/MQA without repeating K/V).
       segment_lengths: ``(w_0, ...)``, one per branch; any ``n >= 1`` is allowed (the last
         segment is shorter when ``n % w != 0``; ``w > n`` means one segment).
@@ -144,14 +147,16 @@ def dilated_attention(
     if sequence_parallel is not None:
         check_sequence_parallel(sequence_parallel, settings.implementation,
                                 interpret=settings.interpret)
-    q, k, v, mask, settings = check_dilated_request(
-        q, k, v, settings, mask, query_seq_lengths=query_seq_lengths,
+    q, k, v, rows, unfold = fold_batch_dims(
+        q, k, v, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, key_padding_mask=key_padding_mask,
-        empty_batch=sequence_parallel is None)
+        mask=mask)
+    q, k, v, mask, settings = check_dilated_request(
+        q, k, v, settings, empty_batch=sequence_parallel is None, **rows)
     if sequence_parallel is not None:
         check_sharded(q, k.shape[2], mask, settings, sequence_parallel)
-        return sharded_dilated(q, k, v, mask, settings, sequence_parallel)
-    return dilated_validated(q, k, v, mask, settings)
+        return unfold(sharded_dilated(q, k, v, mask, settings, sequence_parallel))
+    return unfold(dilated_validated(q, k, v, mask, settings))
 
 
 def dilated_validated(q, k, v, mask: AttentionMask, settings: DilatedSettings) -> jax.Array:
