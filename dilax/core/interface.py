@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dilax.core import xla
+from dilax.core import pairwise, xla
 from dilax.core.blocks import BlockSizes, default_block_sizes
 from dilax.core.mask import Mask
 from dilax.core.ordering import when
@@ -74,8 +74,9 @@ class XlaCore:
     def _resolve(q, k, view, mask, block_sizes):
         B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
         if block_sizes is None:
+            window = mask.window if mask.window is None else max(pairwise.band(mask.window))
             block_sizes = default_block_sizes(Lq, Lk, len(view.q_index), bool(mask.is_causal),
-                                              mask.window)
+                                              max(window, 0) if window is not None else None)
         return mask.resolve(B, len(view.kv_index), Lk, Lq), block_sizes.clipped(Lq, Lk)
 
     def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):
@@ -147,7 +148,7 @@ class PallasCore:
     def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):
         from pallas_kernels.flash_attention import flash_forward
 
-        if mask.window is not None or mask.kv_valid is not None:
+        if mask.window is not None or mask.kv_valid is not None or _dense(mask):
             return XLA.forward(q, k, v, view=view, mask=mask, scale=scale,
                                block_sizes=None, out_dtype=out_dtype)
         out, lse = flash_forward(view.gather_q(q), view.gather_kv(k), view.gather_kv(v),
@@ -160,7 +161,7 @@ class PallasCore:
                  grad_dtype=None, acc=None):
         from pallas_kernels.flash_attention import flash_backward
 
-        if mask.window is not None or mask.kv_valid is not None:
+        if mask.window is not None or mask.kv_valid is not None or _dense(mask):
             return XLA.backward(q, k, v, view=view, mask=mask, scale=scale, lse=lse,
                                 dout=dout, delta=delta, grad_dtype=grad_dtype, acc=acc)
 
@@ -188,7 +189,7 @@ class CudnnCore:
 
     def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):
         del block_sizes
-        if mask.window is not None or mask.kv_valid is not None:
+        if mask.window is not None or mask.kv_valid is not None or _dense(mask):
             return XLA.forward(q, k, v, view=view, mask=mask, scale=scale,
                                out_dtype=out_dtype)
         if not (isinstance(mask.q_offset, int) and isinstance(mask.k_offset, int)
@@ -226,6 +227,11 @@ class CudnnCore:
 
 XLA = XlaCore()
 _NO_MASK = Mask()
+
+
+def _dense(mask: Mask) -> bool:
+    """Whether ``mask`` carries a ``(B, N, T, S)`` bias or boolean mask (XLA core only)."""
+    return mask.bias is not None or mask.mask is not None
 
 
 def core_for(implementation: str, *, interpret: bool = False) -> Core:
@@ -272,7 +278,11 @@ def _attention_bwd(call: _Call, res, cotangents):
                                   delta=delta)
 
     grads = when(fence, bwd, (q, k, v, mask, lse, dout, output_delta(out, dout, dlse)))
-    return (*sum_invariant_axes((q, k, v), grads), None, None)
+    dmask = None
+    if mask.bias is not None:  # the core returned d(bias) too; every other leaf: no cotangent
+        dmask = jax.tree.map(lambda _: None, dataclasses.replace(mask, bias=None))
+        dmask = dataclasses.replace(dmask, bias=grads[3])
+    return (*sum_invariant_axes((q, k, v), grads[:3]), dmask, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
