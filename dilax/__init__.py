@@ -15,6 +15,7 @@ from dilax.content_adaptive import content_adaptive_attention
 from dilax.core import BlockSizes, attention_core, merge_attention_states
 from dilax.decode import KVCache, dilated_attention_decode
 from dilax.dilated import dilated_attention
+from dilax.dot_product import dot_product_attention
 from dilax.reference import dilated_counts
 from dilax.sp import (
     SequenceParallel,
@@ -55,6 +56,7 @@ __all__ = [
     "dilated_attention",
     "dilated_attention_decode",
     "dilated_counts",
+    "dot_product_attention",
     "memory",
     "merge_attention_states",
     "patterns",
