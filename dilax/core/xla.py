@@ -195,7 +195,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
     kv_len, q_offset, k_offset, is_causal = mask.kv_len, mask.q_offset, mask.k_offset, \
         mask.is_causal
     q_len, window, kv_valid = mask.q_len, mask.window, mask.kv_valid
-    dense = mask if mask.bias is not None or mask.mask is not None else None
+    dense = pairwise.prepare(mask)  # None without a bias or mask
     block_q, block_k = block_sizes.block_q, block_sizes.block_k
     heads_per_step = block_sizes.heads_per_step
     B, Lq = q.shape[:2]
@@ -305,7 +305,7 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
     kv_len, q_offset, k_offset, is_causal = mask.kv_len, mask.q_offset, mask.k_offset, \
         mask.is_causal
     q_len, window, kv_valid = mask.q_len, mask.window, mask.kv_valid
-    dense = mask if mask.bias is not None or mask.mask is not None else None
+    dense = pairwise.prepare(mask)  # None without a bias or mask
     block_q, block_k = block_sizes.backward
     B, Lq = q.shape[:2]
     Lk, d = k.shape[1], k.shape[-1]
@@ -335,9 +335,12 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
         cur = lax.dynamic_slice(x, (b, start) + (0,) * (x.ndim - 2), (1,) + block.shape)
         return lax.dynamic_update_slice(x, cur + block[None], (b, start) + (0,) * (x.ndim - 2))
 
+    key_major = pairwise.key_major(mask.bias, B)
+
     def column(carry, idx):
-        dq, dk_acc, dv_acc, *db = carry  # db: [the bias gradient] or []
-        bi, kj = idx // nk, idx % nk
+        dq, dk_acc, dv_acc, *db = carry  # db: the bias gradient's carry, or []
+        bi, kj = (idx % B, idx // B) if key_major else (idx // nk, idx % nk)
+        db = pairwise.column_start(db, bi)
         k0 = kj * block_k
         kl = None if kv_len is None else kv_len[bi]
         kvb = _key_valid_block(kv_valid, bi, 0, U, k0, block_k)
@@ -388,7 +391,8 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
                 # heads (GQA/MQA) and branches costs ~1e-2 relative in dK.
                 ds = p * (dp - del_b[..., None])
                 if db:  # d(bias) = dS, summed over the bias's broadcast dims
-                    db = [pairwise.add_grad(db[0], ds, bi, 0, U, G, q0, block_q, k0, block_k)]
+                    db = pairwise.add_grad(db, dense.dtype, ds, bi, 0, U, G, q0, block_q, k0,
+                                           block_k)
                 dk = dk + jnp.einsum("hgqk,hgqd->hkd", ds, qb.astype(_F32),
                                      preferred_element_type=_F32)
                 dq_b = jnp.einsum("hgqk,hkd->qhgd", ds, kb.astype(_F32),
@@ -407,16 +411,16 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
         else:
             carry = lax.fori_loop(lo, hi, make_body(False), carry)
         dk, dv, dq, *db = carry
+        db = pairwise.column_end(db, None if dense is None else dense.dtype, bi, B, k0, block_k)
         dk_acc = add_rows(dk_acc, bi, k0, view.expand_kv(dk))
         dv_acc = add_rows(dv_acc, bi, k0, view.expand_kv(dv))
         return (dq, dk_acc, dv_acc, *db), None
 
-    db0 = [] if mask.bias is None else [
-        jnp.zeros(mask.bias.shape, pairwise.grad_dtype(mask.bias, B, nk))]
+    db0 = pairwise.grad_init(mask.bias, B, nk, block_k)
     (dq, dk, dv, *db), _ = lax.scan(column, (dq0, dk0, dv0, *db0),
                                     jnp.arange(B * nk, dtype=jnp.int32))
     grads = (dq[:, :Lq].astype(grad_dtype or q.dtype), dk[:, :Lk].astype(grad_dtype or k.dtype),
              dv[:, :Lk].astype(grad_dtype or v.dtype))
-    return grads + tuple(g.astype(mask.bias.dtype) for g in db)
+    return grads + pairwise.grad_result(db, None if mask.bias is None else mask.bias.dtype)
 
 
