@@ -197,7 +197,8 @@ def _reference(q, k, v, bias, mask, q_len, kv_len, scale, is_causal, window):
                    precision=jax.lax.Precision.HIGHEST) * scale
     if bias is not None:
         s = s + bias.astype(_F32)
-    i, t = jnp.arange(T)[:, None], jnp.arange(S)[None, :]
+    i = jnp.arange(T)[None, None, :, None]  # rank 4 throughout: no implicit rank promotion
+    t = jnp.arange(S)[None, None, None, :]
     allowed = jnp.ones((1, 1, T, S), bool)
     if mask is not None:
         allowed = allowed & mask

@@ -145,6 +145,26 @@ def test_rank3_vmap_and_bf16():
     assert_scaled_close(out3[1], ref.lse[0], HALF)
 
 
+@pytest.mark.parametrize("impl", ["xla", "reference"])
+def test_head_groups_under_strict_rank_promotion(impl):
+    """Eight query heads (the forward then takes 4 at a time, dilax.core.default_block_sizes;
+    non-causal without a band) with a per-head bias and mask and key lengths, under
+    numpy_rank_promotion="raise"."""
+    n, k_heads = 8, 2
+    q, k, v, dout = _inputs(8, n=n, k=k_heads)
+    rng = np.random.default_rng(8)
+    kw = dict(bias=jnp.asarray(rng.normal(size=(B, n, T, S)), jnp.float32),
+              mask=jnp.asarray(rng.random((1, n, T, S)) < 0.8),
+              key_value_seq_lengths=jnp.array([S, 20], jnp.int32))
+    kw["mask"] = kw["mask"].at[..., np.arange(T), np.arange(T)].set(True)  # a key per row
+    with jax.numpy_rank_promotion("raise"):
+        got = _run(lambda *a, **kw: dilax.dot_product_attention(*a, implementation=impl, **kw),
+                   q, k, v, dout, kw)
+    want = _run(jax.nn.dot_product_attention, q, k, v, dout, kw)
+    for g, w in zip(got, want):
+        assert_scaled_close(g, w, FP32)
+
+
 def test_fully_masked_rows():
     """A row whose mask admits no key: dilax gives out 0, lse -inf, zero gradients, no NaN
     (also under jax_debug_nans); jax's XLA path gives the mean of value over all keys."""
