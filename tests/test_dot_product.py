@@ -266,3 +266,17 @@ def test_errors_beyond_jax():
         dilax.dot_product_attention(q, k, v, jnp.ones((1, 1, T, S)), implementation="pallas")
     with pytest.raises(TypeError, match="local_window_size"):
         dilax.dot_product_attention(q, k, v, local_window_size=2.5)
+
+
+def test_cudnn_is_jax_cudnn():
+    """implementation="cudnn" is jax's own cuDNN call: the same result, or (no cuDNN, e.g.
+    on CPU) the same exception."""
+    q, k, v, _ = _inputs(9, jnp.bfloat16)
+    try:
+        want = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    except Exception as e:  # noqa: BLE001 - whatever jax raises, dilax must raise too
+        with pytest.raises(type(e)):
+            dilax.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    else:
+        np.testing.assert_array_equal(
+            dilax.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"), want)
