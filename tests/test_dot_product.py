@@ -188,12 +188,15 @@ def test_fully_masked_rows():
     assert_scaled_close(jax_out[1, 7], jnp.repeat(v[1].mean(0), N // K, axis=0), FP32)
 
 
-def test_bias_read_by_blocks_without_dense_float32_copies():
-    """A bf16 (1, N, T, S) bias with its gradient through the core at small blocks: exact
-    against jax, and the compiled program holds no float32 array of the bias's size."""
+@pytest.mark.parametrize("shape", [(1, N, 96, 96), (B, 1, 1, 96)])
+def test_bias_read_by_blocks_without_dense_float32_copies(shape):
+    """A bf16 bias with its gradient through the core at small blocks: exact against jax, and
+    the compiled program holds no float32 array of a (.., N, T, S) bias's size. (1, N, T, S):
+    the batch rows' gradients meet in a float32 column; (B, 1, 1, S): in a float32 (B, 1, 1, S)
+    accumulator."""
     t = s = 96
     q, k, v, dout = _inputs(5, t=t, s=s, k=N)
-    bias = jax.random.normal(jax.random.key(6), (1, N, t, s), jnp.bfloat16)
+    bias = jax.random.normal(jax.random.key(6), shape, jnp.bfloat16)
     view = identity_view(N, 1)
 
     def ours(q, k, v, bias):  # partial last blocks on both axes: 96 = 2 * 40 + 16
