@@ -74,9 +74,9 @@ class XlaCore:
     def _resolve(q, k, view, mask, block_sizes):
         B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
         if block_sizes is None:
-            window = mask.window if mask.window is None else max(pairwise.band(mask.window))
+            window = None if mask.window is None else max(0, *pairwise.band(mask.window))
             block_sizes = default_block_sizes(Lq, Lk, len(view.q_index), bool(mask.is_causal),
-                                              max(window, 0) if window is not None else None)
+                                              window)
         return mask.resolve(B, len(view.kv_index), Lk, Lq), block_sizes.clipped(Lq, Lk)
 
     def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):

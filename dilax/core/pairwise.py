@@ -27,12 +27,17 @@ class Dense(NamedTuple):
     mask: jax.Array | None
 
 
-def prepare(mask) -> Dense | None:
+def prepare(mask, view) -> Dense | None:
     """``None`` without a bias or mask. A bf16/fp16 bias is read as its bits, widened one
     block at a time: XLA:CPU would otherwise hoist a float32 copy of the whole bias out of
-    the loops (the reason for :func:`dilax.core.xla._as_bits`)."""
+    the loops (the reason for :func:`dilax.core.xla._as_bits`). ``view`` must be an identity
+    view (query head ``h`` is the bias's head ``h``)."""
     if mask.bias is None and mask.mask is None:
         return None
+    heads = tuple(range(len(getattr(view, "q_index", ()))))
+    if getattr(view, "num_slots", None) != 1 or view.q_index != heads:
+        raise ValueError("a Mask with a bias or mask needs an identity view "
+                         "(dilax.core.identity_view): its heads are the query heads")
     bias = mask.bias
     if bias is not None and jnp.issubdtype(bias.dtype, jnp.floating) and bias.dtype.itemsize == 2:
         bias = lax.bitcast_convert_type(bias, jnp.uint16)

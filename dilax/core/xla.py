@@ -195,7 +195,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
     kv_len, q_offset, k_offset, is_causal = mask.kv_len, mask.q_offset, mask.k_offset, \
         mask.is_causal
     q_len, window, kv_valid = mask.q_len, mask.window, mask.kv_valid
-    dense = pairwise.prepare(mask)  # None without a bias or mask
+    dense = pairwise.prepare(mask, view)  # None without a bias or mask
     block_q, block_k = block_sizes.block_q, block_sizes.block_k
     heads_per_step = block_sizes.heads_per_step
     B, Lq = q.shape[:2]
@@ -305,7 +305,7 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
     kv_len, q_offset, k_offset, is_causal = mask.kv_len, mask.q_offset, mask.k_offset, \
         mask.is_causal
     q_len, window, kv_valid = mask.q_len, mask.window, mask.kv_valid
-    dense = pairwise.prepare(mask)  # None without a bias or mask
+    dense = pairwise.prepare(mask, view)  # None without a bias or mask
     block_q, block_k = block_sizes.backward
     B, Lq = q.shape[:2]
     Lk, d = k.shape[1], k.shape[-1]
