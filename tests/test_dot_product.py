@@ -16,7 +16,7 @@ import pytest
 from tolerance import FP32, HALF, assert_scaled_close
 
 import dilax
-from dilax.core import BlockSizes, Mask, attention, identity_view
+from dilax.core import BlockSizes, Mask, SlotView, attention, identity_view
 
 B, T, S, N, K, H = 2, 21, 29, 4, 2, 8  # T != S, GQA (two query heads per kv head)
 
@@ -269,6 +269,9 @@ def test_errors_beyond_jax():
         dilax.dot_product_attention(q, k, v, jnp.ones((1, 1, T, S)), implementation="pallas")
     with pytest.raises(TypeError, match="local_window_size"):
         dilax.dot_product_attention(q, k, v, local_window_size=2.5)
+    permuted = SlotView(1, N, K, (1, 0, 2, 3), (0, 1))  # query head 0 reads slot 1
+    with pytest.raises(ValueError, match="identity view"):
+        attention(q, k, v, view=permuted, scale=0.3, mask=Mask(bias=jnp.zeros((1, N, T, S))))
 
 
 def test_cudnn_is_jax_cudnn():
