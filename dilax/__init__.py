@@ -18,6 +18,7 @@ from dilax.content_adaptive import content_adaptive_attention
 from dilax.core import BlockSizes, attention_core, merge_attention_states
 from dilax.decode import KVCache, dilated_attention_decode
 from dilax.dilated import dilated_attention
+from dilax.dot_product import dot_product_attention
 from dilax.semantics import dilated_counts
 from dilax.settings import DilatedSettings
 from dilax.sp import (
@@ -66,6 +67,7 @@ __all__ = [
     "dilated_attention",
     "dilated_attention_decode",
     "dilated_counts",
+    "dot_product_attention",
     "memory",
     "merge_attention_states",
     "patterns",

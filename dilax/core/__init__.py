@@ -5,6 +5,7 @@ Dilated, block-sparse and ring attention all reduce to calls of one :class:`Core
 
 * :mod:`~dilax.core.blocks`: :class:`BlockSizes`, the tile config of every implementation;
 * :mod:`~dilax.core.mask`: :class:`Mask`, valid key lengths, offsets, causality;
+* :mod:`~dilax.core.pairwise`: dense ``(B, N, T, S)`` biases and masks, read by block;
 * :mod:`~dilax.core.view`: :class:`SlotView`, which rows/slots/heads a call reads;
 * :mod:`~dilax.core.xla`: the blockwise XLA forward and backward;
 * :mod:`~dilax.core.interface`: :class:`XlaCore`, :class:`PallasCore`, :class:`CudnnCore`,

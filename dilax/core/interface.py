@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dilax.core import xla
+from dilax.core import pairwise, xla
 from dilax.core.blocks import BlockSizes, default_block_sizes
 from dilax.core.mask import Mask
 from dilax.core.ordering import when
@@ -74,8 +74,9 @@ class XlaCore:
     def _resolve(q, k, view, mask, block_sizes):
         B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
         if block_sizes is None:
+            window = None if mask.window is None else max(0, *pairwise.band(mask.window))
             block_sizes = default_block_sizes(Lq, Lk, len(view.q_index), bool(mask.is_causal),
-                                              mask.window)
+                                              window)
         return mask.resolve(B, len(view.kv_index), Lk, Lq), block_sizes.clipped(Lq, Lk)
 
     def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):
@@ -127,9 +128,11 @@ def _refuse_masks(name: str, mask: Mask) -> None:
     """A kernel core given a mask it has no form for raises (:mod:`dilax.registry` keeps such
     calls away from it; reaching here is a caller's bug, never a reason to run another core).
     No registry lookup here: the registry builds cores, so the core does not import it."""
-    missing = [what for what, given in (("a band mask (local_window)", mask.window is not None),
-                                        ("a per-key mask (key padding)", mask.kv_valid is not None))
-               if given]
+    missing = [what for what, given in (
+        ("a band mask (local_window)", mask.window is not None),
+        ("a per-key mask (key padding)", mask.kv_valid is not None),
+        ("bias or (B, N, T, S) boolean mask", mask.bias is not None or mask.mask is not None),
+    ) if given]
     if missing:
         raise ValueError(f"implementation={name!r}: the kernel has no {' or '.join(missing)} "
                          "(dilax.registry decides which core runs which call; use "
@@ -279,7 +282,11 @@ def _attention_bwd(call: _Call, res, cotangents):
                                   delta=delta)
 
     grads = when(fence, bwd, (q, k, v, mask, lse, dout, output_delta(out, dout, dlse)))
-    return (*sum_invariant_axes((q, k, v), grads), None, None)
+    dmask = None
+    if mask.bias is not None:  # the core returned d(bias) too; every other leaf: no cotangent
+        dmask = jax.tree.map(lambda _: None, dataclasses.replace(mask, bias=None))
+        dmask = dataclasses.replace(dmask, bias=grads[3])
+    return (*sum_invariant_axes((q, k, v), grads[:3]), dmask, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

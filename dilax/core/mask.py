@@ -1,4 +1,5 @@
-"""Which keys a query may see: valid lengths, global offsets, causality and a local window."""
+"""Which keys a query may see: valid lengths, global offsets, causality, a local window and
+dense ``(B, N, T, S)`` masks and biases read block by block."""
 
 from __future__ import annotations
 
@@ -33,6 +34,15 @@ class Mask:
       kv_valid: bool ``(B, U, Lk)`` (or broadcastable), or ``None``: an arbitrary per-key
         validity (e.g. a key-padding mask); pair it with ``kv_len`` (one past the last valid
         key) so that trailing invalid key blocks are skipped.
+      bias: float ``(Bb, Nb, Tb, Sb)`` or ``None``: added to the scaled logits, each dim 1 or
+        the full ``B``, query heads ``H``, ``Lq``, ``Lk`` (kept as given; the core slices one
+        block at a time). Identity views only. The XLA core's backward then also returns its
+        gradient (``dS`` summed over the broadcast dims).
+      mask: bool, shaped like ``bias`` (its own dims), or ``None``: query ``i`` may attend key
+        ``t`` of head ``h`` only where ``mask[b, h, i, t]`` (broadcast) is True.
+
+    ``window`` may also be a ``(left, right)`` pair of ints: the band
+    ``-left <= (k_offset + t) - (q_offset + i) <= right``.
     """
 
     kv_len: jax.Array | None = None
@@ -42,6 +52,8 @@ class Mask:
     q_len: jax.Array | None = None
     window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     kv_valid: jax.Array | None = None
+    bias: jax.Array | None = None
+    mask: jax.Array | None = None
 
     def resolve(self, batch: int, num_kv: int, len_k: int, len_q: int | None = None) -> Mask:
         """int32 arrays: ``kv_len`` (``q_len``) broadcast to ``(batch, num_kv)`` and capped at
@@ -60,4 +72,10 @@ class Mask:
                                         (batch, num_kv, kv_valid.shape[-1]))
         return Mask(kv_len, jnp.asarray(self.q_offset, jnp.int32),
                     jnp.asarray(self.k_offset, jnp.int32), bool(self.is_causal), q_len,
-                    None if self.window is None else int(self.window), kv_valid)
+                    _static_window(self.window), kv_valid, self.bias, self.mask)
+
+
+def _static_window(window):
+    if isinstance(window, (tuple, list)):
+        return tuple(int(w) for w in window)
+    return None if window is None else int(window)

@@ -14,6 +14,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
+from dilax.core import pairwise
 from dilax.core.blocks import BlockSizes
 from dilax.core.mask import Mask
 from dilax.core.view import SlotView, static_take
@@ -71,8 +72,11 @@ def _mask(k_start, block_k, kv_len, q_pos, k_offset, is_causal, q_valid=None, wi
         mask = add(k_valid[:, None, None, :])
     if is_causal:
         mask = add(((k_offset + k_idx)[None, :] <= q_pos[:, None])[None, None])
-    if window is not None:
+    if isinstance(window, int):
         mask = add((jnp.abs((k_offset + k_idx)[None, :] - q_pos[:, None]) <= window)[None, None])
+    elif window is not None:  # (left, right): -left <= t - p <= right
+        delta = (k_offset + k_idx)[None, :] - q_pos[:, None]
+        mask = add(((delta <= window[1]) & (delta >= -window[0]))[None, None])
     return mask
 
 
@@ -166,6 +170,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
     kv_len, q_offset, k_offset, is_causal = mask.kv_len, mask.q_offset, mask.k_offset, \
         mask.is_causal
     q_len, window, kv_valid = mask.q_len, mask.window, mask.kv_valid
+    dense = pairwise.prepare(mask, view)  # None without a bias or mask
     block_q, block_k = block_sizes.block_q, block_sizes.block_k
     heads_per_step = block_sizes.heads_per_step
     B, Lq = q.shape[:2]
@@ -211,9 +216,10 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
         else:
             full = hi
         if window is not None:  # only the key blocks that meet the band, all masked
-            hi = jnp.minimum(hi, _block_floor(q_first + block_q - 1 + window - k_offset,
+            left, right = pairwise.band(window)
+            hi = jnp.minimum(hi, _block_floor(q_first + block_q - 1 + right - k_offset,
                                               block_k, nk - 1) + 1)
-            lo = full = jnp.minimum(_block_floor(q_first - window - k_offset, block_k, nk), hi)
+            lo = full = jnp.minimum(_block_floor(q_first - left - k_offset, block_k, nk), hi)
 
         def make_body(causal_block):
             def body(j, carry):
@@ -225,6 +231,9 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
                 kvb = _key_valid_block(kv_valid, bi, u0, u1, k0, block_k)
                 mask = _mask(k0, block_k, kl, q_pos, k_offset, causal_block and is_causal,
                              q_valid, window if causal_block else None, kvb)
+                if dense is not None:  # the caller's (B, N, T, S) bias / mask, one block
+                    s, mask = pairwise.apply(s, *pairwise.terms(
+                        dense, bi, u0, u1, G, qi * block_q, block_q, k0, block_k), mask)
                 if mask is not None:
                     s = jnp.where(mask, s, -jnp.inf)
                     vb = _zero_invalid_keys(vb, k0, kl, kvb)
@@ -263,13 +272,15 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
 def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: BlockSizes,
              lse, dout, delta, grad_dtype=None, acc=None):
     """Gradients ``(dq, dk, dv)`` of :func:`forward` in the input layouts, in ``grad_dtype``
-    (default: the input dtypes). ``lse, dout, delta`` are in the output layout;
+    (default: the input dtypes), and ``dbias`` (the bias's shape and dtype) when
+    ``mask.bias`` is set. ``lse, dout, delta`` are in the output layout;
     ``delta = output_delta(out, dout, dlse)``. ``acc``: optional ``(dq, dk, dv)`` in the input
     layouts (e.g. earlier branches' gradients) that the gradients are added into, in float32,
     without buffers of their own."""
     kv_len, q_offset, k_offset, is_causal = mask.kv_len, mask.q_offset, mask.k_offset, \
         mask.is_causal
     q_len, window, kv_valid = mask.q_len, mask.window, mask.kv_valid
+    dense = pairwise.prepare(mask, view)  # None without a bias or mask
     block_q, block_k = block_sizes.backward
     B, Lq = q.shape[:2]
     Lk, d = k.shape[1], k.shape[-1]
@@ -299,9 +310,12 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
         cur = lax.dynamic_slice(x, (b, start) + (0,) * (x.ndim - 2), (1,) + block.shape)
         return lax.dynamic_update_slice(x, cur + block[None], (b, start) + (0,) * (x.ndim - 2))
 
+    key_major = pairwise.key_major(mask.bias, B)
+
     def column(carry, idx):
-        dq, dk_acc, dv_acc = carry
-        bi, kj = idx // nk, idx % nk
+        dq, dk_acc, dv_acc, *db = carry  # db: the bias gradient's carry, or []
+        bi, kj = (idx % B, idx // B) if key_major else (idx // nk, idx % nk)
+        db = pairwise.column_start(db, bi)
         k0 = kj * block_k
         kl = None if kv_len is None else kv_len[bi]
         kvb = _key_valid_block(kv_valid, bi, 0, U, k0, block_k)
@@ -320,15 +334,16 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
         else:
             lo = full_lo = 0
         if window is not None:  # only the query blocks that meet the band, all masked
-            lo = jnp.maximum(lo, _block_floor(k_offset + k0 - window - q_offset, block_q, nq))
-            hi = jnp.minimum(hi, _block_floor(k_offset + k0 + block_k - 1 + window - q_offset,
+            left, right = pairwise.band(window)
+            lo = jnp.maximum(lo, _block_floor(k_offset + k0 - right - q_offset, block_q, nq))
+            hi = jnp.minimum(hi, _block_floor(k_offset + k0 + block_k - 1 + left - q_offset,
                                               block_q, nq - 1) + 1)
         hi = jnp.maximum(hi, lo)
         full_lo = hi if window is not None else jnp.minimum(full_lo, hi)
 
         def make_body(causal_block):
             def body(qi, carry):
-                dk, dv, dq = carry
+                dk, dv, dq, *db = carry
                 q0 = qi * block_q
                 qb = _scaled(view.select_q(_slice_rows(qp, bi, q0, block_q, q.dtype)), scale)
                 dob = out_view.select_q(_slice_rows(dop, bi, q0, block_q, dout.dtype))
@@ -338,6 +353,9 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
                 q_pos = q_offset + q0 + lax.iota(jnp.int32, block_q)
                 mask = _mask(k0, block_k, kl, q_pos, k_offset, causal_block and is_causal,
                              _q_valid(q0, block_q, ql), window if causal_block else None, kvb)
+                if dense is not None:
+                    s, mask = pairwise.apply(s, *pairwise.terms(
+                        dense, bi, 0, U, G, q0, block_q, k0, block_k, Lq), mask)
                 if mask is not None:
                     s = jnp.where(mask, s, -jnp.inf)
                 p = jnp.exp(s - lse_b[..., None])  # (U, G, bq, bk); masked -> 0
@@ -347,30 +365,37 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
                 # ds stays float32: rounding it to bf16 before the sums over many query
                 # heads (GQA/MQA) and branches costs ~1e-2 relative in dK.
                 ds = p * (dp - del_b[..., None])
+                if db:  # d(bias) = dS, summed over the bias's broadcast dims
+                    db = pairwise.add_grad(db, dense.dtype, ds, bi, 0, U, G, q0, block_q, k0,
+                                           block_k)
                 dk = dk + jnp.einsum("hgqk,hgqd->hkd", ds, qb.astype(_F32),
                                      preferred_element_type=_F32)
                 dq_b = jnp.einsum("hgqk,hkd->qhgd", ds, kb.astype(_F32),
                                   preferred_element_type=_F32)
                 dq_b = view.expand_rows_q(dq_b.reshape(block_q, U * G, d) * scale)
                 dq = add_rows(dq, bi, q0, dq_b)
-                return dk, dv, dq
+                return dk, dv, dq, *db
 
             return body
 
         carry = mark_varying(axes, jnp.zeros((U, block_k, d), _F32),
-                             jnp.zeros((U, block_k, d), _F32)) + (dq,)
+                             jnp.zeros((U, block_k, d), _F32)) + (dq, *db)
         if is_causal or window is not None:
             carry = lax.fori_loop(lo, full_lo, make_body(True), carry)
             carry = lax.fori_loop(full_lo, hi, make_body(False), carry)
         else:
             carry = lax.fori_loop(lo, hi, make_body(False), carry)
-        dk, dv, dq = carry
+        dk, dv, dq, *db = carry
+        db = pairwise.column_end(db, None if dense is None else dense.dtype, bi, B, k0, block_k)
         dk_acc = add_rows(dk_acc, bi, k0, view.expand_kv(dk))
         dv_acc = add_rows(dv_acc, bi, k0, view.expand_kv(dv))
-        return (dq, dk_acc, dv_acc), None
+        return (dq, dk_acc, dv_acc, *db), None
 
-    (dq, dk, dv), _ = lax.scan(column, (dq0, dk0, dv0), jnp.arange(B * nk, dtype=jnp.int32))
-    return (dq[:, :Lq].astype(grad_dtype or q.dtype), dk[:, :Lk].astype(grad_dtype or k.dtype),
-            dv[:, :Lk].astype(grad_dtype or v.dtype))
+    db0 = pairwise.grad_init(mask.bias, B, nk, block_k)
+    (dq, dk, dv, *db), _ = lax.scan(column, (dq0, dk0, dv0, *db0),
+                                    jnp.arange(B * nk, dtype=jnp.int32))
+    grads = (dq[:, :Lq].astype(grad_dtype or q.dtype), dk[:, :Lk].astype(grad_dtype or k.dtype),
+             dv[:, :Lk].astype(grad_dtype or v.dtype))
+    return grads + pairwise.grad_result(db, None if mask.bias is None else mask.bias.dtype)
 
 

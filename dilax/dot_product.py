@@ -1,0 +1,246 @@
+"""``dilax.dot_product_attention``: a drop-in for ``jax.nn.dot_product_attention``.
+
+The same arguments, shapes, dtype rules, results and errors as jax's function; without
+dilation settings it is dense attention computed by dilax's blockwise core (``O(n)`` memory:
+the ``bias`` and ``mask`` operands are read one block at a time, :mod:`dilax.core.pairwise`),
+with ``segment_lengths`` / ``dilation_rates`` it is :func:`dilax.dilated_attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dilax import _validation as V
+from dilax.core import XLA, Core, Mask, attention, core_for, identity_view
+
+_F32 = jnp.float32
+IMPLEMENTATIONS = (None, "xla", "pallas", "cudnn", "reference")
+
+
+def _ensure_4d(x: jax.Array) -> jax.Array:
+    """Leading unit dims up to rank 4, as jax does (``(T, N, H) -> (1, T, N, H)``)."""
+    return x.reshape((1,) * (4 - x.ndim) + x.shape) if x.ndim < 4 else x
+
+
+def _check(t, shape, dtype, name: str) -> None:
+    """jax's shape/dtype rule for one operand (``-1``: any size), with jax's messages."""
+    if t is None:
+        return
+    if t.ndim != len(shape):
+        raise ValueError(f"{name} ndim should be {len(shape)}, but got {t.ndim}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name} dtype should be {dtype}, but got {t.dtype}")
+    for i, size in enumerate(shape):
+        if size != -1 and t.shape[i] != size:
+            raise ValueError(f"{name} shape should be {list(shape)}: but got {t.shape}")
+
+
+def _check_pairwise(t, full, name: str) -> None:
+    """``bias`` / ``mask`` must broadcast to ``(B, N, T, S)``: each dim 1 or full."""
+    if t is not None and any(n not in (1, f) for n, f in zip(t.shape, full)):
+        raise ValueError(f"{name} of shape {t.shape} must be broadcastable to (B, N, T, S) = "
+                         f"{full}: each dim 1 or the full size")
+
+
+def _window(local_window_size: Any) -> tuple[int, int] | None:
+    if local_window_size is None:
+        return None
+    if isinstance(local_window_size, (tuple, list)):
+        if len(local_window_size) != 2:
+            raise ValueError("local_window_size must be an int or a (left, right) pair, got "
+                             f"{local_window_size!r}")
+        return tuple(V.static_int(w, f"local_window_size[{i}]")
+                     for i, w in enumerate(local_window_size))
+    w = V.static_int(local_window_size, "local_window_size")
+    return (w, w)
+
+
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: str | None = None,
+    return_residual: bool = False,
+    segment_lengths: tuple[int, ...] | None = None,
+    dilation_rates: tuple[int, ...] | None = None,
+    mode: str = "mixture",
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Scaled dot-product attention, a superset of ``jax.nn.dot_product_attention``.
+
+    ``softmax(scale * q k^T + bias, masked) v`` per head, with jax's argument names, shapes
+    (``B`` batch, ``T`` query length, ``S`` key length, ``N`` query heads, ``K`` kv heads,
+    ``N % K == 0``, ``H`` head dim), dtype rules and errors. Computed by dilax's blockwise XLA
+    core: ``O(T + S)`` memory beyond the operands, ``bias`` and ``mask`` read block by block.
+
+    Args:
+      query: ``(B, T, N, H)`` or ``(T, N, H)``.
+      key, value: ``(B, S, K, H)`` or ``(S, K, H)``, the dtype of ``query``.
+      bias: optional, added to the scaled logits; rank <= 4, broadcastable to
+        ``(B, N, T, S)`` (leading dims added as jax does). Differentiable (``dbias`` summed
+        over the broadcast dims, in the bias's dtype).
+      mask: optional bool, same shape rule; True = attend.
+      scale: logit scale (static), default ``1 / sqrt(H)``.
+      is_causal: key ``t`` visible to query ``i`` iff ``t <= i`` (aligned at index 0, as jax).
+      query_seq_lengths, key_value_seq_lengths: optional int32 ``(B,)``; query rows past
+        their length output 0, keys past theirs get no weight.
+      local_window_size: optional int ``w`` or ``(left, right)``: query ``i`` sees keys
+        ``i - left <= t <= i + right`` (jax's band; key blocks outside it are skipped).
+      implementation: ``None`` / ``"xla"`` (dilax's blockwise core), ``"pallas"`` (dilax's
+        flash kernels; no bias, mask or band), ``"cudnn"`` (``jax.nn.dot_product_attention``
+        with ``implementation="cudnn"``, as is) or ``"reference"`` (dense mask-based, small
+        sizes).
+      return_residual: also return the log-sum-exp of the logits ``(B, T, N)`` / ``(T, N)``
+        in the key's dtype, without gradient (as jax).
+      segment_lengths, dilation_rates, mode: dilation settings: given both, the call is
+        :func:`dilax.dilated_attention` (``T == S``; no ``bias``, ``local_window_size`` or
+        ``return_residual``; a ``mask`` only as a key-padding mask ``(B or 1, 1, 1, S)``).
+
+    Returns:
+      ``out`` shaped like ``query``, or ``(out, lse)`` with ``return_residual``. A query that
+      sees no key (fully masked) gets ``out = 0`` and ``lse = -inf``; jax's XLA path gives
+      the mean of ``value`` over all keys there (its masked logits are a large finite
+      negative) and ``lse`` near ``-2.4e38``.
+
+    Raises:
+      ValueError: jax's shape/dtype rules (``value``/``query`` dtype equal to ``key``'s,
+        ``mask`` bool, lengths int32 ``(B,)``, ``N % K == 0``), operands not broadcastable
+        to ``(B, N, T, S)``, an unknown ``implementation`` or one that cannot serve the call.
+      TypeError: non-floating inputs, a traced ``scale`` or window.
+    """
+    output_shape = jnp.shape(query)
+    q, k, v = (_ensure_4d(jnp.asarray(x)) for x in (query, key, value))
+    bias = None if bias is None else _ensure_4d(jnp.asarray(bias))
+    mask = None if mask is None else _ensure_4d(jnp.asarray(mask))
+    q_len = None if query_seq_lengths is None else jnp.asarray(query_seq_lengths)
+    kv_len = None if key_value_seq_lengths is None else jnp.asarray(key_value_seq_lengths)
+    window = _window(local_window_size)
+    B, S, K, H = k.shape
+    _check(v, [B, S, K, H], k.dtype, "value")
+    _check(q, [B, -1, -1, H], k.dtype, "query")
+    _check(mask, [-1] * 4, np.dtype(bool), "mask")
+    _check(bias, [-1] * 4, None, "bias")
+    _check(q_len, [B], np.dtype("int32"), "query_seq_lengths")
+    _check(kv_len, [B], np.dtype("int32"), "key_value_seq_lengths")
+    T, N = q.shape[1], q.shape[2]
+    if N % K != 0:
+        raise ValueError(f"The number of query heads must be a multiple of key/value heads, "
+                         f"but got {N} vs {K}")
+    if not jnp.issubdtype(k.dtype, jnp.floating):
+        raise TypeError(f"query, key and value must have a floating dtype, got {k.dtype}")
+    for name, t in (("bias", bias), ("mask", mask)):
+        _check_pairwise(t, (B, N, T, S), name)
+    scale = 1.0 / float(np.sqrt(H)) if scale is None else V.check_real(scale, "scale")
+    is_causal = V.check_bool(is_causal, "is_causal")
+    return_residual = V.check_bool(return_residual, "return_residual")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"Unsupported implementation option: {implementation!r}; "
+                         f"dilax.dot_product_attention serves {IMPLEMENTATIONS}")
+
+    if segment_lengths is not None or dilation_rates is not None:
+        out = _dilated(q, k, v, bias, mask, q_len, kv_len, window, return_residual,
+                       segment_lengths, dilation_rates, mode, is_causal, scale, implementation)
+        return out.reshape(output_shape)
+    if implementation == "cudnn":  # jax's own cuDNN path, arguments as given
+        return jax.nn.dot_product_attention(
+            query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+            local_window_size=local_window_size, implementation="cudnn",
+            return_residual=return_residual)
+    core = None if implementation == "reference" else XLA
+    if implementation == "pallas":
+        if bias is not None or mask is not None or window is not None:
+            raise ValueError("implementation='pallas' has no bias, mask or local_window_size "
+                             "(the flash kernels take lengths and causality only); use "
+                             "implementation='xla'")
+        core = core_for("pallas")
+    out, lse = _dense(q, k, v, bias, mask, q_len, kv_len, scale=scale, is_causal=is_causal,
+                      window=window, core=core)
+    out = out.reshape(output_shape)
+    if not return_residual:
+        return out
+    return out, jax.lax.stop_gradient(lse.astype(k.dtype)).reshape(output_shape[:-1])
+
+
+# One compiled program per static configuration (and no op-by-op -inf intermediates, which
+# jax_debug_infs would flag).
+@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "window", "core"))
+def _dense(q, k, v, bias, mask, q_len, kv_len, *, scale: float, is_causal: bool,
+           window: tuple[int, int] | None, core: Core | None):
+    """``(out (B, T, N, H), lse (B, T, N) float32)`` of dense attention."""
+    if core is None:
+        return _reference(q, k, v, bias, mask, q_len, kv_len, scale, is_causal, window)
+    N, K = q.shape[2], k.shape[2]
+    per_row = lambda x: None if x is None else x[:, None]  # noqa: E731 - (B,) -> (B, 1)
+    spec = Mask(per_row(kv_len), 0, 0, is_causal, per_row(q_len), window, None, bias, mask)
+    return attention(q, k, v, view=identity_view(K, N // K), scale=scale, mask=spec, core=core)
+
+
+def _reference(q, k, v, bias, mask, q_len, kv_len, scale, is_causal, window):
+    """Dense mask-based attention: the ``(B, N, T, S)`` logits, masked with ``-inf``; rows
+    that see no key give ``out = 0``, ``lse = -inf`` (and zero gradient)."""
+    T, N, S, K = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
+    kr, vr = (jnp.repeat(x, N // K, axis=2) for x in (k, v))
+    s = jnp.einsum("btnh,bsnh->bnts", q, kr, preferred_element_type=_F32,
+                   precision=jax.lax.Precision.HIGHEST) * scale
+    if bias is not None:
+        s = s + bias.astype(_F32)
+    i = jnp.arange(T)[None, None, :, None]  # rank 4 throughout: no implicit rank promotion
+    t = jnp.arange(S)[None, None, None, :]
+    allowed = jnp.ones((1, 1, T, S), bool)
+    if mask is not None:
+        allowed = allowed & mask
+    if is_causal:
+        allowed = allowed & (t <= i)
+    if window is not None:
+        allowed = allowed & (t - i <= window[1]) & (i - t <= window[0])
+    if q_len is not None:
+        allowed = allowed & (i < q_len[:, None, None, None])
+    if kv_len is not None:
+        allowed = allowed & (t < kv_len[:, None, None, None])
+    s = jnp.where(allowed, s, -jnp.inf)
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(s - m)
+    den = jnp.sum(e, axis=-1, keepdims=True)
+    p = e / jnp.where(den > 0, den, 1.0)
+    out = jnp.einsum("bnts,bsnh->btnh", p, vr.astype(_F32), precision=jax.lax.Precision.HIGHEST)
+    lse = jnp.where(den > 0, jnp.log(jnp.where(den > 0, den, 1.0)) + m, -jnp.inf)
+    return out.astype(q.dtype), jnp.moveaxis(lse[..., 0], 1, 2)
+
+
+def _dilated(q, k, v, bias, mask, q_len, kv_len, window, return_residual, segment_lengths,
+             dilation_rates, mode, is_causal, scale, implementation):
+    """The dilated call: :func:`dilax.dilated_attention` on the 4-d operands."""
+    from dilax.dilated import dilated_attention  # lazy: dilated imports this module's peers
+
+    for name, given in (("bias", bias is not None), ("local_window_size", window is not None),
+                        ("return_residual", return_residual)):
+        if given:
+            raise ValueError(f"{name} is not supported with dilation settings "
+                             "(segment_lengths, dilation_rates): dilated attention has no "
+                             f"dense {name}; call without dilation settings for dense attention")
+    if segment_lengths is None or dilation_rates is None:
+        raise ValueError("segment_lengths and dilation_rates go together: give both or neither")
+    key_padding = None
+    if mask is not None:
+        if mask.shape[1:3] != (1, 1):
+            raise ValueError(f"with dilation settings a mask must be a key-padding mask of "
+                             f"shape (B or 1, 1, 1, S), got {mask.shape}")
+        key_padding = jnp.broadcast_to(mask[:, 0, 0, :], (k.shape[0], k.shape[1]))
+    return dilated_attention(q, k, v, segment_lengths, dilation_rates, is_causal=is_causal,
+                             scale=scale, mode=mode, implementation=implementation,
+                             query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+                             key_padding_mask=key_padding)
