@@ -15,6 +15,7 @@ from dilax.models.longnet import (
     LongNetCache,
     LongNetLM,
     magneto_gammas,
+    rotary_qk,
     xpos,
 )
 
@@ -31,5 +32,6 @@ __all__ = [
     "LongNetOptions",
     "generate",
     "magneto_gammas",
+    "rotary_qk",
     "xpos",
 ]
