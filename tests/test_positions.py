@@ -126,3 +126,22 @@ def test_prefix_forward_rows_equal_the_full_forward_sequence_parallel(num_encode
     # depth 2: the ring merges the branches' partial softmax results in another order
     assert_scaled_close(full, want, FP32, depth=2, scale=scale)
     assert_scaled_close(prefix, full[:, :16], FP32, depth=2, scale=scale)
+
+
+def test_xpos_windows_past_the_float32_range_are_refused_by_name():
+    """XPOS's scales zeta^(+-(p - c)/scale_base) leave float32 past 65,391 positions at
+    scale_base 512 (q.k would be inf * 0): a ValueError at trace time, with the fix; a larger
+    scale_base or RoPE take the same window (traced only, nothing runs)."""
+    def trace(call=lambda lm: lm(jnp.zeros((1, 65536), jnp.int32)), **options):
+        return nnx.eval_shape(lambda: call(LongNetLM(VOCAB, 16, 2, 0, 1, 32, (16,), (1,),
+                                                     rngs=nnx.Rngs(0), **options)))
+
+    with pytest.raises(ValueError, match=r"sequence length 65536 is too long for "
+                                         r"position_scheme 'xpos' with xpos_scale_base=512.*"
+                                         r"65,391 positions; use xpos_scale_base >= 514 or "
+                                         r"position_scheme 'rope'"):
+        trace()
+    assert trace(xpos_scale_base=514.0).shape == (1, 65536, VOCAB)
+    assert trace(position_scheme="rope").shape == (1, 65536, VOCAB)
+    with pytest.raises(ValueError, match=r"the cache's max_len 65536 is too long"):
+        trace(lambda lm: lm.decode(jnp.zeros((1, 1), jnp.int32), lm.init_cache(1, 65536)))

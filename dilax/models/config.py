@@ -72,7 +72,9 @@ class LongNetConfig:
         torchscale's LongNet), ``"rope"`` or ``"none"``; the head dimension
         ``d_model / num_heads`` must be even for the first two. The output at position ``t``
         of a causal model depends on the tokens ``<= t`` only, not on the window length.
-      xpos_scale_base: the XPOS scale base (> 0; torchscale: 512).
+      xpos_scale_base: the XPOS scale base (> 0; torchscale: 512). XPOS keeps its scales in
+        float32 range for windows up to ``127.7 * xpos_scale_base`` positions (65,391 at 512);
+        longer ones are refused at trace time (raise it, or use ``"rope"``).
       rope_theta: the rotary base of both schemes (> 1; 10000).
 
     Raises:

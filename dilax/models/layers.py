@@ -25,7 +25,7 @@ from flax import nnx
 from dilax import _validation as V
 from dilax.decode import KVCache
 from dilax.models.config import Branches, LongNetConfig, LongNetOptions, resolve_config
-from dilax.models.positions import check_positions, rotary_qk
+from dilax.models.positions import check_positions, check_xpos_length, rotary_qk
 from dilax.nn._heads import layer_norm, linear_factory, output_projection, project_qkv
 from dilax.nn.attention import MultiheadDilatedAttention
 
@@ -68,7 +68,11 @@ class _SelfAttention(MultiheadDilatedAttention):
     """:class:`~dilax.nn.MultiheadDilatedAttention` (same parameters, same state paths) with
     the config's rotary positions on the projected queries and keys."""
 
-    def _rotary(self, q, k, positions, centre: int):
+    def _rotary(self, q, k, positions, window: int, name: str):
+        # the XPOS centre cancels in q.k; the middle of the window keeps the scales in range
+        centre = window // 2
+        if self.position_scheme == "xpos":
+            check_xpos_length(window, self.xpos_scale_base, name)
         return rotary_qk(q, k, positions, scheme=self.position_scheme,
                          scale_base=self.xpos_scale_base, theta=self.rope_theta, centre=centre)
 
@@ -78,8 +82,7 @@ class _SelfAttention(MultiheadDilatedAttention):
                  key_value_seq_lengths: jax.Array | None = None) -> jax.Array:
         """``query (b, n, E)``, ``positions`` int ``(b, n)`` (default ``0 .. n - 1``)."""
         q, k, v = project_qkv(self, query, None, None)
-        # the XPOS centre cancels in q.k; the middle of the window keeps the scales in range
-        q, k = self._rotary(q, k, positions, query.shape[1] // 2)
+        q, k = self._rotary(q, k, positions, query.shape[1], "sequence length")
         x = self.attention(q, k, v, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
                            key_value_seq_lengths=key_value_seq_lengths).reshape(query.shape)
         return output_projection(self, self.dropout(x, deterministic=deterministic, rngs=rngs))
@@ -93,7 +96,7 @@ class _SelfAttention(MultiheadDilatedAttention):
             positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
         positions = check_positions(positions, b, t)
         q, k, v = project_qkv(self, query, None, None)
-        q, k = self._rotary(q, k, positions, cache.max_len // 2)
+        q, k = self._rotary(q, k, positions, cache.max_len, "the cache's max_len")
         out, cache = self.attention.decode(q, k, v, cache)
         return output_projection(self, out.reshape(query.shape)), cache
 

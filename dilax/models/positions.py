@@ -38,6 +38,28 @@ def check_position_scheme(scheme: str) -> str:
     return scheme
 
 
+# XPOS scales pair i by zeta_i^(+-(p - c)/scale_base), zeta_0 = 0.4/1.4: past |x| = 80 in
+# exp(x) the float32 (and bfloat16) scales overflow or vanish and q.k turns to inf * 0.
+_XPOS_MAX_EXPONENT = 80.0
+
+
+def xpos_max_length(scale_base: float) -> int:
+    """The longest window (positions ``0 .. n - 1``, centred) whose XPOS scales stay in
+    float32 range: ``2 * 80 * scale_base / ln(3.5)`` (65,391 at the default 512)."""
+    return int(2 * _XPOS_MAX_EXPONENT * scale_base / np.log(3.5))
+
+
+def check_xpos_length(n: int, scale_base: float, name: str = "sequence length") -> None:
+    """``ValueError`` when a window of ``n`` positions is past :func:`xpos_max_length`."""
+    limit = xpos_max_length(scale_base)
+    if n > limit:
+        raise ValueError(
+            f"{name} {n} is too long for position_scheme 'xpos' with xpos_scale_base="
+            f"{scale_base:g}: its scales leave the float32 range past {limit:,} positions; "
+            f"use xpos_scale_base >= {int(np.ceil(n * np.log(3.5) / 160))} or "
+            "position_scheme 'rope'")
+
+
 def default_positions(batch: int, n: int) -> jax.Array:
     """``(batch, n)`` int32: the token index ``0 .. n - 1`` of every row."""
     return jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (batch, n))
