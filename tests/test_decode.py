@@ -159,13 +159,14 @@ def test_decode_query_seq_lengths_pad_a_chunk():
 VOCAB, PROMPT, NEW = 32, 5, 12  # 17 positions: crosses the segment boundaries 4, 8 and 16
 
 
-def _lm(num_encoder_layers):
+def _lm(num_encoder_layers, implementation=None):
     from flax import nnx
 
     from dilax.models import LongNetConfig, LongNetLM
 
     # a local window too: the cache path honours every branch of the configuration
-    cfg = LongNetConfig(16, 2, 32, (4, 8), (1, 2), num_kv_heads=1, local_window=3)
+    cfg = LongNetConfig(16, 2, 32, (4, 8), (1, 2), num_kv_heads=1, local_window=3,
+                        implementation=implementation)
     return LongNetLM(VOCAB, config=cfg, num_encoder_layers=num_encoder_layers,
                      num_decoder_layers=1, rngs=nnx.Rngs(0))
 
@@ -190,29 +191,36 @@ def test_longnet_lm_decode_equals_full_logits():
 
 
 def test_generate_greedy_equals_full_recomputation():
-    """Acceptance: greedy generate gives the tokens of the greedy loop that recomputes the
-    whole window for every token; rows of different prompt lengths. And top_k=1 sampling is
-    greedy too."""
+    """Acceptance (issue 26): greedy generate gives the tokens of the greedy loop that
+    recomputes the growing prefix of every row (its prompt and the tokens so far, nothing
+    after) with the mask-based reference implementation, across the segment starts 4, 8, 12;
+    rows of different prompt lengths; fewer new tokens give a prefix of the same tokens. And
+    top_k=1 sampling is greedy too."""
     from flax import nnx
 
     from dilax.models import generate
 
     model = _lm(0)
-    n = PROMPT + NEW
     prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(2), (B, PROMPT), 0, VOCAB))
     lengths = np.array([PROMPT, PROMPT - 2])
     got = np.asarray(generate(model, prompt, NEW, prompt_lengths=lengths))
 
-    full = nnx.jit(lambda m, t: m(t))
-    want = np.zeros((B, n), np.int32)
-    want[:, :PROMPT] = np.where(np.arange(PROMPT) < lengths[:, None], prompt, 0)
-    for i in range(NEW):
-        logits = np.asarray(full(model, jnp.asarray(want)))
-        want[np.arange(B), lengths + i] = logits[np.arange(B), lengths + i - 1].argmax(-1)
-    np.testing.assert_array_equal(got, want)
+    # the same parameters, every attention the dense mask-based reference (an oracle)
+    ref = nnx.merge(nnx.graphdef(_lm(0, implementation="reference")), nnx.state(model))
+    for row in range(B):
+        seq = list(prompt[row, :lengths[row]])
+        for _ in range(NEW):
+            logits = np.asarray(ref(jnp.asarray([seq], jnp.int32)))
+            seq.append(int(logits[0, -1].argmax()))
+        np.testing.assert_array_equal(got[row, :len(seq)], seq)
+        np.testing.assert_array_equal(got[row, len(seq):], 0)
+    shorter = np.asarray(generate(model, prompt, NEW - 5, prompt_lengths=lengths))
+    for row in range(B):
+        end = lengths[row] + NEW - 5
+        np.testing.assert_array_equal(shorter[row, :end], got[row, :end])
     sampled = generate(model, prompt, NEW, prompt_lengths=lengths, temperature=0.7, top_k=1,
                        key=jax.random.PRNGKey(0))
-    np.testing.assert_array_equal(np.asarray(sampled), want)
+    np.testing.assert_array_equal(np.asarray(sampled), got)
 
 
 def test_attention_fn_decode_true_says_why_and_where_to_go():

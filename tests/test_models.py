@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_positions import rotary_reference
 from tolerance import FP32, assert_scaled_close, assert_trees_close
 
 from dilax.models import (
@@ -63,11 +64,15 @@ def lin(x, p):
     return x @ p["kernel"] + p["bias"]
 
 
-def mhda(p, xq, xkv, h, is_causal, layer_norm):
+def mhda(p, xq, xkv, h, is_causal, layer_norm, scheme="none"):
     b, n, e = xq.shape
     d = e // h
     q, k, v = (lin(x, p[name]).reshape(b, n, h, d)
                for x, name in ((xq, "q_proj"), (xkv, "k_proj"), (xkv, "v_proj")))
+    if scheme != "none":  # positions 0 .. n - 1 on the self-attention's queries and keys
+        pos = np.broadcast_to(np.arange(n), (b, n))
+        q = jnp.asarray(rotary_reference(q, pos, scheme), jnp.float32)
+        k = jnp.asarray(rotary_reference(k, pos, scheme, sign=-1), jnp.float32)
     a = masked_attention(q, k, v, dilated_counts(n, h, WS, RS, "mixture", is_causal),
                          1 / math.sqrt(d)).reshape(b, n, e)
     return lin(ln(a, p["norm"]) if layer_norm else a, p["out_proj"])
@@ -77,13 +82,15 @@ def ffn(p, x, act):
     return lin(ln(act(lin(x, p["linear1"])), p["norm"]), p["linear2"])
 
 
-def encoder_layer(p, x, h, is_causal, act=jax.nn.relu):
-    x = x + mhda(p["self_attn"], ln(x, p["norm1"]), ln(x, p["norm1"]), h, is_causal, True)
+def encoder_layer(p, x, h, is_causal, act=jax.nn.relu, scheme="xpos"):
+    x = x + mhda(p["self_attn"], ln(x, p["norm1"]), ln(x, p["norm1"]), h, is_causal, True,
+                 scheme)
     return x + ffn(p["ffn"], ln(x, p["norm2"]), act)
 
 
-def decoder_layer(p, x, mem, h, is_causal, mem_causal):
-    x = x + mhda(p["self_attn"], ln(x, p["norm1"]), ln(x, p["norm1"]), h, is_causal, True)
+def decoder_layer(p, x, mem, h, is_causal, mem_causal, scheme="xpos"):
+    x = x + mhda(p["self_attn"], ln(x, p["norm1"]), ln(x, p["norm1"]), h, is_causal, True,
+                 scheme)
     if mem is not None:  # MAGNETO: no sub-LayerNorm in the cross-attention
         x = x + mhda(p["cross_attn"], ln(x, p["norm2"]), mem, h, mem_causal, False)
     return x + ffn(p["ffn"], ln(x, p["norm3"]), jax.nn.relu)
@@ -93,12 +100,14 @@ def decoder_layer(p, x, mem, h, is_causal, mem_causal):
 
 
 def test_encoder_and_decoder_layers_match_hand_written_composition():
+    """Every position scheme (XPOS by default, RoPE, none) on the self-attention only."""
     kw = dict(dim_feedforward=32, implementation=REF)
     enc = _build(lambda: DilatedTransformerEncoderLayer(16, 4, WS, RS, activation=jax.nn.gelu,
                                                         rngs=nnx.Rngs(0), **kw))
-    dec = _build(lambda: DilatedTransformerDecoderLayer(16, 4, WS, RS, rngs=nnx.Rngs(0), **kw))
+    dec = _build(lambda: DilatedTransformerDecoderLayer(16, 4, WS, RS, rngs=nnx.Rngs(0),
+                                                        position_scheme="rope", **kw))
     dec_only = _build(lambda: DilatedTransformerDecoderLayer(
-        16, 4, WS, RS, cross_attention=False, rngs=nnx.Rngs(0), **kw))
+        16, 4, WS, RS, cross_attention=False, position_scheme="none", rngs=nnx.Rngs(0), **kw))
     x, mem = _x(0, (2, 16, 16)), _x(1, (2, 16, 16))
 
     @nnx.jit
@@ -108,8 +117,9 @@ def test_encoder_and_decoder_layers_match_hand_written_composition():
 
     y_enc, y_dec, y_dec_only = run(enc, dec, dec_only, x, mem)
     assert_scaled_close(y_enc, encoder_layer(_p(enc), x, 4, True, jax.nn.gelu))
-    assert_scaled_close(y_dec, decoder_layer(_p(dec), x, mem, 4, True, False))
-    assert_scaled_close(y_dec_only, decoder_layer(_p(dec_only), x, None, 4, False, False))
+    assert_scaled_close(y_dec, decoder_layer(_p(dec), x, mem, 4, True, False, "rope"))
+    assert_scaled_close(y_dec_only, decoder_layer(_p(dec_only), x, None, 4, False, False,
+                                                  "none"))
     assert "cross_attn" not in _p(dec_only)
     with pytest.raises(ValueError, match="memory must be given"):
         dec(x)
@@ -297,7 +307,8 @@ def test_parameter_count_of_longnet_paper_defaults():
 def test_model_arguments_are_validated():
     with pytest.raises(ValueError, match="num_encoder_layers and num_decoder_layers"):
         LongNet(16, 4, 0, 0, 32, WS, RS, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="d_model must be even"):
+    with pytest.raises(ValueError, match=r"head dimension d_model / num_heads = 15/3 must be "
+                                         "even"):
         LongNetLM(10, 15, 3, 0, 1, 32, WS, RS, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="embed_dim % num_heads"):
         nnx.eval_shape(lambda: LongNet(18, 4, 1, 1, 32, WS, RS, rngs=nnx.Rngs(0)))
@@ -354,6 +365,12 @@ def test_config_is_validated_in_one_place():
         (dict(num_kv_heads=3, num_heads=4, d_model=16), "num_kv_heads"),
         (dict(use_bias=1), "use_bias"),
         (dict(segment_lengths=(4, 16), dilation_rates=(3, 4)), "divisible"),
+        (dict(position_scheme="alibi"), r"position_scheme must be one of \('xpos', 'rope', "
+                                        r"'none'\)"),
+        (dict(position_scheme="xpos_embedding"), "'xpos_embedding' .* is not supported"),
+        (dict(position_scheme=None), "position_scheme must be a str"),
+        (dict(xpos_scale_base=0.0), "xpos_scale_base must be finite and > 0"),
+        (dict(rope_theta=1.0), "rope_theta must be finite and > 1"),
     ):
         with pytest.raises((ValueError, TypeError), match=match):
             LongNetConfig(**{"segment_lengths": WS, "dilation_rates": RS, **bad})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -180,6 +181,36 @@ def test_checkpoint_of_another_model_config_is_refused(trained):
     with pytest.raises(T.CheckpointError,
                        match=r"different model config.*\['d_model', 'dilation_rates'\]"):
         T.restore_checkpoint(trained[0], model, opt, other)
+
+
+def test_position_scheme_is_saved_and_old_checkpoints_are_refused_by_name(
+        trained, tmp_path, monkeypatch, capsys):
+    """Issue 26: the scheme is in the saved config and the model loads with it; a checkpoint
+    without one (XPOS added to the embeddings, before issue 26) is refused, naming it, by
+    every reader, never loaded as the current model."""
+    r = trained[1]
+    rope = dataclasses.replace(TINY_MODEL, position_scheme="rope")
+    T.save_checkpoint(tmp_path / "rope", 6, r.model, r.optimizer, rope, SHORT)
+    loaded = T.load_model(tmp_path / "rope")
+    assert loaded.model_config == rope and loaded.model.config.position_scheme == "rope"
+    assert TINY_MODEL.to_json()["position_scheme"] == "xpos"
+
+    to_json = T.ModelConfig.to_json
+    monkeypatch.setattr(T.ModelConfig, "to_json", lambda self: {
+        k: v for k, v in to_json(self).items() if k != "position_scheme"})
+    T.save_checkpoint(tmp_path / "old", 6, r.model, r.optimizer, TINY_MODEL, SHORT)
+    monkeypatch.undo()
+    legacy = r"no position_scheme.*'xpos_embedding'.*train a new one"
+    with pytest.raises(T.CheckpointError, match=legacy):
+        T.load_model(tmp_path / "old")
+    model = T.make_model(TINY_MODEL, seed=0)
+    with pytest.raises(T.CheckpointError, match=legacy):
+        T.restore_checkpoint(tmp_path / "old", model, T.make_optimizer(model, SHORT),
+                             TINY_MODEL)
+    with pytest.raises(ValueError, match=legacy):
+        T.ModelConfig.from_json(T.read_checkpoint_meta(tmp_path / "old")[1]["model_config"])
+    assert T.main(["--resume", "--checkpoint-dir", str(tmp_path / "old")]) == 2
+    assert re.search(legacy, capsys.readouterr().err)
 
 
 def test_cli_trains_and_resumes(tmp_path, capsys):

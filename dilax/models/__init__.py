@@ -15,6 +15,7 @@ from dilax.models.longnet import (
     LongNetCache,
     LongNetLM,
     magneto_gammas,
+    rotary_qk,
     xpos,
 )
 from dilax.models.tokens import check_token_ids
@@ -33,5 +34,6 @@ __all__ = [
     "check_token_ids",
     "generate",
     "magneto_gammas",
+    "rotary_qk",
     "xpos",
 ]

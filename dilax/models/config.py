@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from dilax import _validation as V
 from dilax.attention_fn import check_options
 from dilax.core import BlockSizes
+from dilax.models.positions import check_position_scheme
 from dilax.nn._heads import check_dropout, check_heads
 from dilax.nn.attention import check_sequence_parallel
 from dilax.sp import SequenceParallel
@@ -42,7 +43,7 @@ class LongNetConfig:
     when it is built (``segment_lengths``/``dilation_rates`` become tuples of ints). Defaults:
     the LongNet paper's base model (Sec. 4.1). What is not shared stays an argument of the
     module that uses it: ``gamma_init`` and ``cross_attention`` (layers), the layer counts and
-    ``remat`` (:class:`LongNet`), ``num_tokens`` and ``xpos_scale_base`` (:class:`LongNetLM`).
+    ``remat`` (:class:`LongNet`), ``num_tokens`` (:class:`LongNetLM`).
 
     Fields:
       d_model: model width; ``d_model % num_heads == 0``.
@@ -66,6 +67,15 @@ class LongNetConfig:
       local_window: optional ``W >= 0`` (``mode="mixture"``): every attention gets one more
         branch over the keys ``|p - t| <= W``, so queries at segment starts see their
         immediate predecessors (see :func:`dilax.dilated_attention`).
+      position_scheme: positions inside every self-attention, on its queries and keys at the
+        token index from 0 (:func:`dilax.models.rotary_qk`): ``"xpos"`` (default, as in
+        torchscale's LongNet), ``"rope"`` or ``"none"``; the head dimension
+        ``d_model / num_heads`` must be even for the first two. The output at position ``t``
+        of a causal model depends on the tokens ``<= t`` only, not on the window length.
+      xpos_scale_base: the XPOS scale base (> 0; torchscale: 512). XPOS keeps its scales in
+        float32 range for windows up to ``127.7 * xpos_scale_base`` positions (65,391 at 512);
+        longer ones are refused at trace time (raise it, or use ``"rope"``).
+      rope_theta: the rotary base of both schemes (> 1; 10000).
 
     Raises:
       ValueError / TypeError: naming the first invalid field.
@@ -90,6 +100,9 @@ class LongNetConfig:
     param_dtype: Dtype = jnp.float32
     keep_rngs: bool = True
     local_window: int | None = None
+    position_scheme: str = "xpos"
+    xpos_scale_base: float = 512.0
+    rope_theta: float = 10000.0
 
     def __post_init__(self):
         d_model, num_heads, num_kv_heads = check_heads(self.d_model, self.num_heads,
@@ -104,6 +117,17 @@ class LongNetConfig:
         eps = V.check_real(self.layer_norm_eps, "layer_norm_eps")
         if not (math.isfinite(eps) and eps >= 0):
             raise ValueError(f"layer_norm_eps must be finite and >= 0, got {eps}")
+        scheme = check_position_scheme(self.position_scheme)
+        if scheme != "none" and (d_model // num_heads) % 2:
+            raise ValueError(f"position_scheme {scheme!r} rotates feature pairs: the head "
+                             f"dimension d_model / num_heads = {d_model}/{num_heads} must be "
+                             "even")
+        scale_base = V.check_real(self.xpos_scale_base, "xpos_scale_base")
+        if not (math.isfinite(scale_base) and scale_base > 0):
+            raise ValueError(f"xpos_scale_base must be finite and > 0, got {scale_base}")
+        theta = V.check_real(self.rope_theta, "rope_theta")
+        if not (math.isfinite(theta) and theta > 1):
+            raise ValueError(f"rope_theta must be finite and > 1, got {theta}")
         if not callable(self.activation):
             raise TypeError(f"activation must be callable, got {self.activation!r}")
         normalized = dict(
@@ -116,6 +140,7 @@ class LongNetConfig:
                                                       self.implementation),
             keep_rngs=V.check_bool(self.keep_rngs, "keep_rngs"),
             local_window=V.check_local_window(self.local_window, self.mode),
+            position_scheme=scheme, xpos_scale_base=scale_base, rope_theta=theta,
         )
         for name, value in normalized.items():
             object.__setattr__(self, name, value)
@@ -142,6 +167,9 @@ class LongNetOptions(TypedDict, total=False):
     param_dtype: Dtype
     keep_rngs: bool
     local_window: int | None
+    position_scheme: str
+    xpos_scale_base: float
+    rope_theta: float
 
 
 _SIZES = ("d_model", "num_heads", "dim_feedforward", "segment_lengths", "dilation_rates")

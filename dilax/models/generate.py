@@ -54,9 +54,10 @@ def generate(
     Returns:
       ``(b, p + max_new_tokens)`` int32: row ``i`` holds its prompt, then its
       ``max_new_tokens`` new tokens, then zeros (when its prompt is shorter than ``p``).
-      The logits of every step are those of ``model(row)`` on the row right-padded to
-      ``p + max_new_tokens`` (the cache's window, see ``LongNetLM.init_cache``): greedy
-      generation equals the greedy loop over full recomputation of that window.
+      The logits of every step are those of ``model(prefix)`` at its last position, the
+      row's tokens so far (positions from 0; a causal model's outputs do not depend on what
+      follows): greedy generation equals the greedy loop over full recomputation of the
+      growing prefix, and ``max_new_tokens=k`` gives a prefix of ``max_new_tokens=k' > k``.
     """
     prompt = jnp.asarray(prompt)
     if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer) or prompt.shape[1] < 1:

@@ -7,7 +7,10 @@ FFN matrix); residual stream unnormalized. Initialization: Xavier-normal, with t
 zero.
 
 The attention is :class:`dilax.nn.MultiheadDilatedAttention` (and so
-:func:`dilax.dilated_attention`); no attention math lives here.
+:func:`dilax.dilated_attention`); no attention math lives here. The self-attentions apply the
+config's ``position_scheme`` to their queries and keys (:func:`dilax.models.rotary_qk`); the
+cross-attention reads the encoder output, which already carries positions, and applies none
+(as in torchscale).
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ import math
 from typing import TYPE_CHECKING
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from dilax import _validation as V
 from dilax.decode import KVCache
 from dilax.models.config import Branches, LongNetConfig, LongNetOptions, resolve_config
-from dilax.nn._heads import layer_norm, linear_factory
+from dilax.models.positions import check_positions, check_xpos_length, rotary_qk
+from dilax.nn._heads import layer_norm, linear_factory, output_projection, project_qkv
 from dilax.nn.attention import MultiheadDilatedAttention
 
 if TYPE_CHECKING:
@@ -59,10 +64,48 @@ def _dropout(cfg: LongNetConfig, rngs: nnx.Rngs) -> nnx.Dropout:
     return nnx.Dropout(cfg.dropout, rngs=rngs if cfg.keep_rngs and cfg.dropout > 0 else None)
 
 
+class _SelfAttention(MultiheadDilatedAttention):
+    """:class:`~dilax.nn.MultiheadDilatedAttention` (same parameters, same state paths) with
+    the config's rotary positions on the projected queries and keys."""
+
+    def _rotary(self, q, k, positions, window: int, name: str):
+        # the XPOS centre cancels in q.k; the middle of the window keeps the scales in range
+        centre = window // 2
+        if self.position_scheme == "xpos":
+            check_xpos_length(window, self.xpos_scale_base, name)
+        return rotary_qk(q, k, positions, scheme=self.position_scheme,
+                         scale_base=self.xpos_scale_base, theta=self.rope_theta, centre=centre)
+
+    def __call__(self, query: jax.Array, *, positions: jax.Array | None = None,
+                 is_causal: bool = False, deterministic: bool | None = None,
+                 rngs: nnx.Rngs | None = None, query_seq_lengths: jax.Array | None = None,
+                 key_value_seq_lengths: jax.Array | None = None) -> jax.Array:
+        """``query (b, n, E)``, ``positions`` int ``(b, n)`` (default ``0 .. n - 1``)."""
+        q, k, v = project_qkv(self, query, None, None)
+        q, k = self._rotary(q, k, positions, query.shape[1], "sequence length")
+        x = self.attention(q, k, v, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+                           key_value_seq_lengths=key_value_seq_lengths).reshape(query.shape)
+        return output_projection(self, self.dropout(x, deterministic=deterministic, rngs=rngs))
+
+    def decode(self, query: jax.Array, cache: KVCache,
+               positions: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """The next ``t`` positions ``query (b, t, E)``: ``positions`` default to
+        ``cache.lengths[:, None] + arange(t)``; the cache holds the rotated keys."""
+        b, t = query.shape[:2]
+        if positions is None:
+            positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
+        positions = check_positions(positions, b, t)
+        q, k, v = project_qkv(self, query, None, None)
+        q, k = self._rotary(q, k, positions, cache.max_len, "the cache's max_len")
+        out, cache = self.attention.decode(q, k, v, cache)
+        return output_projection(self, out.reshape(query.shape)), cache
+
+
 def _attention(cfg: LongNetConfig, gamma_init: float, *, layer_norm: bool,
-               rngs: nnx.Rngs) -> MultiheadDilatedAttention:
-    """The multi-head dilated attention of a layer of ``cfg``."""
-    return MultiheadDilatedAttention(
+               rngs: nnx.Rngs, self_attention: bool = False) -> MultiheadDilatedAttention:
+    """The multi-head dilated attention of a layer of ``cfg`` (a self-attention: with the
+    config's positions)."""
+    attn = (_SelfAttention if self_attention else MultiheadDilatedAttention)(
         cfg.d_model, cfg.num_heads, cfg.segment_lengths, cfg.dilation_rates,
         num_kv_heads=cfg.num_kv_heads, dropout=cfg.dropout, use_bias=cfg.use_bias,
         layer_norm=layer_norm, layer_norm_eps=cfg.layer_norm_eps, gamma_init=gamma_init,
@@ -70,6 +113,11 @@ def _attention(cfg: LongNetConfig, gamma_init: float, *, layer_norm: bool,
         sequence_parallel=cfg.sequence_parallel, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
         keep_rngs=cfg.keep_rngs, local_window=cfg.local_window, rngs=rngs,
     )
+    if self_attention:  # static settings of the rotary code
+        attn.position_scheme = cfg.position_scheme
+        attn.xpos_scale_base = cfg.xpos_scale_base
+        attn.rope_theta = cfg.rope_theta
+    return attn
 
 
 class _FeedForward(nnx.Module):
@@ -97,7 +145,8 @@ class _Layer(nnx.Module):
                              rngs: nnx.Rngs) -> None:
         self.config = cfg
         self.norm1 = _norm(cfg, rngs)
-        self.self_attn = _attention(cfg, gamma_init, layer_norm=True, rngs=rngs)
+        self.self_attn = _attention(cfg, gamma_init, layer_norm=True, rngs=rngs,
+                                    self_attention=True)
 
     def _init_feed_forward(self, rngs: nnx.Rngs) -> None:
         # gamma_init as validated by the self-attention
@@ -108,9 +157,11 @@ class _Layer(nnx.Module):
         return x + self.dropout(y, **kw)
 
     def _self_attention_block(self, x: jax.Array, is_causal: bool, kw: dict,
-                              seq_lengths: jax.Array | None = None) -> jax.Array:
-        y = self.self_attn(self.norm1(x), is_causal=is_causal, query_seq_lengths=seq_lengths,
-                           key_value_seq_lengths=seq_lengths, **kw)
+                              seq_lengths: jax.Array | None = None,
+                              positions: jax.Array | None = None) -> jax.Array:
+        y = self.self_attn(self.norm1(x), positions=positions, is_causal=is_causal,
+                           query_seq_lengths=seq_lengths, key_value_seq_lengths=seq_lengths,
+                           **kw)
         return self._residual(x, y, kw)
 
     def _feed_forward_block(self, x: jax.Array, norm: nnx.LayerNorm, kw: dict) -> jax.Array:
@@ -119,8 +170,9 @@ class _Layer(nnx.Module):
     # KV-cache decoding (inference: no dropout)
     _DECODE = dict(deterministic=True, rngs=None)
 
-    def _self_attention_decode(self, x: jax.Array, cache: KVCache):
-        y, cache = self.self_attn.decode(self.norm1(x), cache)
+    def _self_attention_decode(self, x: jax.Array, cache: KVCache,
+                               positions: jax.Array | None = None):
+        y, cache = self.self_attn.decode(self.norm1(x), cache, positions)
         return x + y, cache
 
 
@@ -141,11 +193,13 @@ class DilatedTransformerEncoderLayer(_Layer):
       **options: the keyword fields of :class:`LongNetConfig` (:class:`LongNetOptions`):
         ``num_kv_heads``, ``dropout``, ``activation``, ``layer_norm_eps``, ``mode``,
         ``use_bias``, ``implementation``, ``block_sizes``, ``sequence_parallel``, ``dtype``,
-        ``param_dtype``, ``keep_rngs``.
+        ``param_dtype``, ``keep_rngs``, ``local_window``, ``position_scheme``,
+        ``xpos_scale_base``, ``rope_theta``.
 
-    ``__call__(x (b, n, d_model), *, is_causal=False, seq_lengths=None) -> (b, n, d_model)``;
-    ``seq_lengths``: optional int ``(b,)`` valid tokens per row (padding): the attention's
-    query and key-value lengths.
+    ``__call__(x (b, n, d_model), *, is_causal=False, seq_lengths=None, positions=None) ->
+    (b, n, d_model)``; ``seq_lengths``: optional int ``(b,)`` valid tokens per row (padding):
+    the attention's query and key-value lengths; ``positions``: optional int ``(b, n)``
+    position of every token for the self-attention's rotary code (default ``0 .. n - 1``).
     """
 
     def __init__(
@@ -177,15 +231,18 @@ class DilatedTransformerEncoderLayer(_Layer):
         deterministic: bool | None = None,
         rngs: nnx.Rngs | None = None,
         seq_lengths: jax.Array | None = None,
+        positions: jax.Array | None = None,
     ) -> jax.Array:
         kw = dict(deterministic=deterministic, rngs=rngs)
-        x = self._self_attention_block(x, is_causal, kw, seq_lengths)
+        x = self._self_attention_block(x, is_causal, kw, seq_lengths, positions)
         return self._feed_forward_block(x, self.norm2, kw)
 
-    def decode(self, x: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    def decode(self, x: jax.Array, cache: KVCache,
+               positions: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """The next ``t`` positions ``x (b, t, d_model)`` of a causal pass, with the
-        self-attention's KV cache: ``(y (b, t, d_model), cache)``."""
-        x, cache = self._self_attention_decode(x, cache)
+        self-attention's KV cache: ``(y (b, t, d_model), cache)``; ``positions`` (int
+        ``(b, t)``) default to ``cache.lengths[:, None] + arange(t)``."""
+        x, cache = self._self_attention_decode(x, cache, positions)
         return self._feed_forward_block(x, self.norm2, self._DECODE), cache
 
 
@@ -200,9 +257,10 @@ class DilatedTransformerDecoderLayer(_Layer):
 
     Other arguments as in :class:`DilatedTransformerEncoderLayer`.
 
-    ``__call__(x, memory=None, *, is_causal=False, memory_is_causal=False, seq_lengths=None)
-    -> (b, n, d_model)``; ``seq_lengths``: optional int ``(b,)`` valid tokens per row of ``x``
-    and ``memory`` (padding).
+    ``__call__(x, memory=None, *, is_causal=False, memory_is_causal=False, seq_lengths=None,
+    positions=None) -> (b, n, d_model)``; ``seq_lengths``: optional int ``(b,)`` valid tokens
+    per row of ``x`` and ``memory`` (padding); ``positions``: as in the encoder layer (the
+    self-attention only).
     """
 
     def __init__(
@@ -245,9 +303,10 @@ class DilatedTransformerDecoderLayer(_Layer):
         deterministic: bool | None = None,
         rngs: nnx.Rngs | None = None,
         seq_lengths: jax.Array | None = None,
+        positions: jax.Array | None = None,
     ) -> jax.Array:
         kw = dict(deterministic=deterministic, rngs=rngs)
-        x = self._self_attention_block(x, is_causal, kw, seq_lengths)
+        x = self._self_attention_block(x, is_causal, kw, seq_lengths, positions)
         if self.cross_attn is not None:
             if memory is None:
                 raise ValueError("memory must be given to a decoder layer with cross_attention")
@@ -260,13 +319,15 @@ class DilatedTransformerDecoderLayer(_Layer):
                              "cross_attention=False")
         return self._feed_forward_block(x, self.norm3, kw)
 
-    def decode(self, x: jax.Array, cache: tuple, memory: jax.Array | None = None):
+    def decode(self, x: jax.Array, cache: tuple, memory: jax.Array | None = None,
+               positions: jax.Array | None = None):
         """The next ``t`` positions of a causal pass (``is_causal=memory_is_causal=True``):
         ``x (b, t, d_model)`` and, with cross-attention, the encoder output ``memory`` at the
-        same positions. ``cache = (self_attention_cache, cross_attention_cache or None)``.
+        same positions. ``cache = (self_attention_cache, cross_attention_cache or None)``;
+        ``positions`` as in the encoder layer's ``decode``.
         Returns ``(y (b, t, d_model), cache)``."""
         self_cache, cross_cache = cache
-        x, self_cache = self._self_attention_decode(x, self_cache)
+        x, self_cache = self._self_attention_decode(x, self_cache, positions)
         if self.cross_attn is not None:
             if memory is None:
                 raise ValueError("memory must be given to a decoder layer with cross_attention")

@@ -2,7 +2,7 @@
 
 The stacks (:class:`LongNet`), the language model (:class:`LongNetLM`) and its decoding state
 (:class:`LongNetCache`). The layers and their MAGNETO gains are in :mod:`dilax.models.layers`,
-XPOS in :mod:`dilax.models.positions` (both re-exported here).
+the rotary positions in :mod:`dilax.models.positions` (both re-exported here).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from dilax import _validation as V
@@ -30,7 +29,7 @@ from dilax.models.layers import (
     _norm,
     magneto_gammas,
 )
-from dilax.models.positions import XPOS, _rotate, _xpos_tables, xpos
+from dilax.models.positions import XPOS, check_positions, rotary_qk, xpos
 from dilax.models.tokens import check_token_ids
 from dilax.nn._heads import linear_factory
 
@@ -39,7 +38,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_DILATION_RATES", "PAPER_SEGMENT_LENGTHS", "XPOS",
            "DilatedTransformerDecoderLayer", "DilatedTransformerEncoderLayer", "LongNet",
-           "LongNetCache", "LongNetConfig", "LongNetLM", "LongNetOptions", "magneto_gammas", "xpos"]
+           "LongNetCache", "LongNetConfig", "LongNetLM", "LongNetOptions", "magneto_gammas",
+           "rotary_qk", "xpos"]
 
 
 
@@ -65,11 +65,13 @@ class LongNet(nnx.Module):
         ``dtype`` (e.g. ``jnp.bfloat16``; ``param_dtype`` stays float32 by default), ...), as in
         :class:`DilatedTransformerEncoderLayer`.
 
-    ``__call__(x (b, n, d_model), *, is_causal=True, seq_lengths=None) -> (b, n, d_model)``;
-    ``seq_lengths``: optional int ``(b,)`` valid tokens per row (padding at the end): every
-    attention uses it as query and key-value lengths (as in :func:`dilax.dilated_attention`),
-    so the valid prefix equals the unpadded sequence's result; rows past it are
-    finite values to be ignored (mask them out of the loss).
+    ``__call__(x (b, n, d_model), *, is_causal=True, seq_lengths=None, positions=None) ->
+    (b, n, d_model)``; ``seq_lengths``: optional int ``(b,)`` valid tokens per row (padding at
+    the end): every attention uses it as query and key-value lengths (as in
+    :func:`dilax.dilated_attention`), so the valid prefix equals the unpadded sequence's
+    result; rows past it are finite values to be ignored (mask them out of the loss).
+    ``positions``: optional int ``(b, n)`` token positions for the self-attentions' rotary
+    code (``config.position_scheme``; default ``0 .. n - 1``).
     """
 
     def __init__(
@@ -129,10 +131,13 @@ class LongNet(nnx.Module):
         deterministic: bool | None = None,
         rngs: nnx.Rngs | None = None,
         seq_lengths: jax.Array | None = None,
+        positions: jax.Array | None = None,
     ) -> jax.Array:
         is_causal = V.check_bool(is_causal, "is_causal")
         tgt = x
         extra = {} if seq_lengths is None else dict(seq_lengths=seq_lengths)
+        if positions is not None:
+            extra["positions"] = check_positions(positions, *x.shape[:2])
         for layer in self.encoder:
             x = self._layer(layer, x, None, rngs, is_causal=is_causal,
                             deterministic=deterministic, **extra)
@@ -159,20 +164,22 @@ class LongNet(nnx.Module):
                     for layer in self.decoder)
         return enc + dec
 
-    def decode(self, x: jax.Array, caches: tuple) -> tuple[jax.Array, tuple]:
+    def decode(self, x: jax.Array, caches: tuple,
+               positions: jax.Array | None = None) -> tuple[jax.Array, tuple]:
         """The next ``t`` positions ``x (b, t, d_model)`` of the causal model
         (``is_causal=True``) with the caches of :meth:`init_cache`: returns the rows of
-        ``self(x_all)`` at those positions and the updated caches (inference: no dropout)."""
+        ``self(x_all)`` at those positions and the updated caches (inference: no dropout).
+        ``positions`` (int ``(b, t)``) default to the cache lengths plus ``0 .. t - 1``."""
         n_enc = len(self.encoder)
         enc, dec = list(caches[:n_enc]), list(caches[n_enc:])
         tgt = x
         for i, layer in enumerate(self.encoder):
-            x, enc[i] = layer.decode(x, enc[i])
+            x, enc[i] = layer.decode(x, enc[i], positions)
         if len(self.decoder) == 0:
             return x, tuple(enc)
         memory = x if n_enc else None
         for i, layer in enumerate(self.decoder):
-            tgt, dec[i] = layer.decode(tgt, dec[i], memory)
+            tgt, dec[i] = layer.decode(tgt, dec[i], memory, positions)
         return tgt, tuple(enc) + tuple(dec)
 
 
@@ -180,21 +187,22 @@ class LongNet(nnx.Module):
 @dataclasses.dataclass(frozen=True)
 class LongNetCache:
     """Decoding state of a :class:`LongNetLM` (a pytree): the KV caches of every attention
-    (:meth:`LongNet.init_cache`) and the XPOS rows ``(max_len, d_model)`` of the
-    ``max_len`` window, so positions come from the cache lengths."""
+    (:meth:`LongNet.init_cache`); the positions of the next tokens are the cache lengths."""
 
     layers: tuple
-    xpos_cos: jax.Array
-    xpos_sin: jax.Array
+
+    def _caches(self) -> list[KVCache]:
+        return jax.tree.leaves(self.layers, is_leaf=lambda x: isinstance(x, KVCache))
 
     @property
     def lengths(self) -> jax.Array:
         """``(b,)`` int32: positions written per row."""
-        return jax.tree.leaves(self.layers, is_leaf=lambda x: isinstance(x, KVCache))[0].lengths
+        return self._caches()[0].lengths
 
     @property
     def max_len(self) -> int:
-        return self.xpos_cos.shape[0]
+        """Positions the cache holds."""
+        return self._caches()[0].max_len
 
     def with_lengths(self, lengths: jax.Array) -> LongNetCache:
         """Every layer's cache with ``lengths`` (see :meth:`dilax.KVCache.with_lengths`)."""
@@ -204,22 +212,28 @@ class LongNetCache:
 
 
 class LongNetLM(nnx.Module):
-    """Language model: token embedding + XPOS, :class:`LongNet`, final LayerNorm, LM head.
+    """Language model: token embedding, :class:`LongNet`, final LayerNorm, LM head.
 
-    As in dilated-attention-pytorch, positions enter as ``e + xpos(e)`` on the token
-    embeddings ``e`` (embedding init N(0, 1)); the head is Xavier-normal with zero bias.
+    Positions enter inside every self-attention, on its queries and keys
+    (``config.position_scheme``, default XPOS as in torchscale; :func:`rotary_qk`), at the
+    token index from 0: the logits at position ``t`` of the causal model depend on the tokens
+    ``<= t`` only, whatever the length of the window. Embedding init N(0, 1); the head is
+    Xavier-normal with zero bias.
 
     Args:
       num_tokens: vocabulary size.
-      d_model: width (even, for XPOS).
-      xpos_scale_base: the XPOS scale base (see :func:`xpos`).
+      d_model: width (``d_model / num_heads`` even, for the rotary code).
+      xpos_scale_base: replaces ``config.xpos_scale_base`` when given (see
+        :class:`LongNetConfig`).
       Everything else as in :class:`LongNet`, e.g.
       ``LongNetLM(256, config=LongNetConfig(64, 4, 128, (16, 32), (1, 2)),
       num_encoder_layers=0, num_decoder_layers=2, rngs=nnx.Rngs(0))``.
 
-    ``__call__(tokens (b, n) int, *, is_causal=True, seq_lengths=None) -> logits
-    (b, n, num_tokens)`` in the compute dtype; ``seq_lengths``: optional int ``(b,)`` valid
-    tokens per row (padding at the end, see :class:`LongNet`).
+    ``__call__(tokens (b, n) int, *, is_causal=True, seq_lengths=None, positions=None) ->
+    logits (b, n, num_tokens)`` in the compute dtype; ``seq_lengths``: optional int ``(b,)``
+    valid tokens per row (padding at the end, see :class:`LongNet`); ``positions``: optional
+    int ``(b, n)`` position of every token (default ``0 .. n - 1``; e.g. restarting at every
+    document of a packed row).
     Token ids outside ``[0, num_tokens)`` raise when concrete and are clipped under ``jit``
     (:func:`dilax.models.check_token_ids`).
     """
@@ -236,7 +250,7 @@ class LongNetLM(nnx.Module):
         dilation_rates: Branches | None = None,
         *,
         remat: bool = False,
-        xpos_scale_base: float = 512.0,
+        xpos_scale_base: float | None = None,
         config: LongNetConfig | None = None,
         rngs: nnx.Rngs,
         **options: Unpack[LongNetOptions],
@@ -248,16 +262,14 @@ class LongNetLM(nnx.Module):
             "LongNetLM", config, options, d_model=d_model, num_heads=num_heads,
             dim_feedforward=dim_feedforward, segment_lengths=segment_lengths,
             dilation_rates=dilation_rates)
-        if cfg.d_model % 2:
-            raise ValueError(f"d_model must be even (XPOS rotates feature pairs), got "
-                             f"{cfg.d_model}")
+        if xpos_scale_base is not None:
+            cfg = cfg.replace(xpos_scale_base=xpos_scale_base)
         self.config = cfg
         self.num_tokens = num_tokens
         self.token_embedding = nnx.Embed(
             num_tokens, cfg.d_model, embedding_init=jax.nn.initializers.normal(1.0),
             dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs,
         )
-        self.pos_embedding = XPOS(xpos_scale_base)
         self.long_net = LongNet(num_encoder_layers=num_encoder_layers,
                                 num_decoder_layers=num_decoder_layers, remat=remat,
                                 config=cfg, rngs=rngs)
@@ -274,43 +286,39 @@ class LongNetLM(nnx.Module):
         deterministic: bool | None = None,
         rngs: nnx.Rngs | None = None,
         seq_lengths: jax.Array | None = None,
+        positions: jax.Array | None = None,
     ) -> jax.Array:
         tokens = check_token_ids(tokens, self.num_tokens)  # ids outside: see tokens.py
         x = self.token_embedding(tokens)
-        x = x + self.pos_embedding(x)
         x = self.long_net(x, is_causal=is_causal, deterministic=deterministic, rngs=rngs,
+                          positions=positions,
                           **({} if seq_lengths is None else dict(seq_lengths=seq_lengths)))
         return self.out(self.norm(x))
 
     # --- KV-cache decoding -------------------------------------------------------------
 
     def init_cache(self, batch: int, max_len: int) -> LongNetCache:
-        """An empty :class:`LongNetCache` for :meth:`decode` (lengths 0).
-
-        Positions are those of the model applied to a ``max_len`` window: XPOS centres its
-        scale on the window, so :meth:`decode` gives the logits of ``self(tokens)`` with
-        ``tokens`` right-padded to ``max_len`` (causal: the padding never matters)."""
+        """An empty :class:`LongNetCache` for :meth:`decode` (lengths 0) holding up to
+        ``max_len`` positions."""
         max_len = V.static_int(max_len, "max_len")
         if max_len <= 0:
             raise ValueError(f"max_len must be positive, got {max_len}")
-        cos, sin = _xpos_tables(max_len, self.config.d_model, 0, False,
-                                self.pos_embedding.scale_base)
-        return LongNetCache(self.long_net.init_cache(batch, max_len, self.config.dtype),
-                            jnp.asarray(cos), jnp.asarray(sin))
+        return LongNetCache(self.long_net.init_cache(batch, max_len, self.config.dtype))
 
-    def decode(self, tokens: jax.Array, cache: LongNetCache) -> tuple[jax.Array, LongNetCache]:
+    def decode(self, tokens: jax.Array, cache: LongNetCache, *,
+               positions: jax.Array | None = None) -> tuple[jax.Array, LongNetCache]:
         """Logits of the next ``t`` tokens of every row with a cache (inference: no dropout).
 
         ``tokens (b, t)`` int are the tokens at positions ``cache.lengths[i] ..
         cache.lengths[i] + t - 1``; returns ``(logits (b, t, num_tokens), cache)``, the
-        rows of ``self(all_tokens)`` at those positions (see :meth:`init_cache`). ``t > 1``
-        is a chunk of prefill. Cost per token does not grow with the context
-        (:func:`dilax.dilated_attention_decode`); jit it with the cache donated to update it
-        in place, or use :func:`dilax.models.generate`."""
+        rows of ``self(all_tokens)`` at those positions. ``t > 1`` is a chunk of prefill.
+        ``positions`` (int ``(b, t)``): the positions of the rotary code, default those cache
+        indices (pass the ones given to ``self(..., positions=)``). Cost per token does not
+        grow with the context (:func:`dilax.dilated_attention_decode`); jit it with the cache
+        donated to update it in place, or use :func:`dilax.models.generate`."""
         tokens = check_token_ids(tokens, self.num_tokens)  # ids outside: see tokens.py
-        pos = jnp.clip(cache.lengths[:, None] + jnp.arange(tokens.shape[1]), 0,
-                       cache.max_len - 1)
+        if positions is not None:
+            positions = check_positions(positions, *tokens.shape)
         x = self.token_embedding(tokens)
-        x = x + _rotate(x, cache.xpos_cos[pos], cache.xpos_sin[pos])
-        x, layers = self.long_net.decode(x, cache.layers)
+        x, layers = self.long_net.decode(x, cache.layers, positions)
         return self.out(self.norm(x)), dataclasses.replace(cache, layers=layers)

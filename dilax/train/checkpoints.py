@@ -26,6 +26,7 @@ from flax import nnx
 
 from dilax.models import LongNetLM
 from dilax.train.config import (
+    LEGACY_CHECKPOINT,
     MODEL_FREE_FIELDS,
     MODEL_TRAINING_FIELDS,
     CharTokenizer,
@@ -157,6 +158,8 @@ def _check_model_config(meta: dict, model_cfg: ModelConfig, where: str | Path,
     parameters or the computation; ``dropout``/``dtype`` may differ with ``allow_change``
     (``--allow-config-change``), ``remat`` always (it only trades memory for recompute)."""
     saved, now = meta.get("model_config") or {}, model_cfg.to_json()
+    if "position_scheme" not in saved:
+        raise CheckpointError(f"checkpoint {where}: {LEGACY_CHECKPOINT}")
     ignore = set(MODEL_FREE_FIELDS) | (set(MODEL_TRAINING_FIELDS) if allow_change else set())
     diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k)
                   and k not in ignore)
@@ -277,6 +280,8 @@ def load_model(directory: str | Path, step: int | None = None) -> LoadedModel:
     directory = Path(directory).absolute()
     step, meta = read_checkpoint_meta(directory, step)
     where = directory / str(step)
+    if "position_scheme" not in meta["model_config"]:
+        raise CheckpointError(f"checkpoint {where}: {LEGACY_CHECKPOINT}")
     model_cfg = ModelConfig.from_json(meta["model_config"])
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make_model(model_cfg, 0)))
     target = {"model": jax.tree.map(lambda x: np.zeros(x.shape, x.dtype),

@@ -21,6 +21,7 @@ import numpy as np
 from dilax.data import load_corpus
 from dilax.train.checkpoints import CheckpointError, read_checkpoint_meta
 from dilax.train.config import (
+    LEGACY_CHECKPOINT,
     MODEL_FREE_FIELDS,
     MODEL_TRAINING_FIELDS,
     CharTokenizer,
@@ -152,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add a local-window branch: every query also attends the W tokens "
                         "before it (mixture mode); removes the loss spike at segment starts "
                         "(default: none)")
+    g.add_argument("--position-scheme", choices=("xpos", "rope"), default=m.position_scheme,
+                   help="rotary positions on the queries and keys of every attention: XPOS "
+                        "(as in torchscale's LongNet) or plain RoPE")
     return p
 
 
@@ -196,6 +200,8 @@ def _resumed_configs(args: argparse.Namespace, given: set[str]
     the checkpoint's is refused (``ValueError`` naming it) unless it is free to change."""
     step, meta = read_checkpoint_meta(args.checkpoint_dir)
     where = Path(args.checkpoint_dir).absolute() / str(step)
+    if "position_scheme" not in meta["model_config"]:
+        raise CheckpointError(f"checkpoint {where}: {LEGACY_CHECKPOINT}")
     saved_model = ModelConfig.from_json(meta["model_config"])
     saved_train = TrainConfig.from_json(meta.get("train_config") or {})
     model_over = {}

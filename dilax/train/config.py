@@ -31,6 +31,8 @@ class ModelConfig:
     dtype: str = "float32"
     remat: bool = False
     local_window: int | None = None  # a local-window branch |p - t| <= W (mixture mode)
+    # rotary positions inside attention (dilax.models.LongNetConfig.position_scheme)
+    position_scheme: str = "xpos"
 
     def to_json(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v
@@ -38,7 +40,16 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ModelConfig:
+        """From a checkpoint's ``model_config``.
+
+        Raises:
+          ValueError: the config has no ``position_scheme``: it was saved before issue 26 by a
+            model that added XPOS to its token embeddings ("xpos_embedding"), which this
+            version does not implement (its weights would be silently reinterpreted).
+        """
         d = dict(d)
+        if "position_scheme" not in d:
+            raise ValueError(LEGACY_CHECKPOINT)
         for k in ("segment_lengths", "dilation_rates"):
             d[k] = tuple(d[k])
         return cls(**d)
@@ -85,6 +96,13 @@ class TrainConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
+LEGACY_CHECKPOINT = (
+    "the checkpoint's model config has no position_scheme: it was written before issue 26 "
+    "by a LongNetLM that added XPOS to its token embeddings, centred on the window "
+    "(position scheme 'xpos_embedding'), so its logits depended on the window length. This "
+    "version puts the positions inside attention ('xpos' or 'rope') and cannot load that "
+    "model without changing what it computes: train a new one (python -m dilax.train)")
+
 # Model fields that change neither the parameters nor the function computed: they may differ
 # from a checkpoint's freely (``remat`` only trades memory for recomputation).
 MODEL_FREE_FIELDS = ("remat",)
@@ -130,12 +148,16 @@ def check_model_config(model_cfg: ModelConfig) -> None:
     for name, low, strict, integer in _MODEL_RULES:
         _check_number(model_cfg, name, low=low, strict=strict, integer=integer)
     m = model_cfg
-    if m.d_model % 2:
-        raise ValueError(f"{_flag('d_model')} must be even (XPOS rotates feature pairs), "
-                         f"got {m.d_model}")
     if m.d_model % m.num_heads:
         raise ValueError(f"{_flag('d_model')}={m.d_model} must be divisible by "
                          f"{_flag('num_heads')}={m.num_heads}")
+    if m.position_scheme not in ("xpos", "rope"):
+        raise ValueError(f"{_flag('position_scheme')} must be xpos or rope, got "
+                         f"{m.position_scheme!r}")
+    if (m.d_model // m.num_heads) % 2:
+        raise ValueError(f"{_flag('d_model')} / {_flag('num_heads')} = "
+                         f"{m.d_model // m.num_heads} must be even (the rotary positions "
+                         "rotate feature pairs of every head)")
     if m.num_kv_heads is not None:
         _check_number(m, "num_kv_heads", low=0, strict=True, integer=True)
         if m.num_heads % m.num_kv_heads:

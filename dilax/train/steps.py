@@ -19,7 +19,8 @@ def make_model(cfg: ModelConfig, seed: int) -> LongNetLM:
         len(cfg.vocab), cfg.d_model, cfg.num_heads, 0, cfg.num_layers, cfg.dim_feedforward,
         cfg.segment_lengths, cfg.dilation_rates, num_kv_heads=cfg.num_kv_heads,
         dropout=cfg.dropout, mode=cfg.mode, remat=cfg.remat, dtype=jnp.dtype(cfg.dtype),
-        param_dtype=jnp.float32, keep_rngs=False, rngs=nnx.Rngs(params=seed),
+        param_dtype=jnp.float32, keep_rngs=False, position_scheme=cfg.position_scheme,
+        rngs=nnx.Rngs(params=seed),
         **({} if cfg.local_window is None else dict(local_window=cfg.local_window)),
     )
 
