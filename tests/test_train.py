@@ -44,7 +44,7 @@ def _assert_same_bits(a, b) -> None:
 
 
 def _state(result: T.TrainResult):
-    return T._state_tree(result.model, result.optimizer)
+    return T.state_tree(result.model, result.optimizer)
 
 
 # ----------------------------------------------------------------------------- data
@@ -106,7 +106,7 @@ def test_checkpoint_round_trip_is_bit_exact(trained, tmp_path):
         step, meta = T.restore_checkpoint(d, model, opt, TINY_MODEL)
         assert step == 6 and meta["model_config"] == TINY_MODEL.to_json()
         assert int(opt.step[...]) == 6
-        _assert_same_bits(T._state_tree(model, opt), _state(r))
+        _assert_same_bits(T.state_tree(model, opt), _state(r))
 
 
 def test_resume_reproduces_the_uninterrupted_run_bit_exactly(tmp_path):

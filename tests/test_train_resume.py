@@ -69,8 +69,8 @@ def test_killed_run_resumes_without_losing_a_completed_step(tmp_path):
                                        resume=False), mcfg, text=TEXT, progress=False,
                    log=lambda s: None)
     assert {s: full.losses[s] for s in resumed.losses} == resumed.losses
-    for a, b in zip(_bits(T._state_tree(resumed.model, resumed.optimizer)),
-                    _bits(T._state_tree(full.model, full.optimizer)), strict=True):
+    for a, b in zip(_bits(T.state_tree(resumed.model, resumed.optimizer)),
+                    _bits(T.state_tree(full.model, full.optimizer)), strict=True):
         np.testing.assert_array_equal(a, b)
     meta = [T.read_checkpoint_meta(d)[1] for d in (ckpt, tmp_path / "full")]
     assert meta[0]["step"] == meta[1]["step"] == STEPS

@@ -55,7 +55,7 @@ def magneto_gammas(
 _LAYER_DEFAULTS = LongNetConfig(dim_feedforward=2048)
 
 
-def _norm(cfg: LongNetConfig, rngs: nnx.Rngs, width: int | None = None) -> nnx.LayerNorm:
+def norm_layer(cfg: LongNetConfig, rngs: nnx.Rngs, width: int | None = None) -> nnx.LayerNorm:
     return layer_norm(cfg.d_model if width is None else width, cfg.layer_norm_eps,
                       dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
 
@@ -129,7 +129,7 @@ class _FeedForward(nnx.Module):
         self.activation = cfg.activation
         self.linear1 = linear(cfg.d_model, cfg.dim_feedforward, gamma_init)
         self.dropout = _dropout(cfg, rngs)
-        self.norm = _norm(cfg, rngs, cfg.dim_feedforward)
+        self.norm = norm_layer(cfg, rngs, cfg.dim_feedforward)
         self.linear2 = linear(cfg.dim_feedforward, cfg.d_model, gamma_init)
 
     def __call__(self, x, *, deterministic, rngs):
@@ -144,7 +144,7 @@ class _Layer(nnx.Module):
     def _init_self_attention(self, cfg: LongNetConfig, gamma_init: float,
                              rngs: nnx.Rngs) -> None:
         self.config = cfg
-        self.norm1 = _norm(cfg, rngs)
+        self.norm1 = norm_layer(cfg, rngs)
         self.self_attn = _attention(cfg, gamma_init, layer_norm=True, rngs=rngs,
                                     self_attention=True)
 
@@ -220,7 +220,7 @@ class DilatedTransformerEncoderLayer(_Layer):
             d_model=d_model, num_heads=num_heads, dim_feedforward=dim_feedforward,
             segment_lengths=segment_lengths, dilation_rates=dilation_rates)
         self._init_self_attention(cfg, gamma_init, rngs)
-        self.norm2 = _norm(cfg, rngs)
+        self.norm2 = norm_layer(cfg, rngs)
         self._init_feed_forward(rngs)
 
     def __call__(
@@ -284,13 +284,13 @@ class DilatedTransformerDecoderLayer(_Layer):
         self.cross_attention = V.check_bool(cross_attention, "cross_attention")
         self._init_self_attention(cfg, gamma_init, rngs)
         if self.cross_attention:
-            self.norm2 = _norm(cfg, rngs)
+            self.norm2 = norm_layer(cfg, rngs)
             self.cross_attn = _attention(cfg, self.self_attn.gamma_init, layer_norm=False,
                                          rngs=rngs)
         else:
             self.norm2 = nnx.data(None)
             self.cross_attn = nnx.data(None)
-        self.norm3 = _norm(cfg, rngs)
+        self.norm3 = norm_layer(cfg, rngs)
         self._init_feed_forward(rngs)
 
     def __call__(

@@ -26,8 +26,8 @@ from dilax.models.config import (
 from dilax.models.layers import (
     DilatedTransformerDecoderLayer,
     DilatedTransformerEncoderLayer,
-    _norm,
     magneto_gammas,
+    norm_layer,
 )
 from dilax.models.positions import XPOS, check_positions, rotary_qk, xpos
 from dilax.models.tokens import check_token_ids
@@ -273,7 +273,7 @@ class LongNetLM(nnx.Module):
         self.long_net = LongNet(num_encoder_layers=num_encoder_layers,
                                 num_decoder_layers=num_decoder_layers, remat=remat,
                                 config=cfg, rngs=rngs)
-        self.norm = _norm(cfg, rngs)
+        self.norm = norm_layer(cfg, rngs)
         self.out = linear_factory(use_bias=cfg.use_bias, dtype=cfg.dtype,
                                   param_dtype=cfg.param_dtype, rngs=rngs)(
             cfg.d_model, num_tokens, 1.0)

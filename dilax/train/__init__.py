@@ -37,8 +37,8 @@ from dilax.train.checkpoints import (
     restore_checkpoint,
     save_checkpoint,
     state_checksum,
+    state_tree,
 )
-from dilax.train.checkpoints import _state_tree as _state_tree  # the saved tree (tests)
 from dilax.train.cli import build_parser, configs_from_args, configs_from_argv, main
 from dilax.train.config import (
     CharTokenizer,
@@ -85,6 +85,7 @@ __all__ = [
     "save_checkpoint",
     "split_corpus",
     "state_checksum",
+    "state_tree",
     "train",
     "train_batch",
     "train_step",

@@ -41,7 +41,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, unreadable, corrupt, or from another model configuration."""
 
 
-def _state_tree(model: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, Any]:
+def state_tree(model: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, Any]:
     return {"model": nnx.to_pure_dict(nnx.state(model)),
             "optimizer": nnx.to_pure_dict(nnx.state(optimizer))}
 
@@ -76,7 +76,7 @@ def save_checkpoint(directory: str | Path, step: int, model: nnx.Module,
     """
     import orbax.checkpoint as ocp
 
-    tree = _state_tree(model, optimizer)
+    tree = state_tree(model, optimizer)
     meta = {
         **(extra or {}),
         "format": CHECKPOINT_FORMAT, "step": int(step), "model_config": model_cfg.to_json(),
@@ -227,7 +227,7 @@ def restore_checkpoint(directory: str | Path, model: nnx.Module, optimizer: nnx.
     _check_model_config(meta, model_cfg, directory / str(step), allow_config_change)
     # Restore to host (NumPy) and put back with jnp.asarray: the arrays are then placed like
     # freshly initialized ones (uncommitted), so an already compiled train step is reused.
-    target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), _state_tree(model, optimizer))
+    target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state_tree(model, optimizer))
     mngr = _manager(directory, create=False)
     try:
         tree = mngr.restore(step, args=ocp.args.Composite(
