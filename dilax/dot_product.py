@@ -17,6 +17,7 @@ import numpy as np
 
 from dilax import _validation as V
 from dilax.core import XLA, Core, Mask, attention, core_for, identity_view
+from dilax.settings import DilatedSettings
 
 _F32 = jnp.float32
 IMPLEMENTATIONS = (None, "xla", "pallas", "cudnn", "reference")
@@ -77,6 +78,7 @@ def dot_product_attention(
     segment_lengths: tuple[int, ...] | None = None,
     dilation_rates: tuple[int, ...] | None = None,
     mode: str = "mixture",
+    settings: DilatedSettings | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention, a superset of ``jax.nn.dot_product_attention``.
 
@@ -107,6 +109,9 @@ def dot_product_attention(
       segment_lengths, dilation_rates, mode: dilation settings: given both, the call is
         :func:`dilax.dilated_attention` (``T == S``; no ``bias``, ``local_window_size`` or
         ``return_residual``; a ``mask`` only as a key-padding mask ``(B or 1, 1, 1, S)``).
+      settings: the dilation settings as one :class:`dilax.DilatedSettings` value instead
+        (then ``segment_lengths``, ``dilation_rates``, ``scale`` and ``implementation`` are
+        left out; ``is_causal=True`` here makes the call causal).
 
     Returns:
       ``out`` shaped like ``query``, or ``(out, lse)`` with ``return_residual``. A query that
@@ -142,6 +147,7 @@ def dot_product_attention(
         raise TypeError(f"query, key and value must have a floating dtype, got {k.dtype}")
     for name, t in (("bias", bias), ("mask", mask)):
         _check_pairwise(t, (B, N, T, S), name)
+    user_scale = scale
     scale = 1.0 / float(np.sqrt(H)) if scale is None else V.check_real(scale, "scale")
     is_causal = V.check_bool(is_causal, "is_causal")
     return_residual = V.check_bool(return_residual, "return_residual")
@@ -149,9 +155,16 @@ def dot_product_attention(
         raise ValueError(f"Unsupported implementation option: {implementation!r}; "
                          f"dilax.dot_product_attention serves {IMPLEMENTATIONS}")
 
+    if settings is not None:
+        if (segment_lengths, dilation_rates, user_scale, implementation) != (None,) * 4:
+            raise TypeError("settings= holds the whole dilated configuration: leave "
+                            "segment_lengths, dilation_rates, scale and implementation out")
+        settings = settings.replace(is_causal=True) if is_causal else settings
+        segment_lengths, dilation_rates = settings.segment_lengths, settings.dilation_rates
     if segment_lengths is not None or dilation_rates is not None:
         out = _dilated(q, k, v, bias, mask, q_len, kv_len, window, return_residual,
-                       segment_lengths, dilation_rates, mode, is_causal, scale, implementation)
+                       segment_lengths, dilation_rates, mode, is_causal, scale, implementation,
+                       settings)
         return out.reshape(output_shape)
     if implementation == "cudnn":  # jax's own cuDNN path, arguments as given
         return jax.nn.dot_product_attention(
@@ -222,8 +235,9 @@ def _reference(q, k, v, bias, mask, q_len, kv_len, scale, is_causal, window):
 
 
 def _dilated(q, k, v, bias, mask, q_len, kv_len, window, return_residual, segment_lengths,
-             dilation_rates, mode, is_causal, scale, implementation):
-    """The dilated call: :func:`dilax.dilated_attention` on the 4-d operands."""
+             dilation_rates, mode, is_causal, scale, implementation, settings=None):
+    """The dilated call: :func:`dilax.dilated_attention` on the 4-d operands (with
+    ``settings``, a :class:`dilax.DilatedSettings`, instead of the keywords)."""
     from dilax.dilated import dilated_attention  # lazy: dilated imports this module's peers
 
     for name, given in (("bias", bias is not None), ("local_window_size", window is not None),
@@ -240,7 +254,9 @@ def _dilated(q, k, v, bias, mask, q_len, kv_len, window, return_residual, segmen
             raise ValueError(f"with dilation settings a mask must be a key-padding mask of "
                              f"shape (B or 1, 1, 1, S), got {mask.shape}")
         key_padding = jnp.broadcast_to(mask[:, 0, 0, :], (k.shape[0], k.shape[1]))
+    lengths = dict(query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+                   key_padding_mask=key_padding)
+    if settings is not None:
+        return dilated_attention(q, k, v, settings=settings, **lengths)
     return dilated_attention(q, k, v, segment_lengths, dilation_rates, is_causal=is_causal,
-                             scale=scale, mode=mode, implementation=implementation,
-                             query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
-                             key_padding_mask=key_padding)
+                             scale=scale, mode=mode, implementation=implementation, **lengths)

@@ -228,6 +228,12 @@ def test_dilation_settings_call_dilated_attention():
     want = dilax.dilated_attention(q, k, v, (8, 16), (1, 2), is_causal=True,
                                    key_padding_mask=jnp.asarray(key_ok))
     np.testing.assert_array_equal(got, want)
+    settings = dilax.DilatedSettings((8, 16), (1, 2))
+    by_value = dilax.dot_product_attention(q, k, v, mask=jnp.asarray(key_ok)[:, None, None],
+                                           is_causal=True, settings=settings)
+    np.testing.assert_array_equal(by_value, want)
+    with pytest.raises(TypeError, match="settings= holds the whole dilated configuration"):
+        dilax.dot_product_attention(q, k, v, settings=settings, segment_lengths=(8,))
     with pytest.raises(ValueError, match="bias is not supported with dilation"):
         dilax.dot_product_attention(q, k, v, jnp.zeros((1, 1, n, n)), segment_lengths=(8,),
                                     dilation_rates=(1,))
