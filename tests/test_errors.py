@@ -146,7 +146,7 @@ ERROR_TABLE += [
     ("module: embed_dim % num_heads", lambda: _mha(18, 4), ValueError,
      "embed_dim must be divisible by num_heads"),
     ("CLI: odd --d-model", _cli("--d-model=31"), ValueError,
-     "d_model (--d-model) must be even"),
+     "must be even (the rotary positions"),
     ("CLI: unknown flag", _cli("--lr-max", "1"), ValueError,
      "unrecognized arguments: --lr-max"),
     ("CLI: --stop-after beyond --steps", _cli("--steps", "5", "--stop-after", "6"), ValueError,
