@@ -305,7 +305,7 @@ class LongNetLM(nnx.Module):
         (:func:`dilax.dilated_attention_decode`); jit it with the cache donated to update it
         in place, or use :func:`dilax.models.generate`."""
         _check_tokens(tokens)
-        pos = jnp.clip(cache.lengths[:, None] + jnp.arange(tokens.shape[1]), 0,
+        pos = jnp.clip(cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None], 0,
                        cache.max_len - 1)
         x = self.token_embedding(tokens)
         x = x + _rotate(x, cache.xpos_cos[pos], cache.xpos_sin[pos])
