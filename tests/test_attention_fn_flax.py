@@ -87,15 +87,16 @@ def test_linen_module_forward_and_decode():
     mod = linen.MultiHeadDotProductAttention(H, qkv_features=E, attention_fn=fn)
     params = mod.init(jax.random.key(0), x)["params"]
     y = mod.apply({"params": params}, x)
+    p_np = jax.tree.map(np.asarray, params)
 
     def proj(name):
-        p = params[name]
-        return np.einsum("bnf,fhd->bnhd", x, p["kernel"]) + p["bias"]
+        p = p_np[name]
+        return np.einsum("bnf,fhd->bnhd", np.asarray(x), p["kernel"]) + p["bias"]
 
     q, k, v = proj("query"), proj("key"), proj("value")
     a = attention(q, k, v, dilated_counts(N, H, WS, RS, "mixture", True),
                   1 / np.sqrt(E // H)).out
-    p = params["out"]
+    p = p_np["out"]
     assert_scaled_close(y, np.einsum("bnhd,hdf->bnf", a, p["kernel"]) + p["bias"], FP32)
 
     dec = linen.MultiHeadDotProductAttention(H, qkv_features=E, attention_fn=fn, decode=True)

@@ -1,4 +1,4 @@
-"""Strict JAX modes (issue 27): the public ops, modules and models under
+"""Strict JAX modes (issue 27): the public ops, modules, models and dilax.attention_fn under
 ``jax_numpy_rank_promotion="raise"``, ``jax_enable_x64=True`` and ``jax_debug_nans=True``, all
 three at once, with values checked against the float64 oracle (or the normal-mode result).
 
@@ -181,3 +181,14 @@ def test_modules_and_longnet_lm_training_step():
     assert all(a.dtype == b.dtype for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
     assert_scaled_close(got[1], got[0][:, :4])  # decode = the causal rows of the call
     assert_trees_close(got, want, depth=2)
+
+
+def test_flax_attention_fn_decode_sow_and_linen():
+    """tests/test_attention_fn_flax.py under the strict modes: flax decode=True (nnx and
+    linen) against the full causal forward, sow_weights against the oracle."""
+    import test_attention_fn_flax as F
+
+    with strict():
+        F.test_nnx_decode_equals_full_causal_forward()
+        F.test_sow_weights_are_the_dilated_weights()
+        F.test_linen_module_forward_and_decode()
