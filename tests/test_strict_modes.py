@@ -100,6 +100,20 @@ def test_dilated_grouped_key_padding_mask():
     assert not np.any(np.asarray(res[0])[1])
 
 
+def test_pallas_interpret_kernels():
+    """The Pallas kernels in the interpreter: dilated (causal) and block-sparse, fwd+grad."""
+    q, k, v, g = _qkvg(1, 32, 2, 2, d=16)
+    pattern = patterns.local_window(32, 16, 16)
+    with strict():
+        dil = _fwd_grad(lambda q, k, v: dilax.dilated_attention(
+            q, k, v, (16, 32), (1, 2), is_causal=True, interpret=True), q, k, v, g)
+        bs = _fwd_grad(lambda q, k, v: dilax.block_sparse_attention(
+            q, k, v, pattern, is_causal=True, interpret=True), q, k, v, g)
+    _check(dil, dilated_counts(32, 2, (16, 32), (1, 2), "mixture", True)[None], q, k, v, g)
+    dense = np.kron(pattern.causal_mask(), np.ones((16, 16))) * np.tril(np.ones(32))
+    _check(bs, dense[None], q, k, v, g)
+
+
 def test_op_by_op_debug_nans_on_masked_rows():
     """Without jit every primitive is checked: padded query rows and a row without keys must
     not create a NaN anywhere in the forward or the backward (XLA core and mask reference)."""
