@@ -19,19 +19,17 @@ import jax.numpy as jnp
 
 from dilax import _validation as V
 from dilax.dilated import dilated_attention
+from dilax.semantics import dilated_counts, window_mask
 from dilax.settings import DilatedSettings
 
 _OPTIONS = ("mode", "is_causal", "scale", "implementation", "block_sizes")
 
 _DECODE_MESSAGE = (
-    "dilax.attention_fn got {q} query position(s) against {k} keys, which is what "
-    "nnx.MultiHeadAttention(decode=True) passes: its whole KV cache with a dense mask, and not "
-    "the position of the query. Dilated attention cannot be computed exactly from that (the "
-    "position would have to be guessed from a mask that may hold the caller's own masking "
-    "too), so attention_fn does not support decode=True. Decode with dilax's own cache "
-    "instead: dilax.nn.MultiheadDilatedAttention.init_cache(batch, max_len) and "
-    ".decode(x, cache) (dilax.KVCache, dilax.dilated_attention_decode), or "
-    "dilax.models.generate for a LongNetLM; a step there reads at most w/r keys per branch."
+    "dilax.attention_fn got {q} query position(s) against {k} keys. Keys of another length "
+    "than the queries are flax's KV cache (decode=True), which is served for one query "
+    "position with flax's decode mask (..., 1, 1, max_len) (the query's position is the last "
+    "key the mask admits); got mask {mask}. For chunked decoding use dilax's own cache: "
+    "dilax.nn.MultiheadDilatedAttention.init_cache(batch, max_len) and .decode(x, cache)."
 )
 
 
@@ -79,11 +77,18 @@ def attention_fn(
     validity of :func:`dilax.dilated_attention`'s ``key_padding_mask``; key blocks past the
     last valid key are skipped). It refuses, with a ``ValueError``, what dilated attention
     cannot honour: any other ``mask`` (one that depends on the query) or a ``bias``,
-    attention-weight dropout (``dropout_rate > 0`` with ``deterministic=False``), sowing
-    attention weights (``module`` given, i.e. ``sow_weights=True``) and keys of another length
-    than the queries. ``decode=True`` (flax's KV cache) is refused with a message that says
-    why and points to :meth:`dilax.nn.MultiheadDilatedAttention.decode`: flax passes the whole
-    cache and a dense mask but not the query's position, so the result could not be exact.
+    attention-weight dropout (``dropout_rate > 0`` with ``deterministic=False``) and keys of
+    another length than the queries outside flax's decode step.
+    ``decode=True`` (flax's KV cache, in ``nnx.MultiHeadAttention`` and linen's
+    ``nn.MultiHeadDotProductAttention``) is exact: flax passes one query, the whole cache and
+    the mask ``arange(max_len) <= cur_index`` (with the caller's key mask), so the query's
+    position is the last key the mask admits (read traced, per row); the step returns that row
+    of causal dilated attention over the cache (:func:`decode_step`; it costs a forward over
+    the rows up to the position -- :meth:`dilax.nn.MultiheadDilatedAttention.decode` reads
+    only ``w / r`` keys per branch). ``sow_weights=True`` (``module`` given) stores the
+    attention weights ``(..., h, n, n)`` in the dtype of ``query`` as flax does
+    (``nnx.Intermediate`` / linen ``intermediates``, name ``attention_weights``): they are
+    materialized for inspection only, O(n^2) memory (:func:`dilated_weights`).
     ``precision`` is accepted and has no effect: the core always keeps logits and softmax
     statistics in float32.
 
@@ -117,9 +122,12 @@ def attention_fn(
         is_causal: bool = False,
     ) -> jax.Array:
         del broadcast_dropout, dropout_rng, precision  # see the docstring
-        if (getattr(query, "ndim", 0) >= 3 and getattr(key, "ndim", 0) == query.ndim
-                and key.shape[-3] != query.shape[-3]):
-            raise ValueError(_DECODE_MESSAGE.format(q=query.shape[-3], k=key.shape[-3]))
+        decode = (getattr(query, "ndim", 0) >= 3 and getattr(key, "ndim", 0) == query.ndim
+                  and key.shape[-3] != query.shape[-3])
+        if decode and (query.shape[-3] != 1 or mask is None):
+            raise ValueError(_DECODE_MESSAGE.format(
+                q=query.shape[-3], k=key.shape[-3],
+                mask=None if mask is None else tuple(jnp.shape(mask))))
         if mask is not None and (jnp.ndim(mask) < 3 or tuple(jnp.shape(mask)[-3:-1]) != (1, 1)):
             raise ValueError(
                 "dilax.attention_fn supports only a key-padding `mask` of shape (..., 1, 1, n) "
@@ -136,11 +144,6 @@ def attention_fn(
                 f"dilax.attention_fn does not support attention-weight dropout (dropout_rate="
                 f"{dropout_rate}, deterministic=False): the blockwise core never materializes "
                 "the weights; use dropout_rate=0.0 or deterministic=True"
-            )
-        if module is not None:
-            raise ValueError(
-                "dilax.attention_fn cannot sow attention weights (sow_weights=True): the "
-                "blockwise core never materializes them"
             )
         if query.ndim < 3 or key.ndim != query.ndim or value.ndim != query.ndim:
             raise ValueError(
@@ -172,9 +175,82 @@ def attention_fn(
                 raise ValueError(f"the key-padding mask of shape {jnp.shape(mask)} does not "
                                  f"broadcast to the batch axes {batch}") from None
             key_valid = key_valid.reshape(flat, n).astype(bool)
-        out = dilated_attention(
-            q, k, v, settings=causal_settings if V.check_bool(is_causal, "is_causal")
-            else settings, key_padding_mask=key_valid)
+        now = causal_settings if V.check_bool(is_causal, "is_causal") else settings
+        if decode:  # flax's KV cache: the query sits at the last key its mask admits
+            out, weights = decode_step(q, k, v, key_valid, settings,
+                                       with_weights=module is not None)
+        else:
+            out = dilated_attention(q, k, v, settings=now, key_padding_mask=key_valid)
+            weights = None if module is None else dilated_weights(q, k, key_valid, now)
+        if module is not None:
+            sow_weights(module, weights.reshape(batch + weights.shape[1:]).astype(query.dtype))
         return out.reshape(batch + out.shape[1:])
 
     return dilated_attention_fn
+
+
+def decode_step(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Array,
+                settings: DilatedSettings, with_weights: bool = False
+                ) -> tuple[jax.Array, jax.Array | None]:
+    """One step of flax's ``decode=True``: ``q (B, 1, h, d)`` against the whole cache
+    ``k, v (B, S, hk, d)`` with the decode mask ``key_valid (B, S)`` (``arange(S) <=
+    cur_index``, and the caller's mask). Each row's query position ``p`` is the last key the
+    mask admits (traced); the result is row ``p`` of causal :func:`dilax.dilated_attention`
+    over the cache with that key mask -- exactly the row a causal forward over the whole
+    sequence gives. A row whose mask admits no key gets 0. The caller's mask must admit the
+    query's own key (padding before it, as left padding, is fine).
+
+    Cost: the rows ``<= p`` of a forward over the cache (``O(p w)``; query blocks past ``p``
+    are skipped). ``dilax.nn.MultiheadDilatedAttention.decode`` reads ``O(w / r)`` keys per
+    branch and step. Returns ``(out (B, 1, h, d), weights (B, h, 1, S) float32 or None)``."""
+    B, S = k.shape[:2]
+    pos = jnp.max(jnp.where(key_valid, jnp.arange(S, dtype=jnp.int32)[None], -1), axis=1)
+    p = jnp.maximum(pos, 0)
+    rows = jnp.arange(B)
+    q_full = jnp.zeros((B, S) + q.shape[2:], q.dtype).at[rows, p].set(q[:, 0])
+    settings = settings.causal()
+    out = dilated_attention(q_full, k, v, settings=settings, key_padding_mask=key_valid,
+                            query_seq_lengths=p + 1)[rows, p][:, None]
+    weights = None
+    if with_weights:
+        weights = dilated_weights(q_full, k, key_valid, settings)
+        weights = weights[rows, :, p][:, :, None]
+    return out, weights
+
+
+def dilated_weights(q: jax.Array, k: jax.Array, key_valid: jax.Array | None,
+                    settings: DilatedSettings) -> jax.Array:
+    """The attention weights ``P (b, h, n, n)`` float32 of :func:`dilax.dilated_attention`
+    on ``q (b, n, h, d)``, ``k (b, n, hk, d)``: ``out = sum_t P[., p, t] v_t`` (mixture: the
+    branch multiplicities ``C`` of the SPEC weight ``e^s``; grouped: divided by the number of
+    branches). Materialized only for inspection (``sow_weights=True``): O(n^2) memory."""
+    b, n, h, d = q.shape
+    ws, rs, mode = settings.segment_lengths, settings.dilation_rates, settings.mode
+    counts = dilated_counts(n, h, ws, rs, mode, settings.is_causal)  # (h, n, n)
+    if settings.local_window is not None:  # one more branch: +1 where the band allows
+        counts = counts + window_mask(n, settings.local_window, settings.is_causal)[None]
+    counts = jnp.asarray(counts)[None]  # (1, h, n, n)
+    if key_valid is not None:
+        counts = jnp.where(key_valid[:, None, None, :], counts, 0.0)
+    scale = settings.scale_for(d)
+    kr = jnp.repeat(k, h // k.shape[2], axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, kr, preferred_element_type=jnp.float32,
+                   precision=jax.lax.Precision.HIGHEST) * scale
+    allowed = counts > 0
+    s = jnp.where(allowed, s + jnp.log(jnp.where(allowed, counts, 1.0)), -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    e = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))  # masked: exp(-inf) = 0, no NaN
+    den = jnp.sum(e, axis=-1, keepdims=True)
+    groups = len(ws) if mode == "grouped" else 1
+    return e / (jnp.where(den > 0, den, 1.0) * groups)
+
+
+def sow_weights(module: Any, weights: jax.Array) -> None:
+    """Stores ``weights`` as flax's attention functions do: ``nnx.Intermediate``
+    ``attention_weights`` on an nnx module, collection ``intermediates`` on a linen one."""
+    from flax import linen, nnx
+
+    if isinstance(module, linen.Module):
+        module.sow("intermediates", "attention_weights", weights)
+    else:
+        module.sow(nnx.Intermediate, "attention_weights", weights)

@@ -108,18 +108,19 @@ def table_lengths(idx, kv_len, diag_len, block_size: int, nq: int,
     first = jnp.arange(nq, dtype=jnp.int32) * bs  # (nq,) first position of each block
     q_len = None
     if query_seq_lengths is not None:
-        q_len = jnp.clip(query_seq_lengths[:, None, None] - first, 0, bs)  # (b, 1, nq)
+        q_len = jnp.clip(query_seq_lengths[:, None, None] - first[None, None], 0, bs)  # (b, 1, nq)
     if key_value_seq_lengths is None:
         return kv_len, diag_len, q_len
     L = key_value_seq_lengths[:, None, None]
     if idx is not None:
         idx = jnp.asarray(idx, jnp.int32)
-        slot = jnp.arange(idx.shape[-1], dtype=jnp.int32) * bs
+        slot = jnp.arange(idx.shape[-1], dtype=jnp.int32)[None, None, None] * bs
         used = slot < jnp.asarray(kv_len, jnp.int32)[..., None]  # slots before the count
         valid = jnp.where(used, jnp.clip(L[..., None] - idx * bs, 0, bs), 0).sum(-1)
         kv_len = jnp.minimum(jnp.asarray(kv_len, jnp.int32), valid.astype(jnp.int32))
     if diag_len is not None:
-        diag_len = jnp.minimum(jnp.asarray(diag_len, jnp.int32), jnp.clip(L - first, 0, bs))
+        diag_len = jnp.minimum(jnp.asarray(diag_len, jnp.int32),
+                               jnp.clip(L - first[None, None], 0, bs))
     return kv_len, diag_len, q_len
 
 

@@ -219,11 +219,11 @@ def _merge_forward(outs, lses, plans, n, stats=False):
     lse_full = jnp.stack([expand_slots(l, p, n, -jnp.inf) for l, p in zip(lses, plans)])
     m = jnp.max(lse_full, axis=0)
     m_safe = lax.stop_gradient(jnp.where(m == -jnp.inf, 0.0, m))
-    e = jnp.exp(lse_full - m_safe)
+    e = jnp.exp(lse_full - m_safe[None])  # explicit ranks: works under rank promotion "raise"
     total = jnp.sum(e, axis=0)
     has_branch = total > 0
     total_safe = jnp.where(has_branch, total, 1.0)
-    alpha = e / total_safe
+    alpha = e / total_safe[None]
     out = sum(alpha[i][..., None] * expand_slots(o.astype(jnp.float32), p, n, 0.0)
               for i, (o, p) in enumerate(zip(outs, plans)))
     lse = jnp.where(has_branch, m_safe + jnp.log(total_safe), -jnp.inf)

@@ -39,7 +39,7 @@ def _block_means(x: jax.Array, bs: int, lengths: jax.Array | None = None) -> jax
     else:
         valid = jnp.arange(n)[None, :] < lengths[:, None]  # (b, n)
         x = jnp.where(valid[:, :, None, None], x, 0.0)
-        sizes = jnp.clip(lengths[:, None] - jnp.arange(nb) * bs, 0, bs).astype(jnp.float32)
+        sizes = jnp.clip(lengths[:, None] - jnp.arange(nb)[None] * bs, 0, bs).astype(jnp.float32)
     sums = pad_seq(x, nb * bs).reshape(b, nb, bs, H, d).sum(axis=2)
     return sums / jnp.maximum(sizes, 1.0)[:, :, None, None]
 
@@ -91,7 +91,7 @@ def content_adaptive_selection(
     counts = valid.sum(axis=-1).astype(jnp.int32)
     idx = jnp.sort(jnp.where(valid, idx, nb), axis=-1)
     last = jnp.take_along_axis(idx, jnp.maximum(counts - 1, 0)[..., None], axis=-1)
-    idx = jnp.where(jnp.arange(top_k) < counts[..., None], idx, last)
+    idx = jnp.where(jnp.arange(top_k)[None, None, None] < counts[..., None], idx, last)
     return idx.astype(jnp.int32), counts
 
 
@@ -151,7 +151,8 @@ def content_adaptive_attention(
     last = jnp.take_along_axis(idx, jnp.maximum(counts - 1, 0)[..., None], axis=-1)[..., 0]
     if is_causal:
         # The diagonal block is the last selected one; it goes through the causal call.
-        diag = ((counts > 0) & (last == jnp.arange(nb, dtype=jnp.int32))).astype(jnp.int32)
+        is_diag = last == jnp.arange(nb, dtype=jnp.int32)[None, None]
+        diag = ((counts > 0) & is_diag).astype(jnp.int32)
         gather = top_k > 1
         kv_len, diag_len = (counts - diag) * bs, diag * bs
     else:

@@ -137,7 +137,7 @@ def _window_branch(q, kc, vc, pos, br: _Branch, scale):
     step = jnp.arange(br.m, dtype=jnp.int32) * br.r
 
     def block(qb, pb):  # (b, tb, h, d), (b, tb)
-        idx = pb[..., None] - step  # (b, tb, m): the window, nearest key first
+        idx = pb[..., None] - step[None, None]  # (b, tb, m): the window, nearest key first
         kw = _row_gather(kc, jnp.clip(idx, 0, kc.shape[1] - 1))
         vw = _row_gather(vc, jnp.clip(idx, 0, kc.shape[1] - 1))
         if br.w is None:  # local window: keys p - W .. p that exist
@@ -176,7 +176,7 @@ def _segment_branch(q, kc, vc, lengths, br: _Branch, scale):
     plan = plan_branch(n_win, h, hk, w, r, br.heads, br.offsets)
     start = (lengths // w) * w  # (b,) first position of the window
     shift = lengths - start  # where the chunk begins inside the window
-    kidx = jnp.clip(start[:, None] + jnp.arange(n_win), 0, kc.shape[1] - 1)
+    kidx = jnp.clip(start[:, None] + jnp.arange(n_win)[None], 0, kc.shape[1] - 1)
     kw, vw = _row_gather(kc, kidx), _row_gather(vc, kidx)
     qi = jnp.arange(n_win)[None, :] - shift[:, None]
     qw = jnp.where(((qi >= 0) & (qi < t))[..., None, None],
@@ -189,7 +189,7 @@ def _segment_branch(q, kc, vc, lengths, br: _Branch, scale):
         slot_layout(qw, plan), slot_layout(kw, plan), slot_layout(vw, plan),
         view=slot_view(plan, h, hk), mask=Mask(kv_len=kv_len, is_causal=True), scale=scale,
         out_dtype=_F32)
-    take = shift[:, None] + jnp.arange(t)
+    take = shift[:, None] + jnp.arange(t)[None]
     out = _row_gather(expand_slots(out, plan, n_win, 0.0), take)
     lse = _row_gather(expand_slots(lse, plan, n_win, -jnp.inf), take)
     return out, lse
@@ -199,7 +199,7 @@ def _selected(pos, br: _Branch):
     """``(b, t, H')`` bool: the branch selects query ``pos`` for each of its heads."""
     order = np.argsort(br.heads)
     offsets = np.asarray(br.offsets)[order]
-    return (pos[..., None] % br.r) == offsets
+    return (pos[..., None] % br.r) == offsets[None, None]
 
 
 @functools.partial(jax.jit, static_argnums=(5, 6, 7))
@@ -207,7 +207,7 @@ def _decode(q, k, v, cache: KVCache, new_lengths, branches: tuple[_Branch, ...],
             scale: float):
     b, t, h, d = q.shape
     lengths = cache.lengths.astype(jnp.int32)
-    pos = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # (b, t) absolute positions
+    pos = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # (b, t) absolute positions
     rows = jnp.arange(b)[:, None]
     # Scatter of the t new rows: in place when the cache is donated. Rows that would pass
     # max_len (traced lengths) are dropped; see dilated_attention_decode.

@@ -69,3 +69,29 @@ _COSTLIEST_MODULES = (
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(_COSTLIEST_MODULES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a module
+
+
+# `--jax-strict=rank,x64,nans` (any subset) runs the selected tests under jax's strict modes:
+# `jax_numpy_rank_promotion="raise"`, `jax_enable_x64=True`, `jax_debug_nans=True`. The core
+# cases run under all three in every `make test` (tests/test_strict_modes.py); the option is
+# for running other modules that way too.
+_STRICT_FLAGS = {"rank": ("jax_numpy_rank_promotion", "raise"), "x64": ("jax_enable_x64", True),
+                 "nans": ("jax_debug_nans", True)}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--jax-strict", default="", metavar="MODES",
+                     help="comma-separated strict JAX modes for the whole session: "
+                          + ", ".join(_STRICT_FLAGS))
+
+
+def pytest_configure(config):
+    modes = [m for m in config.getoption("--jax-strict").split(",") if m]
+    unknown = sorted(set(modes) - set(_STRICT_FLAGS))
+    if unknown:
+        raise ValueError(f"--jax-strict: unknown mode(s) {unknown}; valid: {list(_STRICT_FLAGS)}")
+    if modes:
+        import jax
+
+        for mode in modes:
+            jax.config.update(*_STRICT_FLAGS[mode])

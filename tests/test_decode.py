@@ -223,11 +223,10 @@ def test_generate_greedy_equals_full_recomputation():
     np.testing.assert_array_equal(np.asarray(sampled), got)
 
 
-def test_attention_fn_decode_true_says_why_and_where_to_go():
-    from flax import nnx
-
-    mha = nnx.MultiHeadAttention(2, 16, decode=True, rngs=nnx.Rngs(0),
-                                 attention_fn=dilax.attention_fn(WS, RS, is_causal=True))
-    mha.init_cache((1, 8, 16))
+def test_attention_fn_cache_without_decode_mask_says_why_and_where_to_go():
+    """flax's decode=True works (tests/test_attention_fn_flax.py); a query against keys of
+    another length without flax's decode mask (its position) is refused."""
+    q = jnp.ones((1, 2, 2, 8))
     with pytest.raises(ValueError, match=r"decode=True.*MultiheadDilatedAttention\.init_cache"):
-        mha(jnp.ones((1, 1, 16)))
+        kv = jnp.ones((1, 8, 2, 8))
+        dilax.attention_fn(WS, RS, is_causal=True)(q, kv, kv)

@@ -355,22 +355,18 @@ def test_attention_fn_refuses_what_it_cannot_do():
         fn(q, q, q, bias=jnp.zeros((1, 2, 16, 16)))
     with pytest.raises(ValueError, match="attention-weight dropout"):
         fn(q, q, q, dropout_rate=0.1, deterministic=False, dropout_rng=jax.random.key(0))
-    with pytest.raises(ValueError, match="sow attention weights"):
-        fn(q, q, q, module=object())
     with pytest.raises(ValueError, match="KV cache"):
         fn(q[:, :1], q, q)
     with pytest.raises(TypeError, match="unknown option"):
         dilax.attention_fn(WS, RS, causal=True)
     with pytest.raises(ValueError, match=r"segment_lengths\[0\]=6 must be divisible"):
         dilax.attention_fn((6,), (4,))
-    # through the flax module: a query-dependent mask, sow_weights and attention dropout are refused
+    # through the flax module: a query-dependent mask and attention dropout are refused
     mha = _build(lambda: nnx.MultiHeadAttention(2, 16, decode=False, rngs=nnx.Rngs(0),
                                                 attention_fn=dilax.attention_fn(WS, RS)))
     x = _x(1, (1, 16, 16))
     with pytest.raises(ValueError, match="supports only a key-padding `mask`"):
         mha(x, mask=jnp.ones((1, 2, 16, 16), bool))
-    with pytest.raises(ValueError, match="sow attention weights"):
-        mha(x, sow_weights=True)
     mha_drop = _build(lambda: nnx.MultiHeadAttention(
         2, 16, decode=False, dropout_rate=0.1, keep_rngs=False, rngs=nnx.Rngs(0),
         attention_fn=dilax.attention_fn(WS, RS)))

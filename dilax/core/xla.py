@@ -105,11 +105,17 @@ def _zero_invalid_keys(x, k_start, kv_len, k_valid=None):
     return jnp.where(valid[..., None], x, jnp.zeros((), x.dtype))
 
 
+def _starts(*idx):
+    """Slice start indices as int32 (under ``jax_enable_x64`` a Python ``0`` would be int64,
+    and ``lax.dynamic_slice`` needs one index type)."""
+    return tuple(jnp.asarray(i, jnp.int32) for i in idx)
+
+
 def _key_valid_block(kv_valid, b, u0, u1, k_start, block_k):
     """``kv_valid[b, u0:u1, k_start:k_start+block_k]`` (padded: ``(B, U, nk*bk)``) or None."""
     if kv_valid is None:
         return None
-    return lax.dynamic_slice(kv_valid, (b, u0, k_start), (1, u1 - u0, block_k))[0]
+    return lax.dynamic_slice(kv_valid, _starts(b, u0, k_start), (1, u1 - u0, block_k))[0]
 
 
 def _scaled(qb, scale):
@@ -155,7 +161,7 @@ def _plain(x):
 def _slice_rows(x, b, start, size, dtype=None):
     """``x[b, start:start+size]`` for ``x: (B, L, ...)``, read as ``dtype`` (``x`` may hold
     the bits of a ``dtype`` array, :func:`_as_bits`)."""
-    x = lax.dynamic_slice(x, (b, start) + (0,) * (x.ndim - 2), (1, size) + x.shape[2:])[0]
+    x = lax.dynamic_slice(x, _starts(b, start, *(0,) * (x.ndim - 2)), (1, size) + x.shape[2:])[0]
     return x if dtype is None or x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
 
 
@@ -307,8 +313,9 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
     dv0 = _pad_axis(acc[2].astype(_F32), 1, nk * block_k)
 
     def add_rows(x, b, start, block):
-        cur = lax.dynamic_slice(x, (b, start) + (0,) * (x.ndim - 2), (1,) + block.shape)
-        return lax.dynamic_update_slice(x, cur + block[None], (b, start) + (0,) * (x.ndim - 2))
+        at = _starts(b, start, *(0,) * (x.ndim - 2))
+        cur = lax.dynamic_slice(x, at, (1,) + block.shape)
+        return lax.dynamic_update_slice(x, cur + block[None], at)
 
     key_major = pairwise.key_major(mask.bias, B)
 

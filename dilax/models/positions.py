@@ -183,7 +183,8 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """``x * cos + rotate_pairs(x) * sin`` (the XPOS arithmetic, tables broadcast to ``x``)."""
     pairs = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
     rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
-    return (x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)).astype(x.dtype)
+    cos, sin = (jnp.broadcast_to(t.astype(x.dtype), x.shape) for t in (cos, sin))  # rank "raise"
+    return (x * cos + rotated * sin).astype(x.dtype)
 
 
 class XPOS(nnx.Module):
