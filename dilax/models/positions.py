@@ -120,14 +120,14 @@ def rotary_qk(
         raise ValueError(f"rotary positions need an even head dimension, got {d}")
     pos = check_positions(positions, b, n)
     inv_freq = theta ** (-np.arange(d // 2, dtype=np.float64) / (d // 2))
-    angle = pos.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    angle = pos.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)[None, None]
     cos, sin = jnp.cos(angle), jnp.sin(angle)  # (b, n, d/2)
     if scheme == "rope":
         return _rotate_heads(q, cos, sin), _rotate_heads(k, cos, sin)
     zeta = (np.arange(0, d, 2, dtype=np.float64) + 0.4 * d) / (1.4 * d)
     # integer difference first: exact, whatever the size of the positions
     expo = ((pos - V.static_int(centre, "centre")).astype(jnp.float32)[..., None]
-            * jnp.asarray(np.log(zeta) / float(scale_base), jnp.float32))
+            * jnp.asarray(np.log(zeta) / float(scale_base), jnp.float32)[None, None])
     up, down = jnp.exp(expo), jnp.exp(-expo)
     return (_rotate_heads(q, cos * up, sin * up), _rotate_heads(k, cos * down, sin * down))
 
