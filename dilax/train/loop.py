@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import os
 import signal
 import sys
 import threading
@@ -122,7 +123,7 @@ class _StopRequest:
     def _first(self, signum, frame) -> None:
         self.signum = signum
         for s in self.SIGNALS:
-            signal.signal(s, signal.SIG_DFL if self.hard else self._second)
+            signal.signal(s, self._hard_second if self.hard else self._second)
         print(f"\n{signal.Signals(signum).name}: finishing the current step, then saving a "
               "checkpoint (interrupt again to quit at once without saving; the last complete "
               "checkpoint stays usable)",
@@ -130,6 +131,15 @@ class _StopRequest:
 
     def _second(self, signum, frame) -> None:
         raise KeyboardInterrupt
+
+    @staticmethod
+    def _hard_second(signum, frame) -> None:
+        # say what is left behind, then die by the signal's default action (exit status)
+        print(f"\n{signal.Signals(signum).name} again: quitting at once; a save in progress "
+              "stays unfinished (<step>.orbax-checkpoint-tmp, which --resume names and removes)"
+              " and the last complete checkpoint is kept", file=sys.stderr, flush=True)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
     def __exit__(self, *exc) -> None:
         for s, handler in self._previous.items():
