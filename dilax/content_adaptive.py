@@ -11,6 +11,7 @@ import numpy as np
 from jax import lax
 
 from dilax import _validation as V
+from dilax.batch_dims import fold_batch_dims
 from dilax.block_sparse import attend_tables, pad_seq
 from dilax.utils import cdiv
 
@@ -117,7 +118,8 @@ def content_adaptive_attention(
     selection itself is discrete.
 
     Args:
-      q: ``(b, n, h, d)``; k, v: ``(b, n, hk, d)`` with ``h % hk == 0``.
+      q: ``(b, n, h, d)``; k, v: ``(b, n, hk, d)`` with ``h % hk == 0`` (any number of
+        leading batch dimensions, rank 3 included, as :func:`dilax.dilated_attention`).
       block_size: tokens per block ``B`` (the last block is partial if ``n % B != 0``).
       top_k: key blocks per query block, ``1 <= top_k <= ceil(n / B)``.
       is_causal: restrict query ``p`` to keys ``t <= p``.
@@ -135,6 +137,9 @@ def content_adaptive_attention(
       ValueError: ``block_size <= 0``; ``top_k`` outside ``[1, ceil(n / B)]``; malformed
         q, k, v shapes (as in :func:`block_sparse_attention`).
     """
+    q, k, v, rows, unfold = fold_batch_dims(q, k, v, query_seq_lengths=query_seq_lengths,
+                                            key_value_seq_lengths=key_value_seq_lengths)
+    query_seq_lengths, key_value_seq_lengths = rows.values()
     q, k, v = V.check_qkv(q, k, v)
     is_causal = V.check_bool(is_causal, "is_causal")
     scale = V.check_scale(scale, q.shape[3])
@@ -164,4 +169,4 @@ def content_adaptive_attention(
         block_size=bs, U=hk, G=h // hk, kvmap=tuple(range(hk)), scale=scale,
         query_seq_lengths=q_len, key_value_seq_lengths=kv_len_seq,
     )
-    return out
+    return unfold(out)

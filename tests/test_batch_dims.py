@@ -68,6 +68,16 @@ def test_block_sparse_folds_batch_dims_and_lengths():
     np.testing.assert_allclose(out, flat.reshape(out.shape), rtol=2e-5, atol=2e-5)
 
 
+def test_content_adaptive_folds_batch_dims():
+    q, k, v = _qkv((2, 2), seed=3)
+    out = dilax.content_adaptive_attention(q, k, v, 8, 2, is_causal=True)
+    flat = dilax.content_adaptive_attention(*(x.reshape(4, *x.shape[2:]) for x in (q, k, v)),
+                                            8, 2, is_causal=True)
+    np.testing.assert_array_equal(out, flat.reshape(out.shape))
+    out3 = dilax.content_adaptive_attention(q[1, 0], k[1, 0], v[1, 0], 8, 2, is_causal=True)
+    np.testing.assert_allclose(out3, flat[2], rtol=1e-6, atol=1e-6)
+
+
 def test_mismatched_leading_dims_are_named():
     q, k, v = _qkv((2, 3))
     with pytest.raises(ValueError, match="same leading batch dimensions"):
