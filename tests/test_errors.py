@@ -146,7 +146,7 @@ ERROR_TABLE += [
     ("module: embed_dim % num_heads", lambda: _mha(18, 4), ValueError,
      "embed_dim must be divisible by num_heads"),
     ("CLI: odd --d-model", _cli("--d-model=31"), ValueError,
-     "must be even (the rotary positions"),
+     "d_model (--d-model)=31 must be divisible by num_heads"),
     ("CLI: unknown flag", _cli("--lr-max", "1"), ValueError,
      "unrecognized arguments: --lr-max"),
     ("CLI: --stop-after beyond --steps", _cli("--steps", "5", "--stop-after", "6"), ValueError,
