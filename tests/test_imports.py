@@ -20,7 +20,7 @@ def _fresh(code: str) -> dict:
     """Runs ``code`` in a new interpreter on this checkout; returns the JSON it prints last."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         cwd=REPO, timeout=120)
+                         cwd=REPO, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

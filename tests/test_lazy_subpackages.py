@@ -4,14 +4,11 @@ still loads no Flax (issue 30)."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from test_imports import _fresh  # a new interpreter on this checkout
 
 REPO = Path(__file__).resolve().parents[1]
 # the user-facing docs, and the docstrings and messages of the package itself
@@ -35,14 +32,6 @@ def _documented_paths() -> dict[str, list[str]]:
 
 
 PATHS = _documented_paths()
-
-
-def _fresh(code: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         cwd=REPO, timeout=180)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_the_docs_name_the_flax_subpackages():

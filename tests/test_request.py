@@ -175,7 +175,7 @@ def test_each_public_path_validates_once(monkeypatch):
     }
     for label, call in calls.items():
         qkv, branches = _count(monkeypatch, "check_qkv"), _count(monkeypatch, "check_branches")
-        call()
+        jax.eval_shape(call)  # validation runs while tracing; nothing needs compiling
         assert (len(qkv), len(branches)) == (1, 1), label
         monkeypatch.undo()
 
@@ -273,7 +273,7 @@ def test_block_sparse_sequence_parallel_validates_once_and_errors(monkeypatch):
     pattern = dilax.patterns.local_window(64, 8, 8)
     sp = SequenceParallel(_mesh())
     calls = _count(monkeypatch, "check_qkv")
-    dilax.block_sparse_attention(q, k, v, pattern, sequence_parallel=sp)
+    jax.eval_shape(lambda: dilax.block_sparse_attention(q, k, v, pattern, sequence_parallel=sp))
     assert len(calls) == 1
     with pytest.raises(ValueError, match="not supported by block-sparse attention with seq"):
         dilax.block_sparse_attention(q, k, v, pattern, sequence_parallel=sp,
