@@ -91,8 +91,10 @@ def config_title(result: dict[str, Any]) -> str:
              f"d={cfg.get('head_dim')} {cfg.get('dtype')}")
     branches = (f"w={tuple(cfg.get('segment_lengths', ()))} "
                 f"r={tuple(cfg.get('dilation_rates', ()))}")
+    # the window belongs to the rows that use it (mixture-window), not to the whole command
+    windowed = any("window" in str(r.get("row", "")) for r in result.get("rows", []))
     extra = [x for x in ("causal" if cfg.get("causal") else "non-causal", cfg.get("mode"),
-                         cfg.get("local_window") is not None
+                         windowed and cfg.get("local_window") is not None
                          and f"local window {cfg.get('local_window')}") if x]
     machine = (f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('backend', '?')}, "
                f"jax {m.get('jax', '?')}, {str(m.get('date', ''))[:10]}")

@@ -24,8 +24,9 @@ def test_plot_title_names_shape_dtype_branches_mask_and_machine(tmp_path, monkey
                    "mode": "grouped", "local_window": 32},
         "machine": {"cpu": "Some CPU", "cores": 4, "backend": "cpu", "jax": "0.10.2",
                     "date": "2026-11-25 07:00 UTC"},
-        "rows": [{"row": "mixture", "pass_": "fwd", "n": n, "ms_median": n / 100.0,
-                  "memory_bytes": n * 2**12} for n in (2048, 4096)],
+        "rows": [{"row": row, "pass_": "fwd", "n": n, "ms_median": n / 100.0,
+                  "memory_bytes": n * 2**12} for n in (2048, 4096)
+                 for row in ("mixture", "mixture-window")],
     }
     titles = []
     close = plt.close
@@ -36,6 +37,9 @@ def test_plot_title_names_shape_dtype_branches_mask_and_machine(tmp_path, monkey
     want = ("b=2 h=8 hk=2 d=64 bfloat16, w=(512, 1024) r=(1, 2), causal, grouped, "
             "local window 32\nSome CPU, 4 cores, cpu, jax 0.10.2, 2026-11-25")
     assert config_title(result) == want
+    # a command whose rows use no window does not name the config's (unused) window
+    no_window = dict(result, rows=[r for r in result["rows"] if r["row"] == "mixture"])
+    assert "local window" not in config_title(no_window)
     assert titles == ["dilax speed: time (ms) vs n\n" + want,
                       "dilax speed: peak memory (MiB) vs n\n" + want]
     for p, t in zip(paths, titles, strict=True):  # the PNG holds it as text as well
