@@ -14,8 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dilax.registry import IMPLEMENTATIONS  # noqa: F401 - the one list of names
+from dilax.registry import check_name as check_implementation  # noqa: F401
+
 MODES = ("mixture", "grouped")
-IMPLEMENTATIONS = ("reference", "xla", "pallas", "cudnn")
 BLOCK_SPARSE_IMPLEMENTATIONS = ("reference", "xla", "pallas")
 FLOAT_DTYPES = tuple(jnp.dtype(t) for t in ("float32", "bfloat16", "float16", "float64"))
 
@@ -77,15 +79,6 @@ def check_branches(
                 "(each segment holds w / r dilated positions)"
             )
     return ws, rs
-
-
-def check_implementation(implementation: Any,
-                         allowed: tuple[str, ...] = IMPLEMENTATIONS) -> str | None:
-    """A known implementation name, or ``None`` (resolved per backend at call time)."""
-    if implementation is not None and implementation not in allowed:
-        raise ValueError(f"implementation must be one of {(None,) + tuple(allowed)}, "
-                         f"got {implementation!r}")
-    return implementation
 
 
 def check_mode_name(mode: Any) -> str:
