@@ -33,18 +33,6 @@ _DECODE_MESSAGE = (
 )
 
 
-def check_options(
-    segment_lengths: Any, dilation_rates: Any, *, mode: Any = "mixture", is_causal: Any = False,
-    scale: Any = None, implementation: Any = None, block_sizes: Any = None,
-) -> dict[str, Any]:
-    """Validates a static dilated configuration (everything but the shapes) and returns it
-    normalized, as a dict of the :class:`dilax.DilatedSettings` fields it names."""
-    s = DilatedSettings(segment_lengths, dilation_rates, mode=mode, is_causal=is_causal,
-                        scale=scale, implementation=implementation, block_sizes=block_sizes)
-    return {name: getattr(s, name) for name in ("segment_lengths", "dilation_rates")
-            + _OPTIONS}
-
-
 def attention_fn(
     segment_lengths: tuple[int, ...] | list[int] | int,
     dilation_rates: tuple[int, ...] | list[int] | int,

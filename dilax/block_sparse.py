@@ -6,7 +6,7 @@ from the compact tables into a contiguous ``(count * B)`` key sequence and
 :func:`dilax.core.attention_core` runs over it with ``kv_len = count * B`` per row and head,
 so the core's key loop stops after the row's own active blocks. Work is proportional to the
 number of active blocks; the gathered K/V is ``max_active`` blocks per row (processed a few
-rows at a time, see ``_ROW_BUDGET_BYTES``), never ``n x n``.
+rows at a time, see :mod:`dilax.block_sparse_tables`), never ``n x n``.
 
 Causal (exact and cheap): the key blocks strictly before the query block (``j < i``) are fully
 visible, so they go through one non-causal core call; the diagonal block (``j == i``) goes

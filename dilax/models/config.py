@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 
 from dilax import _validation as V
-from dilax.attention_fn import check_options
 from dilax.core import BlockSizes
 from dilax.models.positions import check_position_scheme
 from dilax.nn._heads import check_dropout, check_heads
 from dilax.nn.attention import check_sequence_parallel
+from dilax.settings import DilatedSettings
 from dilax.sp import SequenceParallel
 
 Dtype = Any
@@ -110,10 +110,10 @@ class LongNetConfig:
         dim_feedforward = V.static_int(self.dim_feedforward, "dim_feedforward")
         if dim_feedforward <= 0:
             raise ValueError(f"dim_feedforward must be positive, got {dim_feedforward}")
-        dilated = check_options(self.segment_lengths, self.dilation_rates, mode=self.mode,
-                                implementation=self.implementation,
-                                block_sizes=self.block_sizes)
-        V.check_mode(self.mode, num_heads, len(dilated["segment_lengths"]))
+        dilated = DilatedSettings(self.segment_lengths, self.dilation_rates, mode=self.mode,
+                                  implementation=self.implementation,
+                                  block_sizes=self.block_sizes)
+        V.check_mode(self.mode, num_heads, len(dilated.segment_lengths))
         eps = V.check_real(self.layer_norm_eps, "layer_norm_eps")
         if not (math.isfinite(eps) and eps >= 0):
             raise ValueError(f"layer_norm_eps must be finite and >= 0, got {eps}")
@@ -133,8 +133,8 @@ class LongNetConfig:
         normalized = dict(
             d_model=d_model, num_heads=num_heads,
             num_kv_heads=None if self.num_kv_heads is None else num_kv_heads,
-            dim_feedforward=dim_feedforward, segment_lengths=dilated["segment_lengths"],
-            dilation_rates=dilated["dilation_rates"], dropout=check_dropout(self.dropout),
+            dim_feedforward=dim_feedforward, segment_lengths=dilated.segment_lengths,
+            dilation_rates=dilated.dilation_rates, dropout=check_dropout(self.dropout),
             layer_norm_eps=eps, use_bias=V.check_bool(self.use_bias, "use_bias"),
             sequence_parallel=check_sequence_parallel(self.sequence_parallel,
                                                       self.implementation),
