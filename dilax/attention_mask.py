@@ -17,8 +17,30 @@ from dilax import _validation as V
 
 __all__ = ["AttentionMask"]
 
-_SEGMENT_IDS = ("segment_ids (packed documents) are not supported yet: see the "
-                "packed-documents issue; pass None")
+
+
+def check_segment_ids(segment_ids: Any, batch: int, n: int) -> jax.Array | None:
+    """``segment_ids``: ``None`` or an integer array ``(b, n)`` (a document is a maximal run
+    of equal ids in a row; any integer values, traced allowed)."""
+    if segment_ids is None:
+        return None
+    arr = segment_ids if isinstance(segment_ids, jax.Array) or hasattr(segment_ids, "aval") \
+        else jnp.asarray(segment_ids)
+    if not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise TypeError(f"segment_ids must be an integer array (b, n) of document ids, got "
+                        f"dtype {arr.dtype}")
+    if tuple(arr.shape) != (batch, n):
+        raise ValueError(f"segment_ids must have shape (b, n) = ({batch}, {n}), got "
+                         f"{tuple(arr.shape)}")
+    return arr.astype(jnp.int32)
+
+
+def _same_runs(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Ids whose runs are the runs of both ``a`` and ``b`` (a document ends where either
+    does)."""
+    change = (a[:, 1:] != a[:, :-1]) | (b[:, 1:] != b[:, :-1])
+    return jnp.concatenate([jnp.zeros_like(a[:, :1]),
+                            jnp.cumsum(change, axis=1, dtype=jnp.int32)], axis=1)
 
 
 @jax.tree_util.register_dataclass
@@ -30,7 +52,9 @@ class AttentionMask:
       query_seq_lengths: ``None`` or int32 ``(b,)``: query rows ``p >= len`` output 0.
       key_value_seq_lengths: ``None`` or int32 ``(b,)``: keys ``t >= len`` get no weight.
       key_padding_mask: ``None`` or bool ``(b, n)``, True where a key is valid.
-      segment_ids: reserved for packed documents (must be ``None`` for now).
+      segment_ids: ``None`` or int32 ``(b, n)``: packed documents. A document is a maximal
+        run of equal ids; each is computed as a sequence of its own (docs/semantics.md,
+        "Packed documents").
       is_causal: static; keys ``t <= p`` only.
 
     Build it with :meth:`build` (validated, normalized); the constructor takes the fields
@@ -55,15 +79,14 @@ class AttentionMask:
         clipped; dtypes and shapes as in :func:`dilax.dilated_attention`.
 
         Raises:
-          ValueError / TypeError: naming the argument and the rule. NotImplementedError:
-            ``segment_ids`` given.
+          ValueError / TypeError: naming the argument and the rule.
         """
         del k
-        if segment_ids is not None:
-            raise NotImplementedError(_SEGMENT_IDS)
         b, n = q.shape[:2]
+        ids = check_segment_ids(segment_ids, b, n)  # per position, like q
         n = n if seq_len is None else seq_len
         return cls(
+            segment_ids=ids,
             query_seq_lengths=V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n),
             key_value_seq_lengths=V.check_seq_lengths(key_value_seq_lengths,
                                                       "key_value_seq_lengths", b, n),
@@ -74,9 +97,11 @@ class AttentionMask:
     def check_fits(self, q: Any, *, seq_len: int | None = None) -> AttentionMask:
         """This mask, checked to have the shapes of a call on ``q (b, n, h, d)`` (a mask
         built for other shapes raises ``ValueError``); values are not checked again."""
-        if self.segment_ids is not None:
-            raise NotImplementedError(_SEGMENT_IDS)
         b, n = q.shape[:2]
+        ids = self.segment_ids
+        if ids is not None and tuple(jnp.shape(ids)) != (b, n):
+            raise ValueError(f"mask.segment_ids must have shape (b, n) = ({b}, {n}), got "
+                             f"{tuple(jnp.shape(ids))}")
         for name in ("query_seq_lengths", "key_value_seq_lengths"):
             x = getattr(self, name)
             if x is not None and tuple(jnp.shape(x)) != (b,):
@@ -103,9 +128,8 @@ class AttentionMask:
         def both(a, b, op):
             return a if b is None else b if a is None else op(a, b)
 
-        if self.segment_ids is not None or other.segment_ids is not None:
-            raise NotImplementedError(_SEGMENT_IDS)
         return AttentionMask(
+            segment_ids=both(self.segment_ids, other.segment_ids, _same_runs),
             query_seq_lengths=both(self.query_seq_lengths, other.query_seq_lengths,
                                    jnp.minimum),
             key_value_seq_lengths=both(self.key_value_seq_lengths,

@@ -21,6 +21,7 @@ from dilax.backend import resolve_core, resolve_implementation
 from dilax.batch_dims import fold_batch_dims
 from dilax.branches import CoreBranch, attend_branches
 from dilax.core import XLA, BlockSizes, Core
+from dilax.documents import DocumentBranch, document_bounds
 from dilax.layout import dilated_branches, window_plan
 from dilax.reference import dilated_attention_reference
 from dilax.registry import branch_cores
@@ -47,15 +48,21 @@ def dilated_attention_core(q, k, v, mask: AttentionMask, settings: DilatedSettin
                                    settings.dilation_rates, mode))
     if settings.local_window is not None:
         plans += (window_plan(n, h, k.shape[2], settings.local_window),)
+    documents = mask.segment_ids is not None
     cores = branch_cores(core, plans, dtype=q.dtype, head_dim=q.shape[-1], is_causal=is_causal,
                          key_padding=mask.key_padding_mask is not None,
                          lengths=mask.query_seq_lengths is not None
-                         or mask.key_value_seq_lengths is not None)
-    ops = tuple(CoreBranch(p, float(scale), bool(is_causal), block_sizes, c)
-                for p, c in zip(plans, cores))
+                         or mask.key_value_seq_lengths is not None, documents=documents)
     lengths = (mask.query_seq_lengths, mask.key_value_seq_lengths, mask.key_padding_mask)
-    # no lengths: exactly the program without them
-    aux = None if all(x is None for x in lengths) else lengths
+    if documents:  # packed rows: each branch on its documents' own positions
+        ops = tuple(DocumentBranch(p, n, h, k.shape[2], float(scale), bool(is_causal),
+                                   block_sizes, c) for p, c in zip(plans, cores))
+        aux = lengths + document_bounds(mask.segment_ids)
+    else:
+        ops = tuple(CoreBranch(p, float(scale), bool(is_causal), block_sizes, c)
+                    for p, c in zip(plans, cores))
+        # no lengths: exactly the program without them
+        aux = None if all(x is None for x in lengths) else lengths
     out, lse = attend_branches(q, k, v, ops, mode, out_dtype=q.dtype, aux=aux)
     return (out, lse) if return_lse else out
 
@@ -80,6 +87,7 @@ def dilated_attention(
     settings: DilatedSettings | None = None,
     mask: AttentionMask | None = None,
     sequence_parallel: SequenceParallel | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Dilated attention (LongNet), exactly as specified in docs/semantics.md.
 
@@ -128,6 +136,12 @@ def dilated_attention(
       mask: a :class:`dilax.AttentionMask` (then ``query_seq_lengths``,
         ``key_value_seq_lengths`` and ``key_padding_mask`` must be left out); its
         ``is_causal`` or ``is_causal`` here makes the call causal.
+      segment_ids: optional int ``(b, n)``: packed documents. A document is a maximal run of
+        equal ids in a row and is computed as a sequence of its own: segments, offsets,
+        causality and the local window apply to its own positions ``p - start``, and no query
+        attends a key of another document, so its rows equal the op on the document alone
+        (docs/semantics.md, "Packed documents"). Runs on the XLA core (the kernels have no
+        per-row key ranges) and costs the documents' own attended pairs, never ``n x n``.
       sequence_parallel: a :class:`dilax.SequenceParallel`: run as ring attention with the
         sequence split over ``sequence_parallel.mesh`` (XLA core; no ``key_padding_mask``;
         ``n`` divisible by the ``seq_axis`` size, ``local_window`` at most ``n/P``, see
@@ -150,7 +164,7 @@ def dilated_attention(
     q, k, v, rows, unfold = fold_batch_dims(
         q, k, v, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, key_padding_mask=key_padding_mask,
-        mask=mask)
+        segment_ids=segment_ids, mask=mask)
     q, k, v, mask, settings = check_dilated_request(
         q, k, v, settings, empty_batch=sequence_parallel is None, **rows)
     if sequence_parallel is not None:
@@ -188,5 +202,6 @@ def _dilated_jit(q, k, v, mask: AttentionMask, settings: DilatedSettings):
             is_causal=settings.is_causal, scale=settings.scale_for(q.shape[3]),
             mode=settings.mode, query_seq_lengths=mask.query_seq_lengths,
             key_value_seq_lengths=mask.key_value_seq_lengths,
-            local_window=settings.local_window, key_padding_mask=mask.key_padding_mask)
+            local_window=settings.local_window, key_padding_mask=mask.key_padding_mask,
+            segment_ids=mask.segment_ids)
     return dilated_attention_core(q, k, v, mask, settings, core)

@@ -14,12 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 
 # The count matrix is the semantics' (dilax.semantics); re-exported for the tests.
-from dilax.semantics import branch_mask, dilated_counts, group_sizes, window_mask
+from dilax.semantics import branch_heads, branch_mask, dilated_counts, group_sizes, window_mask
 
 __all__ = [
     "branch_mask",
     "dilated_attention_reference",
     "dilated_counts",
+    "document_counts",
     "group_sizes",
     "length_mask",
     "masked_attention",
@@ -43,6 +44,36 @@ def length_mask(n: int, query_seq_lengths=None, key_value_seq_lengths=None,
     if key_padding_mask is not None:
         valid = valid & jnp.asarray(key_padding_mask, bool)[:, None, :]
     return jnp.broadcast_to(valid, (valid.shape[0], n, n))[:, None].astype(jnp.float32)
+
+
+def document_counts(segment_ids, num_heads: int, segment_lengths, dilation_rates,
+                    mode: str = "mixture", is_causal: bool = False,
+                    local_window: int | None = None) -> jax.Array:
+    """``C[b, j, p, t]`` of packed documents (docs/semantics.md, "Packed documents"): the rules
+    of :func:`dilated_counts` on document positions ``p - start``, and no pair across two
+    documents. ``segment_ids (b, n)``; returns float32 ``(b, h, n, n)``."""
+    ids = jnp.asarray(segment_ids)
+    n = ids.shape[1]
+    pos = jnp.arange(n)
+    change = jnp.concatenate([jnp.zeros_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], 1)
+    doc = jnp.cumsum(change, axis=1)
+    same_doc = doc[:, :, None] == doc[:, None, :]  # (b, n, n)
+    start = jnp.argmax(same_doc, axis=2)  # the first position of p's document
+    dpos = pos[None] - start
+    allowed = same_doc
+    if is_causal:
+        allowed = allowed & (pos[None, None, :] <= pos[None, :, None])
+    counts = jnp.zeros((ids.shape[0], num_heads, n, n), jnp.float32)
+    for br in branch_heads(num_heads, segment_lengths, dilation_rates, mode):
+        for j, o in zip(br.heads, br.offsets):
+            sel = dpos % br.r == o
+            seg = dpos // br.w
+            m = allowed & sel[:, :, None] & sel[:, None, :] & (seg[:, :, None] == seg[:, None, :])
+            counts = counts.at[:, j].add(m.astype(jnp.float32))
+    if mode == "mixture" and local_window is not None:
+        band = jnp.abs(pos[:, None] - pos[None, :]) <= local_window
+        counts = counts + (allowed & band[None]).astype(jnp.float32)[:, None]
+    return counts
 
 
 def masked_attention(
@@ -102,14 +133,22 @@ def dilated_attention_reference(
     key_value_seq_lengths: jax.Array | None = None,
     local_window: int | None = None,
     key_padding_mask: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Dilated attention from the explicit mask (docs/semantics.md). Arguments must be
-    validated; lengths ``(b,)`` in ``[0, n]`` zero the count of invalid (query, key) pairs."""
+    validated; lengths ``(b,)`` in ``[0, n]`` zero the count of invalid (query, key) pairs;
+    ``segment_ids (b, n)``: packed documents (:func:`document_counts`)."""
     n, h = q.shape[1], q.shape[2]
-    counts = dilated_counts(n, h, segment_lengths, dilation_rates, mode, is_causal, local_window)
+    if segment_ids is not None:
+        counts = document_counts(segment_ids, h, segment_lengths, dilation_rates, mode,
+                                 is_causal, local_window)
+    else:
+        counts = dilated_counts(n, h, segment_lengths, dilation_rates, mode, is_causal,
+                                local_window)
     valid = length_mask(n, query_seq_lengths, key_value_seq_lengths, key_padding_mask)
     if valid is not None:
-        counts = jnp.asarray(counts)[None] * valid
+        counts = jnp.asarray(counts) * valid if counts.ndim == 4 else (
+            jnp.asarray(counts)[None] * valid)
     out = masked_attention(q, k, v, counts, scale)
     if mode == "grouped":
         out = (out.astype(jnp.float32) / len(segment_lengths)).astype(q.dtype)

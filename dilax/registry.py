@@ -50,6 +50,7 @@ class CoreRequest:
     (``key_padding_mask``). ``has_lengths``: ``query_seq_lengths``/``key_value_seq_lengths``.
     ``platform``: the platform the program is compiled for when known (``"cpu"``, ``"gpu"``...),
     ``None`` when decided at lowering. ``interpret``: the Pallas kernels run in the interpreter.
+    ``has_documents``: packed documents (``segment_ids``; per-row key ranges in the core).
     """
 
     op: str
@@ -61,6 +62,7 @@ class CoreRequest:
     has_lengths: bool = False
     platform: str | None = None
     interpret: bool = False
+    has_documents: bool = False
 
     def __post_init__(self):
         if self.op not in OPS:
@@ -92,6 +94,8 @@ def _xla(r: CoreRequest) -> str | None:
 
 
 def _pallas(r: CoreRequest) -> str | None:
+    if r.has_documents:
+        return "the Pallas kernels have no per-row key ranges (segment_ids, packed documents)"
     if r.op == "ring_hop":
         return "the rings run their hops through the XLA core (no Pallas ring kernel yet)"
     if r.op == "decode":
@@ -111,6 +115,8 @@ def _pallas(r: CoreRequest) -> str | None:
 
 
 def _cudnn(r: CoreRequest) -> str | None:
+    if r.has_documents:
+        return "cuDNN's fused attention is not wired for segment_ids (packed documents) here"
     if r.op == "block_sparse":
         return "cuDNN has no block-sparse attention"
     if r.op in ("ring_hop", "decode"):
@@ -232,7 +238,8 @@ class Auto:
 
 
 def branch_cores(core, plans, *, dtype, head_dim: int, is_causal: bool,
-                 key_padding: bool = False, lengths: bool = False) -> tuple:
+                 key_padding: bool = False, lengths: bool = False,
+                 documents: bool = False) -> tuple:
     """The core of each :class:`~dilax.layout.BranchPlan` of a dilated call.
 
     ``core``: a :class:`dilax.core.Core` (an explicit implementation: every branch must be
@@ -242,7 +249,8 @@ def branch_cores(core, plans, *, dtype, head_dim: int, is_causal: bool,
     platform = core.platform if isinstance(core, Auto) else None
     requests = [CoreRequest("window" if p.window is not None else "dilated_branch", dtype,
                             head_dim, bool(is_causal), has_key_padding=key_padding,
-                            has_lengths=lengths, platform=platform, interpret=interpret)
+                            has_lengths=lengths, platform=platform, interpret=interpret,
+                            has_documents=documents)
                 for p in plans]
     if not isinstance(core, Auto):
         for r in requests:  # explicit: serves every branch or raises

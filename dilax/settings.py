@@ -92,7 +92,8 @@ class DilatedSettings:
         return out
 
 
-_MASK_KEYWORDS = ("query_seq_lengths", "key_value_seq_lengths", "key_padding_mask")
+_MASK_KEYWORDS = ("query_seq_lengths", "key_value_seq_lengths", "key_padding_mask",
+                  "segment_ids")
 
 
 def check_dilated_request(q: Any, k: Any, v: Any, settings: DilatedSettings,

@@ -118,8 +118,15 @@ def test_mask_is_a_pytree_built_once_and_combinable():
         AttentionMask.build(q, query_seq_lengths=[17, 3])
     with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(b, n\)"):
         AttentionMask.build(q, key_padding_mask=np.ones((2, 8), bool))
-    with pytest.raises(NotImplementedError, match="packed-documents issue"):
-        AttentionMask.build(q, segment_ids=jnp.zeros((2, 16), jnp.int32))
+    with pytest.raises(ValueError, match=r"segment_ids must have shape \(b, n\)"):
+        AttentionMask.build(q, segment_ids=jnp.zeros((2, 8), jnp.int32))
+    with pytest.raises(TypeError, match="segment_ids must be an integer array"):
+        AttentionMask.build(q, segment_ids=jnp.zeros((2, 16), jnp.float32))
+    # documents of both masks: a document ends where either's does
+    ids = lambda cut: np.broadcast_to(np.arange(16) >= cut, (2, 16)).astype(np.int32)  # noqa: E731
+    c = AttentionMask.build(q, segment_ids=ids(5)) & AttentionMask.build(q, segment_ids=ids(9))
+    np.testing.assert_array_equal(c.segment_ids[0], np.searchsorted([5, 9], np.arange(16),
+                                                                    side="right"))
 
 
 def test_mask_value_equals_keywords_and_reference():

@@ -132,6 +132,7 @@ def _refuse_masks(name: str, mask: Mask) -> None:
         ("a band mask (local_window)", mask.window is not None),
         ("a per-key mask (key padding)", mask.kv_valid is not None),
         ("bias or (B, N, T, S) boolean mask", mask.bias is not None or mask.mask is not None),
+        ("per-row key ranges (segment_ids)", mask.key_range is not None),
     ) if given]
     if missing:
         raise ValueError(f"implementation={name!r}: the kernel has no {' or '.join(missing)} "

@@ -40,6 +40,13 @@ class Mask:
         gradient (``dS`` summed over the broadcast dims).
       mask: bool, shaped like ``bias`` (its own dims), or ``None``: query ``i`` may attend key
         ``t`` of head ``h`` only where ``mask[b, h, i, t]`` (broadcast) is True.
+      key_range: ``None`` or a pair ``(lo, hi)`` of int32 ``(B, U, Lq)``: query ``i`` may
+        attend only keys ``lo[b, u, i] <= t < hi[b, u, i]`` (packed documents: the key run of
+        the query's document chunk; ``lo >= hi`` = no key). Key blocks outside the rows'
+        ranges are skipped.
+      query_range: ``None`` or ``(lo, hi)`` int32 ``(B, U, Lk)``, given with ``key_range``: a
+        superset of the queries that may attend key ``t`` (the backward visits only those
+        query blocks; the exact rule is ``key_range``'s).
 
     ``window`` may also be a ``(left, right)`` pair of ints: the band
     ``-left <= (k_offset + t) - (q_offset + i) <= right``.
@@ -54,6 +61,8 @@ class Mask:
     kv_valid: jax.Array | None = None
     bias: jax.Array | None = None
     mask: jax.Array | None = None
+    key_range: tuple[jax.Array, jax.Array] | None = None
+    query_range: tuple[jax.Array, jax.Array] | None = None
 
     def resolve(self, batch: int, num_kv: int, len_k: int, len_q: int | None = None) -> Mask:
         """int32 arrays: ``kv_len`` (``q_len``) broadcast to ``(batch, num_kv)`` and capped at
@@ -70,9 +79,17 @@ class Mask:
         if kv_valid is not None:
             kv_valid = jnp.broadcast_to(jnp.asarray(kv_valid, bool),
                                         (batch, num_kv, kv_valid.shape[-1]))
+        key_range, query_range = self.key_range, self.query_range
+        if key_range is not None:
+            key_range = tuple(jnp.broadcast_to(jnp.asarray(x, jnp.int32),
+                                               (batch, num_kv, x.shape[-1])) for x in key_range)
+            query_range = tuple(jnp.broadcast_to(jnp.asarray(x, jnp.int32),
+                                                 (batch, num_kv, x.shape[-1]))
+                                for x in query_range)
         return Mask(kv_len, jnp.asarray(self.q_offset, jnp.int32),
                     jnp.asarray(self.k_offset, jnp.int32), bool(self.is_causal), q_len,
-                    _static_window(self.window), kv_valid, self.bias, self.mask)
+                    _static_window(self.window), kv_valid, self.bias, self.mask, key_range,
+                    query_range)
 
 
 def _static_window(window):

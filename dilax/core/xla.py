@@ -80,6 +80,33 @@ def _mask(k_start, block_k, kv_len, q_pos, k_offset, is_causal, q_valid=None, wi
     return mask
 
 
+def _pad_range(rng, size):
+    """A ``(lo, hi)`` row range ``(B, U, L)`` padded to ``size`` rows with empty ranges."""
+    if rng is None:
+        return None
+    lo, hi = rng
+    extra = size - lo.shape[-1]
+    if extra == 0:
+        return lo, hi
+    big = jnp.iinfo(jnp.int32).max // 2
+    pad = ((0, 0), (0, 0), (0, extra))
+    return jnp.pad(lo, pad, constant_values=big), jnp.pad(hi, pad)
+
+
+def _range_rows(rng, b, u0, u1, start, size):
+    """``(lo, hi)`` of rows ``start .. start + size`` of heads ``u0 .. u1``: ``(U, size)``."""
+    return tuple(lax.dynamic_slice(x, _starts(b, u0, start), (1, u1 - u0, size))[0]
+                 for x in rng)
+
+
+def _range_mask(rng, k_start, block_k):
+    """``(U, 1, bq, bk)``: key ``k_start + j`` inside row ``i``'s range ``[lo, hi)``."""
+    lo, hi = rng
+    k_idx = k_start + lax.iota(jnp.int32, block_k)
+    return ((k_idx[None, None, :] >= lo[:, :, None])
+            & (k_idx[None, None, :] < hi[:, :, None]))[:, None]
+
+
 def _q_valid(q_start, block_q, q_len):
     """``(U, bq)``: which rows of the query block starting at ``q_start`` are valid."""
     if q_len is None:
@@ -179,6 +206,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
     dense = pairwise.prepare(mask, view)  # None without a bias or mask
     block_q, block_k = block_sizes.block_q, block_sizes.block_k
     heads_per_step = block_sizes.heads_per_step
+    ranged = mask.key_range is not None
     B, Lq = q.shape[:2]
     Lk, d = k.shape[1], k.shape[-1]
     U, G = len(view.kv_index), view.q_per_kv
@@ -187,6 +215,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
     kp, vp, kv_len, kv_valid = _pad_keys(_as_bits(k), _as_bits(v), kv_len, kv_valid,
                                          nk * block_k, U)
     axes = varying_axes(q, k, v, kv_len, q_offset, k_offset, q_len)
+    key_range = _pad_range(mask.key_range, nq * block_q)
 
     groups = _head_groups(U, G, heads_per_step)
 
@@ -226,6 +255,11 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
             hi = jnp.minimum(hi, _block_floor(q_first + block_q - 1 + right - k_offset,
                                               block_k, nk - 1) + 1)
             lo = full = jnp.minimum(_block_floor(q_first - left - k_offset, block_k, nk), hi)
+        rows = None
+        if ranged:  # only the key blocks the rows' ranges meet, all masked
+            rows = _range_rows(key_range, bi, u0, u1, qi * block_q, block_q)
+            hi = jnp.minimum(hi, cdiv(jnp.max(rows[1]), block_k))
+            lo = full = jnp.minimum(_block_floor(jnp.min(rows[0]), block_k, nk), hi)
 
         def make_body(causal_block):
             def body(j, carry):
@@ -237,6 +271,9 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
                 kvb = _key_valid_block(kv_valid, bi, u0, u1, k0, block_k)
                 mask = _mask(k0, block_k, kl, q_pos, k_offset, causal_block and is_causal,
                              q_valid, window if causal_block else None, kvb)
+                if rows is not None and causal_block:
+                    in_range = _range_mask(rows, k0, block_k)
+                    mask = in_range if mask is None else mask & in_range
                 if dense is not None:  # the caller's (B, N, T, S) bias / mask, one block
                     s, mask = pairwise.apply(s, *pairwise.terms(
                         dense, bi, u0, u1, G, qi * block_q, block_q, k0, block_k), mask)
@@ -261,7 +298,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
             jnp.zeros((U, G, block_q, d), _F32),
         )
         carry = lax.fori_loop(lo, full, make_body(False), carry)
-        if is_causal or window is not None:
+        if is_causal or window is not None or ranged:
             carry = lax.fori_loop(full, hi, make_body(True), carry)
         m, l, acc = carry
         has_key = l > 0
@@ -301,6 +338,9 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
     lsep, deltap = pad_q(lse_safe), pad_q(delta)
     kp, vp, kv_len, kv_valid = _pad_keys(bits(k), bits(v), kv_len, kv_valid, nk * block_k, U)
     axes = varying_axes(q, k, v, kv_len, q_offset, k_offset, dout, delta, q_len)
+    key_range = _pad_range(mask.key_range, nq * block_q)
+    query_range = _pad_range(mask.query_range, nk * block_k)
+    ranged = key_range is not None
     out_view = view.output_view()  # reads dout, lse, delta (output layout) per block
 
     # float32 accumulators in the input layouts, padded to whole blocks; ``acc`` (gradients
@@ -345,8 +385,12 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
             lo = jnp.maximum(lo, _block_floor(k_offset + k0 - right - q_offset, block_q, nq))
             hi = jnp.minimum(hi, _block_floor(k_offset + k0 + block_k - 1 + left - q_offset,
                                               block_q, nq - 1) + 1)
+        if ranged:  # only the query blocks that may attend this key block, all masked
+            q_rows = _range_rows(query_range, bi, 0, U, k0, block_k)
+            lo = jnp.maximum(lo, _block_floor(jnp.min(q_rows[0]), block_q, nq))
+            hi = jnp.minimum(hi, cdiv(jnp.max(q_rows[1]), block_q))
         hi = jnp.maximum(hi, lo)
-        full_lo = hi if window is not None else jnp.minimum(full_lo, hi)
+        full_lo = hi if window is not None or ranged else jnp.minimum(full_lo, hi)
 
         def make_body(causal_block):
             def body(qi, carry):
@@ -360,6 +404,10 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
                 q_pos = q_offset + q0 + lax.iota(jnp.int32, block_q)
                 mask = _mask(k0, block_k, kl, q_pos, k_offset, causal_block and is_causal,
                              _q_valid(q0, block_q, ql), window if causal_block else None, kvb)
+                if ranged and causal_block:
+                    in_range = _range_mask(_range_rows(key_range, bi, 0, U, q0, block_q), k0,
+                                           block_k)
+                    mask = in_range if mask is None else mask & in_range
                 if dense is not None:
                     s, mask = pairwise.apply(s, *pairwise.terms(
                         dense, bi, 0, U, G, q0, block_q, k0, block_k, Lq), mask)
@@ -387,7 +435,7 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
 
         carry = mark_varying(axes, jnp.zeros((U, block_k, d), _F32),
                              jnp.zeros((U, block_k, d), _F32)) + (dq, *db)
-        if is_causal or window is not None:
+        if is_causal or window is not None or ranged:
             carry = lax.fori_loop(lo, full_lo, make_body(True), carry)
             carry = lax.fori_loop(full_lo, hi, make_body(False), carry)
         else:

@@ -1,0 +1,247 @@
+"""Packed documents (``segment_ids``): every document computed as a sequence of its own.
+
+A document is a maximal run of equal ids in a row (docs/semantics.md, "Packed documents").
+Inside it, position ``p`` has document position ``p - start``, and every rule of a branch
+``(w, r)`` -- offsets, segments, causality -- applies to document positions. So a branch's
+queries of offset ``o`` are the positions with ``(p - start) % r == o``; listed in row order
+they form the branch's *document-dilated sequence*, in which every (document, segment) is one
+contiguous run of keys. One core call per branch then reads that sequence with per-row key
+ranges (:class:`dilax.core.Mask` ``key_range``): cost follows the documents' own attended
+pairs plus the edges of their runs, never ``n x n``.
+
+:class:`DocumentBranch` is that branch for the one branch runner
+(:func:`dilax.branches.attend_branches`): it gathers the rows of its offsets, runs the core and
+puts the results back at their positions (the merge then reads them like any branch's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dilax.core import XLA, BlockSizes, Core, Mask, SlotView, static_take
+from dilax.layout import BranchPlan, plan_branch
+
+_F32 = jnp.float32
+_EMPTY = np.iinfo(np.int32).max // 2  # the lower end of an empty key range
+
+__all__ = ["DocumentBranch", "document_bounds", "document_positions", "document_tables"]
+
+
+def document_bounds(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(start, end)``, int32 ``(b, n)``: the first position of ``p``'s document and one past
+    its last (a document is a maximal run of equal ids)."""
+    ids = jnp.asarray(segment_ids)
+    n = ids.shape[-1]
+    pos = jnp.arange(n, dtype=jnp.int32)
+    change = ids[..., 1:] != ids[..., :-1]
+    first = jnp.concatenate([jnp.ones_like(change[..., :1]), change], axis=-1)
+    last = jnp.concatenate([change, jnp.ones_like(change[..., :1])], axis=-1)
+    start = jax.lax.cummax(jnp.where(first, pos, 0), axis=ids.ndim - 1)
+    end = jax.lax.cummin(jnp.where(last, pos + 1, n), axis=ids.ndim - 1, reverse=True)
+    return start.astype(jnp.int32), end.astype(jnp.int32)
+
+
+def document_positions(segment_ids: jax.Array) -> jax.Array:
+    """int32 ``(b, n)``: each position's index inside its document (``0`` at every start;
+    the positions a model's rotary code uses for packed rows)."""
+    start, _ = document_bounds(segment_ids)
+    return jnp.arange(start.shape[-1], dtype=jnp.int32) - start
+
+
+def _take_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """``x (b, m, ...)``, ``idx (b, L)`` -> ``x[b, idx[b, i]]`` ``(b, L, ...)``."""
+    idx = idx.reshape(idx.shape + (1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, idx, axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Offset:
+    """One offset class of a branch: the gather into its document-dilated sequence."""
+
+    rows: jax.Array  # (b, n) positions of the sequence, then n (an empty row) past its end
+    back: jax.Array  # (b, n) each position's row in the sequence, n if not selected
+    key_lo: jax.Array  # (b, n) key range of each row (empty: _EMPTY, 0)
+    key_hi: jax.Array
+    query_lo: jax.Array  # (b, n) the rows that may attend each row's key (its run)
+    query_hi: jax.Array
+    key_valid: jax.Array | None  # (b, n) per-key validity of each row, or None
+
+
+def document_tables(start: jax.Array, end: jax.Array, w: int, r: int, offset: int, *,
+                    window: int | None = None, q_len=None, kv_len=None, key_valid=None
+                    ) -> _Offset:
+    """The document-dilated sequence of branch ``(w, r)`` at ``offset`` (or of the
+    local-window band ``|p - t| <= window`` with ``window``, ``r = 1``), from the documents'
+    ``start, end (b, n)``; valid lengths ``(b,)`` and ``key_valid (b, n)`` folded in."""
+    b, n = start.shape
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    if window is not None:  # r = 1: the rows are the positions; the band inside the document
+        sel = jnp.ones((b, n), bool)
+        lo = jnp.maximum(start, pos - window)
+        hi = jnp.minimum(end, pos + window + 1)
+        rows = back = jnp.broadcast_to(pos, (b, n))
+        count = jnp.broadcast_to(jnp.concatenate([jnp.zeros((1, 1), jnp.int32), pos + 1], 1),
+                                 (b, n + 1))
+    else:
+        doc_pos = pos - start
+        sel = doc_pos % r == offset
+        count = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
+                                 jnp.cumsum(sel, axis=1, dtype=jnp.int32)], axis=1)
+        before = count[:, :-1]  # selected positions before p: p's row when selected
+        seg_start = start + (doc_pos // w) * w
+        seg_end = jnp.minimum(seg_start + w, end)
+        lo = jnp.take_along_axis(count, seg_start, axis=1)
+        hi = jnp.take_along_axis(count, seg_end, axis=1)
+        if r == 1:
+            rows = back = jnp.broadcast_to(pos, (b, n))
+        else:
+            back = jnp.where(sel, before, n)
+            rows = jnp.full((b, n + 1), n, jnp.int32).at[
+                jnp.arange(b)[:, None], back].set(jnp.broadcast_to(pos, (b, n)))[:, :n]
+    query_lo, query_hi = lo, hi  # symmetric runs: the queries that may see key t
+    if kv_len is not None:  # valid keys are a prefix of the sequence (it is in row order)
+        kv = jnp.clip(jnp.asarray(kv_len, jnp.int32), 0, n)
+        hi = jnp.minimum(hi, jnp.take_along_axis(count, kv[:, None], axis=1))
+    ok = sel
+    if q_len is not None:
+        ok = ok & (pos < jnp.asarray(q_len, jnp.int32)[:, None])
+    lo, hi = jnp.where(ok, lo, _EMPTY), jnp.where(ok, hi, 0)
+    pad = lambda x, fill: jnp.pad(x, ((0, 0), (0, 1)), constant_values=fill)  # noqa: E731
+    gather = (lambda x, fill: x) if window is not None or r == 1 else (
+        lambda x, fill: jnp.take_along_axis(pad(x, fill), rows, axis=1))
+    kvalid = None if key_valid is None else gather(jnp.asarray(key_valid, bool), False)
+    return _Offset(rows, back, gather(lo, _EMPTY), gather(hi, 0), gather(query_lo, _EMPTY),
+                   gather(query_hi, 0), kvalid)
+
+
+@dataclasses.dataclass(frozen=True)
+class DocumentBranch:
+    """Branch ``plan`` over packed documents as one core call (a :class:`BranchOp` of
+    :func:`dilax.branches.attend_branches`).
+
+    ``aux`` = ``(q_len, kv_len, key_valid, start, end)``: valid lengths ``(b,)`` or ``None``,
+    per-key validity ``(b, n)`` or ``None``, and the documents' :func:`document_bounds`.
+    Results are in the full layout (``result_plan``: one segment, ``r = 1``)."""
+
+    plan: BranchPlan
+    n: int
+    num_heads: int
+    num_kv_heads: int
+    scale: float
+    is_causal: bool
+    block_sizes: BlockSizes | None = None
+    core: Core = XLA
+
+    @property
+    def result_plan(self) -> BranchPlan:
+        heads = tuple(sorted(self.plan.q_heads))
+        return plan_branch(self.n, self.num_heads, self.num_kv_heads, self.n, 1, heads,
+                           (0,) * len(heads))
+
+    @property
+    def _gathers(self) -> bool:
+        return self.plan.r > 1 and self.plan.window is None
+
+    def _tables(self, aux):
+        q_len, kv_len, key_valid, start, end = aux
+        p = self.plan
+        offsets = sorted(set(p.kv_slots))
+        tables = {o: document_tables(start, end, p.w, p.r, o, window=p.window, q_len=q_len,
+                                     kv_len=kv_len, key_valid=key_valid) for o in offsets}
+        per_u = [tables[o] for o in p.kv_slots]
+
+        def stack(name):
+            xs = [getattr(t, name) for t in per_u]
+            return None if xs[0] is None else jnp.stack(xs, axis=1)  # (b, U, n)
+
+        mask = Mask(is_causal=self.is_causal, kv_valid=stack("key_valid"),
+                    key_range=(stack("key_lo"), stack("key_hi")),
+                    query_range=(stack("query_lo"), stack("query_hi")))
+        return per_u, mask
+
+    def _view(self) -> SlotView:
+        U, G = len(self.plan.kv_heads), self.plan.q_per_kv
+        return SlotView(1, U * G, U, tuple(range(U * G)), tuple(range(U)))
+
+    def _gather_in(self, x, heads, per_u, G):
+        """``x (b, n, H, ...)`` -> the sequences ``(b, n, U*G, ...)`` of heads ``heads``."""
+        x = static_take(x, heads, axis=2)
+        if not self._gathers:
+            return x
+        b, n = x.shape[:2]
+        x = jnp.pad(x.reshape(b, n, len(per_u), G, *x.shape[3:]),
+                    ((0, 0), (0, 1)) + ((0, 0),) * (x.ndim - 1))
+        parts = [_take_rows(x[:, :, u], t.rows) for u, t in enumerate(per_u)]
+        return jnp.stack(parts, axis=2).reshape(b, n, len(per_u) * G, *x.shape[4:])
+
+    def _scatter_out(self, y, per_u, G, fill):
+        """Sequences ``(b, n, U*G, ...)`` -> positions, heads ascending; ``fill`` elsewhere."""
+        b, n = y.shape[:2]
+        if self._gathers:
+            y = jnp.pad(y.reshape(b, n, len(per_u), G, *y.shape[3:]),
+                        ((0, 0), (0, 1)) + ((0, 0),) * (y.ndim - 1), constant_values=fill)
+            y = jnp.stack([_take_rows(y[:, :, u], t.back) for u, t in enumerate(per_u)],
+                          axis=2).reshape(b, n, len(per_u) * G, *y.shape[4:])
+        order = tuple(sorted(range(len(self.plan.q_heads)), key=self.plan.q_heads.__getitem__))
+        return static_take(y, order, axis=2)
+
+    def _unscatter(self, y, per_u, G):
+        """Inverse of :meth:`_scatter_out` for cotangents: positions -> sequences."""
+        heads = sorted(self.plan.q_heads)
+        return self._gather_in(y, tuple(heads.index(j) for j in self.plan.q_heads), per_u, G)
+
+    def forward(self, q, k, v, aux):
+        per_u, mask = self._tables(aux)
+        p, G = self.plan, self.plan.q_per_kv
+        qs = self._gather_in(q, p.q_heads, per_u, G)
+        ks = self._gather_in(k, p.kv_heads, per_u, 1)
+        vs = self._gather_in(v, p.kv_heads, per_u, 1)
+        out, lse = self.core.forward(qs, ks, vs, view=self._view(), mask=mask,
+                                     scale=self.scale, block_sizes=self.block_sizes,
+                                     out_dtype=_F32)
+        return (self._scatter_out(out, per_u, G, 0.0),
+                self._scatter_out(lse, per_u, G, -jnp.inf), None)
+
+    def backward(self, q, k, v, aux, res, lse, dout, dlse, delta, acc):
+        del res, dlse
+        per_u, mask = self._tables(aux)
+        p, G, U = self.plan, self.plan.q_per_kv, len(self.plan.kv_heads)
+        qs = self._gather_in(q, p.q_heads, per_u, G)
+        ks = self._gather_in(k, p.kv_heads, per_u, 1)
+        vs = self._gather_in(v, p.kv_heads, per_u, 1)
+        dq, dk, dv = self.core.backward(
+            qs, ks, vs, view=self._view(), mask=mask, scale=self.scale,
+            lse=self._unscatter(lse, per_u, G), dout=self._unscatter(dout, per_u, G),
+            delta=self._unscatter(delta, per_u, G), block_sizes=self.block_sizes,
+            grad_dtype=_F32)
+        b, n = q.shape[:2]
+        if self._gathers:  # back to positions: each (position, head) is one row or none
+            dq = self._rows_back(dq.reshape(b, n, U, G, -1), per_u).reshape(b, n, U * G, -1)
+            dk = self._rows_back(dk[:, :, :, None], per_u)[:, :, :, 0]
+            dv = self._rows_back(dv[:, :, :, None], per_u)[:, :, :, 0]
+        grads = (_heads_into(dq, p.q_heads, q.shape), _heads_into(dk, p.kv_heads, k.shape),
+                 _heads_into(dv, p.kv_heads, v.shape))
+        if acc is None:
+            return grads
+        return tuple(a + g for a, g in zip(acc, grads, strict=True))
+
+    @staticmethod
+    def _rows_back(y, per_u):
+        y = jnp.pad(y, ((0, 0), (0, 1)) + ((0, 0),) * (y.ndim - 2))
+        return jnp.stack([_take_rows(y[:, :, u], t.back) for u, t in enumerate(per_u)], axis=2)
+
+
+def _heads_into(g: jax.Array, heads: tuple[int, ...], shape) -> jax.Array:
+    """``g (b, n, len(heads), d)`` summed into float32 zeros of ``shape`` at ``heads``
+    (a head may appear several times: a kv head read at several offsets)."""
+    num = shape[2]
+    onehot = np.zeros((len(heads), num), np.float32)
+    onehot[np.arange(len(heads)), np.asarray(heads)] = 1.0
+    if len(heads) == num and np.array_equal(onehot, np.eye(num, dtype=np.float32)):
+        return g.astype(_F32)
+    return jnp.einsum("bnud,uh->bnhd", g.astype(_F32), jnp.asarray(onehot),
+                      precision=jax.lax.Precision.HIGHEST)
