@@ -1,0 +1,129 @@
+"""Packed documents (docs/semantics.md, "Packed documents"): a packed row equals each of its
+documents computed alone, by the float64 oracle (tests/oracle.py), forward and gradients."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dilax
+from dilax.documents import document_bounds, document_positions
+from dilax.reference import dilated_counts
+from tests import oracle
+from tests.tolerance import FP32, HALF, assert_scaled_close
+
+WS, RS = (8, 16, 32), (1, 2, 4)
+N, H, HK, D = 64, 4, 2, 8
+# Row 0: one-token documents, documents shorter than, equal to (16, 32) and longer than the
+# segments; row 1: one document past every segment, a one-token one and a short tail.
+CUTS = ((0, 1, 2, 9, 25, 57), (0, 40, 41, 48))
+
+
+def _ids(cuts=CUTS, n=N):
+    ids = np.zeros((len(cuts), n), np.int32)
+    for i, c in enumerate(cuts):
+        for j, s in enumerate(c):
+            ids[i, s:] = 7 * j + 3  # any integer ids: documents are runs
+    return ids
+
+
+def _data(seed, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    q, k, v, g = (jnp.asarray(rng.normal(size=(2, N, h, D)), dtype)
+                  for h in (H, HK, HK, H))
+    return q, k, v, g
+
+
+def _alone(q, k, v, g, mode, causal, window, q_len=None, kv_len=None):
+    """Each document of each row through the oracle on its own; padded positions keep their
+    row index (lengths are row positions)."""
+    out, dq = np.zeros(q.shape), np.zeros(q.shape)
+    dk, dv = np.zeros(k.shape), np.zeros(v.shape)
+    for i, cuts in enumerate(CUTS):
+        for s, e in zip(cuts, (*cuts[1:], N)):
+            L = e - s
+            counts = dilated_counts(L, H, WS, RS, mode, causal, window).astype(np.float64)
+            pos = np.arange(s, e)
+            if q_len is not None:
+                counts = counts * (pos < q_len[i])[None, :, None]
+            if kv_len is not None:
+                counts = counts * (pos < kv_len[i])[None, None, :]
+            G = len(WS) if mode == "grouped" else 1
+            r = oracle.attention(q[i:i + 1, s:e], k[i:i + 1, s:e], v[i:i + 1, s:e], counts,
+                                 1 / np.sqrt(D), oracle.f64(g[i:i + 1, s:e]) / G)
+            out[i, s:e], dq[i, s:e] = r.out[0] / G, r.dq[0]
+            dk[i, s:e], dv[i, s:e] = r.dk[0], r.dv[0]
+    return out, dq, dk, dv
+
+
+@functools.cache
+def _program(mode, causal, window, lengths):
+    def loss(q, k, v, g, ids, q_len, kv_len):
+        out = dilax.dilated_attention(
+            q, k, v, WS, RS, mode=mode, is_causal=causal, local_window=window,
+            segment_ids=ids, implementation="xla",
+            query_seq_lengths=q_len if lengths else None,
+            key_value_seq_lengths=kv_len if lengths else None)
+        return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32)), out
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+@pytest.mark.parametrize("mode,causal,window,lengths", [
+    ("mixture", False, None, False),
+    ("mixture", True, 3, True),
+    ("grouped", True, None, False),
+])
+def test_packed_row_equals_documents_alone(mode, causal, window, lengths):
+    q_len, kv_len = np.array([50, 64]), np.array([60, 44])
+    ids = jnp.asarray(_ids())
+    for seed in (0, 1):  # data varies, the program does not
+        q, k, v, g = _data(seed)
+        (_, out), grads = _program(mode, causal, window, lengths)(
+            q, k, v, g, ids, jnp.asarray(q_len), jnp.asarray(kv_len))
+        want = _alone(q, k, v, g, mode, causal, window, *((q_len, kv_len) if lengths else ()))
+        for got, exp, name in zip((out, *grads), want, ("out", "dq", "dk", "dv")):
+            assert_scaled_close(got, exp, FP32, err_msg=f"{name} seed={seed}")
+
+
+def test_packed_bfloat16_and_one_document_is_the_plain_op():
+    q, k, v, g = _data(2, jnp.bfloat16)
+    (_, out), grads = _program("mixture", False, None, False)(
+        q, k, v, g, jnp.asarray(_ids()), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32))
+    want = _alone(q, k, v, g, "mixture", False, None)
+    for got, exp in zip((out, *grads), want):
+        assert_scaled_close(got, exp, HALF)
+    # one document per row: exactly the op without segment_ids (bitwise on the same core)
+    q, k, v, _ = _data(3)
+    one = dilax.dilated_attention(q, k, v, WS, RS, segment_ids=jnp.ones((2, N), jnp.int32),
+                                  implementation="xla")
+    assert_scaled_close(one, dilax.dilated_attention(q, k, v, WS, RS, implementation="xla"),
+                        FP32)
+
+
+def test_document_tables():
+    ids = jnp.asarray(_ids())
+    start, end = document_bounds(ids)
+    for i, cuts in enumerate(CUTS):
+        edges = np.asarray((*cuts, N))
+        doc = np.searchsorted(edges, np.arange(N), side="right") - 1
+        np.testing.assert_array_equal(start[i], edges[doc])
+        np.testing.assert_array_equal(end[i], edges[doc + 1])
+        np.testing.assert_array_equal(document_positions(ids)[i], np.arange(N) - edges[doc])
+
+
+def test_segment_ids_errors_and_refusals():
+    q, k, v, _ = _data(0)
+    with pytest.raises(TypeError, match="segment_ids must be an integer array"):
+        dilax.dilated_attention(q, k, v, WS, RS, segment_ids=jnp.zeros((2, N)))
+    with pytest.raises(ValueError, match=r"segment_ids must have shape \(b, n\)"):
+        dilax.dilated_attention(q, k, v, WS, RS, segment_ids=jnp.zeros((2, N - 1), jnp.int32))
+    with pytest.raises(ValueError, match="per-row key ranges"):
+        jax.eval_shape(functools.partial(
+            dilax.dilated_attention, segment_lengths=WS, dilation_rates=RS,
+            implementation="pallas", interpret=True), q, k, v,
+            segment_ids=jnp.zeros((2, N), jnp.int32))
