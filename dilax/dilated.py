@@ -28,6 +28,7 @@ from dilax.registry import branch_cores
 from dilax.settings import DilatedSettings, check_dilated_request, settings_from_keywords
 from dilax.sp.config import SequenceParallel, check_sequence_parallel
 from dilax.sp.dilated_ring import check_sharded, sharded_dilated
+from dilax.sp.documents_ring import sharded_documents
 
 
 def dilated_attention_core(q, k, v, mask: AttentionMask, settings: DilatedSettings,
@@ -169,6 +170,8 @@ def dilated_attention(
         q, k, v, settings, empty_batch=sequence_parallel is None, **rows)
     if sequence_parallel is not None:
         check_sharded(q, k.shape[2], mask, settings, sequence_parallel)
+        if mask.segment_ids is not None:
+            return unfold(sharded_documents(q, k, v, mask, settings, sequence_parallel))
         return unfold(sharded_dilated(q, k, v, mask, settings, sequence_parallel))
     return unfold(dilated_validated(q, k, v, mask, settings))
 

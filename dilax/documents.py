@@ -26,9 +26,10 @@ from dilax.core import XLA, BlockSizes, Core, Mask, SlotView, static_take
 from dilax.layout import BranchPlan, plan_branch
 
 _F32 = jnp.float32
-_EMPTY = np.iinfo(np.int32).max // 2  # the lower end of an empty key range
+EMPTY_RANGE = np.iinfo(np.int32).max // 2  # the lower end of an empty key range
 
-__all__ = ["DocumentBranch", "document_bounds", "document_positions", "document_tables"]
+__all__ = ["EMPTY_RANGE", "DocumentBranch", "OffsetTable", "document_bounds", "document_positions",
+           "document_tables", "heads_into"]
 
 
 def document_bounds(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -59,12 +60,12 @@ def _take_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Offset:
+class OffsetTable:
     """One offset class of a branch: the gather into its document-dilated sequence."""
 
     rows: jax.Array  # (b, n) positions of the sequence, then n (an empty row) past its end
     back: jax.Array  # (b, n) each position's row in the sequence, n if not selected
-    key_lo: jax.Array  # (b, n) key range of each row (empty: _EMPTY, 0)
+    key_lo: jax.Array  # (b, n) key range of each row (empty: EMPTY_RANGE, 0)
     key_hi: jax.Array
     query_lo: jax.Array  # (b, n) the rows that may attend each row's key (its run)
     query_hi: jax.Array
@@ -73,7 +74,7 @@ class _Offset:
 
 def document_tables(start: jax.Array, end: jax.Array, w: int, r: int, offset: int, *,
                     window: int | None = None, q_len=None, kv_len=None, key_valid=None
-                    ) -> _Offset:
+                    ) -> OffsetTable:
     """The document-dilated sequence of branch ``(w, r)`` at ``offset`` (or of the
     local-window band ``|p - t| <= window`` with ``window``, ``r = 1``), from the documents'
     ``start, end (b, n)``; valid lengths ``(b,)`` and ``key_valid (b, n)`` folded in."""
@@ -109,13 +110,13 @@ def document_tables(start: jax.Array, end: jax.Array, w: int, r: int, offset: in
     ok = sel
     if q_len is not None:
         ok = ok & (pos < jnp.asarray(q_len, jnp.int32)[:, None])
-    lo, hi = jnp.where(ok, lo, _EMPTY), jnp.where(ok, hi, 0)
+    lo, hi = jnp.where(ok, lo, EMPTY_RANGE), jnp.where(ok, hi, 0)
     pad = lambda x, fill: jnp.pad(x, ((0, 0), (0, 1)), constant_values=fill)  # noqa: E731
     gather = (lambda x, fill: x) if window is not None or r == 1 else (
         lambda x, fill: jnp.take_along_axis(pad(x, fill), rows, axis=1))
     kvalid = None if key_valid is None else gather(jnp.asarray(key_valid, bool), False)
-    return _Offset(rows, back, gather(lo, _EMPTY), gather(hi, 0), gather(query_lo, _EMPTY),
-                   gather(query_hi, 0), kvalid)
+    return OffsetTable(rows, back, gather(lo, EMPTY_RANGE), gather(hi, 0),
+                       gather(query_lo, EMPTY_RANGE), gather(query_hi, 0), kvalid)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,8 +224,8 @@ class DocumentBranch:
             dq = self._rows_back(dq.reshape(b, n, U, G, -1), per_u).reshape(b, n, U * G, -1)
             dk = self._rows_back(dk[:, :, :, None], per_u)[:, :, :, 0]
             dv = self._rows_back(dv[:, :, :, None], per_u)[:, :, :, 0]
-        grads = (_heads_into(dq, p.q_heads, q.shape), _heads_into(dk, p.kv_heads, k.shape),
-                 _heads_into(dv, p.kv_heads, v.shape))
+        grads = (heads_into(dq, p.q_heads, q.shape), heads_into(dk, p.kv_heads, k.shape),
+                 heads_into(dv, p.kv_heads, v.shape))
         if acc is None:
             return grads
         return tuple(a + g for a, g in zip(acc, grads, strict=True))
@@ -235,7 +236,7 @@ class DocumentBranch:
         return jnp.stack([_take_rows(y[:, :, u], t.back) for u, t in enumerate(per_u)], axis=2)
 
 
-def _heads_into(g: jax.Array, heads: tuple[int, ...], shape) -> jax.Array:
+def heads_into(g: jax.Array, heads: tuple[int, ...], shape) -> jax.Array:
     """``g (b, n, len(heads), d)`` summed into float32 zeros of ``shape`` at ``heads``
     (a head may appear several times: a kv head read at several offsets)."""
     num = shape[2]

@@ -58,10 +58,12 @@ def check_sharded_shape(q: jax.Array, mesh: Mesh, seq_axis, batch_axis) -> int:
 
 
 def shard_sequence(body: Callable, mesh: Mesh, seq_axis, batch_axis, q, k, v,
-                   *per_row) -> jax.Array:
+                   *per_row, per_position: tuple = ()) -> jax.Array:
     """``jax.shard_map(body)`` with the batch of ``q, k, v`` and the output over
     ``batch_axis`` and their sequence over ``seq_axis``. ``per_row``: extra ``(b,)`` arrays
     (e.g. valid lengths), sharded over ``batch_axis`` only (``None`` passes through).
+    ``per_position``: ``(b, n)`` arrays (e.g. document ids) sharded like ``q``'s first two
+    axes, passed to ``body`` right after ``q, k, v``.
 
     shard_map's default checks (``check_vma=True``): every loop carry and ``cond`` of the core
     and the rings is typed as device-varying.
@@ -73,9 +75,11 @@ def shard_sequence(body: Callable, mesh: Mesh, seq_axis, batch_axis, q, k, v,
         # to match in_specs already.
         sharding = NamedSharding(mesh, spec)
         q, k, v = (jax.sharding.reshard(x, sharding) for x in (q, k, v))
+        per_position = tuple(jax.sharding.reshard(x, sharding) for x in per_position)
         per_row = tuple(None if x is None else
                         jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec(batch_axis)))
                         for x in per_row)
     row_specs = tuple(None if x is None else PartitionSpec(batch_axis) for x in per_row)
-    return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, *row_specs),
-                         out_specs=spec)(q, k, v, *per_row)
+    pos_specs = (spec,) * len(per_position)
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, *pos_specs, *row_specs),
+                         out_specs=spec)(q, k, v, *per_position, *per_row)

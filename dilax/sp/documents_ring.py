@@ -1,0 +1,251 @@
+"""Packed documents on the ring: ``segment_ids`` with the sequence split over devices.
+
+Documents may cross shard boundaries. Each device finds the global bounds of the documents
+of its positions from a ``P``-entry summary of every shard (:func:`global_document_bounds`),
+then every branch runs on its *document-dilated sequence* (:mod:`dilax.documents`) in global
+row coordinates: device ``i`` holds rows ``[c_i, c_i + m_i)`` of it (``c_i``: the rows of the
+shards before it, one ``all_gather`` of ``P`` counts), and the key range of every row is
+computed in closed form from its document and segment. The key chunks (K, V, their validity
+and the row ranges of their queries) travel around the ring with ``lax.ppermute``, ``P``
+hops; the core skips every block outside the rows' ranges, so a hop with no shared document
+costs a table lookup. The backward is a second ring in which the dK, dV accumulators travel
+with their chunk and arrive home after ``P`` hops (:meth:`DocumentRingBranch.backward`).
+
+Memory per device is ``O(n / P)`` (summaries are ``O(P)``); causality is part of the ranges
+(a row's keys end at itself), so hops need no global offsets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Hashable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dilax.attention_mask import AttentionMask
+from dilax.branches import attend_branches
+from dilax.core import Mask, merge_attention_states
+from dilax.documents import (
+    EMPTY_RANGE,
+    DocumentBranch,
+    OffsetTable,
+    document_bounds,
+    heads_into,
+)
+from dilax.layout import dilated_branches, window_plan
+from dilax.registry import CoreRequest, select
+from dilax.settings import DilatedSettings
+from dilax.sp.config import SequenceParallel
+from dilax.sp.mesh import shard_sequence
+from dilax.utils import cdiv, varying_like
+
+__all__ = ["global_document_bounds", "ring_documents_core", "sharded_documents"]
+
+_I32 = jnp.int32
+
+
+def global_document_bounds(segment_ids: jax.Array, axis_name: Hashable
+                           ) -> tuple[jax.Array, jax.Array]:
+    """``(start, end)`` int32 ``(b, m)`` in global positions for the local shard
+    ``segment_ids (b, m)`` of a sequence split over ``axis_name`` (inside ``shard_map``).
+
+    Every shard contributes five numbers per row (its first and last id, whether it is one
+    run, the start of its last run and the end of its first): a document that crosses shards
+    is followed through them in ``O(P)``."""
+    P, i = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    m = segment_ids.shape[1]
+    ls, le = document_bounds(segment_ids)
+    base = i * m
+    summary = jnp.stack([segment_ids[:, 0], segment_ids[:, -1], (le[:, 0] == m).astype(_I32),
+                         ls[:, -1] + base, le[:, 0] + base], axis=1)
+    every = lax.all_gather(summary, axis_name)  # (P, b, 5)
+    first, last, single, last_start, first_end = (every[..., c] for c in range(5))
+    starts = [jnp.zeros_like(first[0])]
+    for j in range(1, P):  # the run holding shard j's first position starts ...
+        joined = first[j] == last[j - 1]
+        starts.append(jnp.where(joined, jnp.where(single[j - 1] == 1, starts[-1],
+                                                  last_start[j - 1]), j * m))
+    ends = [jnp.full_like(first[0], P * m)]
+    for j in range(P - 2, -1, -1):  # ... and the run holding its last position ends
+        joined = last[j] == first[j + 1]
+        ends.insert(0, jnp.where(joined, jnp.where(single[j + 1] == 1, ends[0],
+                                                   first_end[j + 1]), (j + 1) * m))
+    s_i, e_i = jnp.stack(starts)[i], jnp.stack(ends)[i]
+    start = jnp.where(ls == 0, s_i[:, None], ls + base)
+    end = jnp.where(le == m, e_i[:, None], le + base)
+    return start.astype(_I32), end.astype(_I32)
+
+
+def _ring_tables(start, end, axis_name, w: int, r: int, offset: int, window, is_causal,
+                 q_len, kv_len):
+    """One offset class of a branch on this shard: the local rows of the global sequence,
+    their global key ranges (causal cut included), the query ranges of the keys, key
+    validity, and ``c`` ``(b,)``: the global row of the shard's first row."""
+    b, m = start.shape
+    i = lax.axis_index(axis_name)
+    pos = i * m + jnp.arange(m, dtype=_I32)[None]
+    if window is not None:
+        sel = jnp.ones((b, m), bool)
+        lo = jnp.maximum(start, pos - window)
+        hi = jnp.minimum(end, pos + window + 1)
+        rank = jnp.broadcast_to(pos, (b, m))
+        before = rank - i * m
+        c = jnp.full((b,), i * m, _I32)
+    else:
+        doc_pos = pos - start
+        sel = doc_pos % r == offset
+        before = jnp.cumsum(sel, axis=1, dtype=_I32) - sel
+        every = lax.all_gather(jnp.sum(sel, axis=1, dtype=_I32), axis_name)  # (P, b)
+        c = (jnp.cumsum(every, axis=0) - every)[i]
+        rank = c[:, None] + before
+        seg_start = start + (doc_pos // w) * w
+        seg_end = jnp.minimum(seg_start + w, end)
+        lo = rank - jnp.maximum(cdiv(pos - seg_start - offset, r), 0)
+        hi = lo + jnp.maximum(cdiv(seg_end - seg_start - offset, r), 0)
+    query_lo, query_hi = lo, hi
+    if is_causal:
+        hi = jnp.minimum(hi, rank + 1)
+    ok = sel if q_len is None else sel & (pos < q_len[:, None])
+    lo, hi = jnp.where(ok, lo, EMPTY_RANGE), jnp.where(ok, hi, 0)
+    key_ok = sel if kv_len is None else sel & (pos < kv_len[:, None])
+    if window is not None or r == 1:
+        rows = back = jnp.broadcast_to(jnp.arange(m, dtype=_I32)[None], (b, m))
+        take = lambda x, fill: x  # noqa: E731
+    else:
+        back = jnp.where(sel, before, m)
+        rows = jnp.full((b, m + 1), m, _I32).at[jnp.arange(b)[:, None], back].set(
+            jnp.broadcast_to(jnp.arange(m, dtype=_I32)[None], (b, m)))[:, :m]
+        take = lambda x, fill: jnp.take_along_axis(  # noqa: E731
+            jnp.pad(x, ((0, 0), (0, 1)), constant_values=fill), rows, axis=1)
+    table = OffsetTable(rows, back, take(lo, EMPTY_RANGE), take(hi, 0), take(query_lo, EMPTY_RANGE),
+                    take(query_hi, 0), take(key_ok, False))
+    return table, c
+
+
+@dataclasses.dataclass(frozen=True)
+class DocumentRingBranch(DocumentBranch):
+    """:class:`~dilax.documents.DocumentBranch` on the local shard of a ring: ``n`` is the
+    shard length, ``aux = (q_len, kv_len, start, end)`` with global lengths and document
+    bounds (:func:`global_document_bounds`)."""
+
+    axis_name: Hashable = None
+
+    def _ring(self, aux):
+        q_len, kv_len, start, end = aux
+        p = self.plan
+        made = {o: _ring_tables(start, end, self.axis_name, p.w, p.r, o, p.window,
+                                self.is_causal, q_len, kv_len) for o in sorted(set(p.kv_slots))}
+        per_u = [made[o][0] for o in p.kv_slots]
+        stack = lambda name: jnp.stack([getattr(t, name) for t in per_u], axis=1)  # noqa: E731
+        c = jnp.stack([made[o][1] for o in p.kv_slots], axis=1)  # (b, U)
+        keys = (stack("key_valid"), stack("query_lo"), stack("query_hi"), c)
+        return per_u, (stack("key_lo"), stack("key_hi")), keys, c
+
+    def _shift(self, xs):
+        P = lax.axis_size(self.axis_name)
+        perm = [(j, (j + 1) % P) for j in range(P)]
+        return tuple(lax.ppermute(x, self.axis_name, perm) for x in xs)
+
+    @staticmethod
+    def _hop_mask(key_range, keys, c_here):
+        valid, q_lo, q_hi, c_keys = keys
+        at = lambda x, c: x - c[:, :, None]  # noqa: E731 - global rows -> the chunk's own
+        return Mask(kv_valid=valid, key_range=(at(key_range[0], c_keys), at(key_range[1], c_keys)),
+                    query_range=(at(q_lo, c_here), at(q_hi, c_here)))
+
+    def forward(self, q, k, v, aux):
+        per_u, key_range, keys, c = self._ring(aux)
+        p, G = self.plan, self.plan.q_per_kv
+        qs = self._gather_in(q, p.q_heads, per_u, G)
+        chunk = (self._gather_in(k, p.kv_heads, per_u, 1),
+                 self._gather_in(v, p.kv_heads, per_u, 1)) + keys
+        out = lse = None
+        for hop in range(lax.axis_size(self.axis_name)):
+            if hop:
+                chunk = self._shift(chunk)
+            o, s = self.core.forward(qs, chunk[0], chunk[1], view=self._view(),
+                                     mask=self._hop_mask(key_range, chunk[2:], c),
+                                     scale=self.scale, block_sizes=self.block_sizes,
+                                     out_dtype=jnp.float32)
+            out, lse = (o, s) if out is None else merge_attention_states(out, lse, o, s)
+        return (self._scatter_out(out, per_u, G, 0.0),
+                self._scatter_out(lse, per_u, G, -jnp.inf), None)
+
+    def backward(self, q, k, v, aux, res, lse, dout, dlse, delta, acc):
+        del res, dlse
+        per_u, key_range, keys, c = self._ring(aux)
+        p, G, U = self.plan, self.plan.q_per_kv, len(self.plan.kv_heads)
+        qs = self._gather_in(q, p.q_heads, per_u, G)
+        ks = self._gather_in(k, p.kv_heads, per_u, 1)
+        vs = self._gather_in(v, p.kv_heads, per_u, 1)
+        zeros = lambda x: varying_like(jnp.zeros(x.shape, jnp.float32), q)  # noqa: E731
+        dq = zeros(qs)
+        chunk = (ks, vs, zeros(ks), zeros(vs)) + keys
+        lse_s, dout_s, delta_s = (self._unscatter(x, per_u, G) for x in (lse, dout, delta))
+        for hop in range(lax.axis_size(self.axis_name)):
+            if hop:
+                chunk = self._shift(chunk)
+            dq, dk, dv = self.core.backward(
+                qs, chunk[0], chunk[1], view=self._view(),
+                mask=self._hop_mask(key_range, chunk[4:], c), scale=self.scale, lse=lse_s,
+                dout=dout_s, delta=delta_s, block_sizes=self.block_sizes,
+                grad_dtype=jnp.float32, acc=(dq, chunk[2], chunk[3]))
+            chunk = chunk[:2] + (dk, dv) + chunk[4:]
+        dk, dv = self._shift(chunk[2:4])  # the accumulators' last hop: home
+        b, m = q.shape[:2]
+        if self._gathers:
+            dq = self._rows_back(dq.reshape(b, m, U, G, -1), per_u).reshape(b, m, U * G, -1)
+            dk = self._rows_back(dk[:, :, :, None], per_u)[:, :, :, 0]
+            dv = self._rows_back(dv[:, :, :, None], per_u)[:, :, :, 0]
+        grads = (heads_into(dq, p.q_heads, q.shape), heads_into(dk, p.kv_heads, k.shape),
+                 heads_into(dv, p.kv_heads, v.shape))
+        return grads if acc is None else tuple(a + g for a, g in zip(acc, grads, strict=True))
+
+
+def ring_documents_core(q, k, v, segment_ids, mask: AttentionMask, settings: DilatedSettings,
+                        *, axis_name: Hashable, core) -> jax.Array:
+    """Packed-document dilated attention on the local shard (inside ``shard_map``; contiguous
+    layout); ``mask`` holds the global valid lengths."""
+    b, m, h, d = q.shape
+    plans = tuple(dilated_branches(lax.axis_size(axis_name) * m, h, k.shape[2],
+                                   settings.segment_lengths, settings.dilation_rates,
+                                   settings.mode))
+    if settings.local_window is not None:
+        plans += (window_plan(m, h, k.shape[2], settings.local_window),)
+    ops = tuple(DocumentRingBranch(p, m, h, k.shape[2], float(settings.scale_for(d)),
+                                   bool(settings.is_causal), settings.block_sizes, core,
+                                   axis_name=axis_name) for p in plans)
+    aux = (mask.query_seq_lengths, mask.key_value_seq_lengths,
+           *global_document_bounds(segment_ids, axis_name))
+    out, _ = attend_branches(q, k, v, ops, settings.mode, out_dtype=q.dtype, aux=aux)
+    return out
+
+
+def sharded_documents(q, k, v, mask: AttentionMask, settings: DilatedSettings,
+                      sp: SequenceParallel) -> jax.Array:
+    """:func:`dilax.dilated_attention` with ``segment_ids`` and ``sequence_parallel`` on
+    validated arguments (global view): the shard_map of :func:`ring_documents_core`."""
+    if sp.layout != "contiguous":
+        raise ValueError(f"segment_ids with sequence_parallel need layout='contiguous', got "
+                         f"{sp.layout!r}")
+    return _documents_jit(q, k, v, mask, settings, sp)
+
+
+@functools.partial(jax.jit, static_argnames=("settings", "sp"))
+def _documents_jit(q, k, v, mask, settings, sp):
+    core = select(settings.implementation, CoreRequest(
+        "ring_hop", q.dtype, q.shape[-1], settings.is_causal, has_documents=True,
+        interpret=settings.interpret))
+
+    def body(q, k, v, ids, q_len=None, kv_len=None):
+        local = AttentionMask(query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+                              is_causal=mask.is_causal)
+        return ring_documents_core(q, k, v, ids, local, settings, axis_name=sp.seq_axis,
+                                   core=core)
+
+    return shard_sequence(body, sp.mesh, sp.seq_axis, sp.batch_axis, q, k, v,
+                          mask.query_seq_lengths, mask.key_value_seq_lengths,
+                          per_position=(mask.segment_ids,))
