@@ -16,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dilax import _validation as V
+from dilax.attention_mask import check_segment_ids
 from dilax.core import XLA, Core, Mask, attention, core_for, identity_view
+from dilax.documents import document_bounds
 from dilax.settings import DilatedSettings
 
 _F32 = jnp.float32
@@ -79,6 +81,7 @@ def dot_product_attention(
     dilation_rates: tuple[int, ...] | None = None,
     mode: str = "mixture",
     settings: DilatedSettings | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention, a superset of ``jax.nn.dot_product_attention``.
 
@@ -112,6 +115,12 @@ def dot_product_attention(
       settings: the dilation settings as one :class:`dilax.DilatedSettings` value instead
         (then ``segment_lengths``, ``dilation_rates``, ``scale`` and ``implementation`` are
         left out; ``is_causal=True`` here makes the call causal).
+      segment_ids: optional int ``(B, T)`` (self-attention, ``T == S``): packed documents, a
+        document being a maximal run of equal ids. No query attends a key of another
+        document; causality, the band and the dilation settings apply to each document's
+        own positions (docs/semantics.md, "Packed documents"). Served by ``None``/``"xla"``
+        (per-row key ranges: only the blocks of the query's document are read) and
+        ``"reference"``.
 
     Returns:
       ``out`` shaped like ``query``, or ``(out, lse)`` with ``return_residual``. A query that
@@ -147,6 +156,14 @@ def dot_product_attention(
         raise TypeError(f"query, key and value must have a floating dtype, got {k.dtype}")
     for name, t in (("bias", bias), ("mask", mask)):
         _check_pairwise(t, (B, N, T, S), name)
+    if segment_ids is not None:
+        if T != S:
+            raise ValueError(f"segment_ids need self-attention (T == S), got T={T}, S={S}")
+        segment_ids = check_segment_ids(segment_ids, B, T)
+        if implementation in ("pallas", "cudnn"):
+            raise ValueError(f"implementation={implementation!r} cannot serve segment_ids: "
+                             "the kernels have no per-row key ranges; use implementation=None "
+                             "or 'xla'")
     user_scale = scale
     scale = 1.0 / float(np.sqrt(H)) if scale is None else V.check_real(scale, "scale")
     is_causal = V.check_bool(is_causal, "is_causal")
@@ -164,7 +181,7 @@ def dot_product_attention(
     if segment_lengths is not None or dilation_rates is not None:
         out = _dilated(q, k, v, bias, mask, q_len, kv_len, window, return_residual,
                        segment_lengths, dilation_rates, mode, is_causal, scale, implementation,
-                       settings)
+                       settings, segment_ids)
         return out.reshape(output_shape)
     if implementation == "cudnn":  # jax's own cuDNN path, arguments as given
         return jax.nn.dot_product_attention(
@@ -179,8 +196,8 @@ def dot_product_attention(
                              "(the flash kernels take lengths and causality only); use "
                              "implementation='xla'")
         core = core_for("pallas")
-    out, lse = _dense(q, k, v, bias, mask, q_len, kv_len, scale=scale, is_causal=is_causal,
-                      window=window, core=core)
+    out, lse = _dense(q, k, v, bias, mask, q_len, kv_len, segment_ids, scale=scale,
+                      is_causal=is_causal, window=window, core=core)
     out = out.reshape(output_shape)
     if not return_residual:
         return out
@@ -190,18 +207,24 @@ def dot_product_attention(
 # One compiled program per static configuration (and no op-by-op -inf intermediates, which
 # jax_debug_infs would flag).
 @functools.partial(jax.jit, static_argnames=("scale", "is_causal", "window", "core"))
-def _dense(q, k, v, bias, mask, q_len, kv_len, *, scale: float, is_causal: bool,
+def _dense(q, k, v, bias, mask, q_len, kv_len, segment_ids, *, scale: float, is_causal: bool,
            window: tuple[int, int] | None, core: Core | None):
     """``(out (B, T, N, H), lse (B, T, N) float32)`` of dense attention."""
     if core is None:
-        return _reference(q, k, v, bias, mask, q_len, kv_len, scale, is_causal, window)
+        return _reference(q, k, v, bias, mask, q_len, kv_len, scale, is_causal, window,
+                          segment_ids)
     N, K = q.shape[2], k.shape[2]
     per_row = lambda x: None if x is None else x[:, None]  # noqa: E731 - (B,) -> (B, 1)
-    spec = Mask(per_row(kv_len), 0, 0, is_causal, per_row(q_len), window, None, bias, mask)
+    ranges = None
+    if segment_ids is not None:  # each row's document, as a key range (both sides)
+        ranges = tuple(x[:, None] for x in document_bounds(segment_ids))
+    spec = Mask(per_row(kv_len), 0, 0, is_causal, per_row(q_len), window, None, bias, mask,
+                ranges, ranges)
     return attention(q, k, v, view=identity_view(K, N // K), scale=scale, mask=spec, core=core)
 
 
-def _reference(q, k, v, bias, mask, q_len, kv_len, scale, is_causal, window):
+def _reference(q, k, v, bias, mask, q_len, kv_len, scale, is_causal, window,
+               segment_ids=None):
     """Dense mask-based attention: the ``(B, N, T, S)`` logits, masked with ``-inf``; rows
     that see no key give ``out = 0``, ``lse = -inf`` (and zero gradient)."""
     T, N, S, K = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
@@ -223,6 +246,11 @@ def _reference(q, k, v, bias, mask, q_len, kv_len, scale, is_causal, window):
         allowed = allowed & (i < q_len[:, None, None, None])
     if kv_len is not None:
         allowed = allowed & (t < kv_len[:, None, None, None])
+    if segment_ids is not None:  # documents are runs: same run <=> same count of changes
+        change = jnp.cumsum(jnp.concatenate(
+            [jnp.zeros_like(segment_ids[:, :1]),
+             (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(segment_ids.dtype)], 1), 1)
+        allowed = allowed & (change[:, None, :, None] == change[:, None, None, :])
     s = jnp.where(allowed, s, -jnp.inf)
     m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -235,7 +263,8 @@ def _reference(q, k, v, bias, mask, q_len, kv_len, scale, is_causal, window):
 
 
 def _dilated(q, k, v, bias, mask, q_len, kv_len, window, return_residual, segment_lengths,
-             dilation_rates, mode, is_causal, scale, implementation, settings=None):
+             dilation_rates, mode, is_causal, scale, implementation, settings=None,
+             segment_ids=None):
     """The dilated call: :func:`dilax.dilated_attention` on the 4-d operands (with
     ``settings``, a :class:`dilax.DilatedSettings`, instead of the keywords)."""
     from dilax.dilated import dilated_attention  # lazy: dilated imports this module's peers
@@ -255,7 +284,7 @@ def _dilated(q, k, v, bias, mask, q_len, kv_len, window, return_residual, segmen
                              f"shape (B or 1, 1, 1, S), got {mask.shape}")
         key_padding = jnp.broadcast_to(mask[:, 0, 0, :], (k.shape[0], k.shape[1]))
     lengths = dict(query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
-                   key_padding_mask=key_padding)
+                   key_padding_mask=key_padding, segment_ids=segment_ids)
     if settings is not None:
         return dilated_attention(q, k, v, settings=settings, **lengths)
     return dilated_attention(q, k, v, segment_lengths, dilation_rates, is_causal=is_causal,
