@@ -168,7 +168,7 @@ class DocumentRingBranch(DocumentBranch):
                 chunk = self._shift(chunk)
             o, s = self.core.forward(qs, chunk[0], chunk[1], view=self._view(),
                                      mask=self._hop_mask(key_range, chunk[2:], c),
-                                     scale=self.scale, block_sizes=self.block_sizes,
+                                     scale=self.scale, block_sizes=self._blocks,
                                      out_dtype=jnp.float32)
             out, lse = (o, s) if out is None else merge_attention_states(out, lse, o, s)
         return (self._scatter_out(out, per_u, G, 0.0),
@@ -191,7 +191,7 @@ class DocumentRingBranch(DocumentBranch):
             dq, dk, dv = self.core.backward(
                 qs, chunk[0], chunk[1], view=self._view(),
                 mask=self._hop_mask(key_range, chunk[4:], c), scale=self.scale, lse=lse_s,
-                dout=dout_s, delta=delta_s, block_sizes=self.block_sizes,
+                dout=dout_s, delta=delta_s, block_sizes=self._blocks,
                 grad_dtype=jnp.float32, acc=(dq, chunk[2], chunk[3]))
             chunk = chunk[:2] + (dk, dv) + chunk[4:]
         dk, dv = self._shift(chunk[2:4])  # the accumulators' last hop: home
