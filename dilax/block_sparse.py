@@ -19,6 +19,11 @@ Heads: query head ``j`` reads kv head ``j // (h // hk)``. A shared pattern (``H_
 gathers per kv head (GQA without repeating K/V). A per-head pattern that is identical inside
 each GQA group also gathers per kv head; otherwise every query head gathers its own blocks
 from its kv head.
+
+Pallas path (``implementation="pallas"``): one :func:`dilax.core.attention` call with
+:class:`~dilax.core.block_sparse.BlockSparsePallasCore`, the table-driven kernel of
+:mod:`pallas_kernels.block_sparse` behind the core interface; valid lengths are applied inside
+the kernel. What it can serve is :mod:`dilax.registry`'s block-sparse rules.
 """
 
 from __future__ import annotations
