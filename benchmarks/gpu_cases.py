@@ -109,7 +109,7 @@ def _dilated(impl, *, n=8192, h=8, hk=8, d=64, dtype="bfloat16", causal=False, g
 
 
 def _block_sparse(impl, *, n=8192, h=8, hk=8, d=64, dtype="bfloat16", causal=False, grad=True,
-                  block=64, window=None, per_head=False):
+                  block=64, window=None, per_head=False, lengths=False):
     def build():
         import numpy as np
 
@@ -124,11 +124,14 @@ def _block_sparse(impl, *, n=8192, h=8, hk=8, d=64, dtype="bfloat16", causal=Fal
                      range(h)]
             pattern = patterns.from_mask(np.stack(masks).reshape(h, nb, nb), block)
 
-        def f(q, k, v):
+        def f(q, k, v, *lens):  # lengths: traced (b,) int32 arguments of the program
+            kw = dict(zip(("query_seq_lengths", "key_value_seq_lengths"), lens))
             return dilax.block_sparse_attention(q, k, v, pattern, is_causal=causal,
-                                                implementation=impl)
+                                                implementation=impl, **kw)
 
-        return (loss_grad(f) if grad else f), _qkv(1, n, h, hk, d, dtype)
+        b = 2 if lengths else 1
+        lens = (_sds((b,), "int32"),) * 2 if lengths else ()
+        return (loss_grad(f) if grad else f), (*_qkv(b, n, h, hk, d, dtype), *lens)
 
     return build
 
@@ -297,9 +300,16 @@ def cases() -> list[Case]:
              _block_sparse("pallas", block=128, dtype=FP32, n=4096)),
         Case("block-sparse xla bf16 B=128 d=64 causal fwd+bwd", "block_sparse",
              _block_sparse("xla", block=128, causal=True), targets=("h100",)),
-        Case("block-sparse pallas n=1000 B=64", "block_sparse",
-             _block_sparse("pallas", n=1000), expect="refused",
-             why="the Pallas block-sparse kernel needs n % B == 0"),
+        # lengths inside the kernels: resources in the report (batch 2 counted as 16 heads)
+        Case("block-sparse pallas bf16 with lengths GQA 8/2 B=64 d=128 causal fwd+bwd",
+             "block_sparse", _block_sparse("pallas", hk=2, d=128, causal=True, lengths=True),
+             report=dict(kernel="block_sparse", n=8192, h=16, d=128, dtype=BF16, causal=True,
+                         block=64, window=64)),
+        Case("block-sparse pallas bf16 n=1000 B=64 (partial last block) fwd+bwd",
+             "block_sparse", _block_sparse("pallas", n=1000)),
+        Case("block-sparse pallas B=8", "block_sparse", _block_sparse("pallas", block=8),
+             expect="refused", why="the Pallas block-sparse kernel needs pattern.block_size "
+                                   ">= 16 on GPU (the smallest Triton tile)"),
     ]
     # Kernels directly: traced offsets, ragged kv_len.
     out += [

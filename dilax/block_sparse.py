@@ -19,6 +19,11 @@ Heads: query head ``j`` reads kv head ``j // (h // hk)``. A shared pattern (``H_
 gathers per kv head (GQA without repeating K/V). A per-head pattern that is identical inside
 each GQA group also gathers per kv head; otherwise every query head gathers its own blocks
 from its kv head.
+
+Pallas path (``implementation="pallas"``): one :func:`dilax.core.attention` call with
+:class:`~dilax.core.block_sparse.BlockSparsePallasCore`, the table-driven kernel of
+:mod:`pallas_kernels.block_sparse` behind the core interface; valid lengths are applied inside
+the kernel. What it can serve is :mod:`dilax.registry`'s block-sparse rules.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from dilax import _validation as V
 from dilax import registry
 from dilax.batch_dims import fold_batch_dims
 from dilax.block_sparse_tables import check_pattern, head_layout, sparse_attention_tables
+from dilax.core import Mask, attention, identity_view
+from dilax.core.block_sparse import BlockSparsePallasCore
 from dilax.patterns import BlockSparsePattern, mask_tables
 from dilax.reference import length_mask, masked_attention
 from dilax.sp.block_sparse_ring import check_sharded_block_sparse, sharded_block_sparse
@@ -208,17 +215,16 @@ def block_sparse_attention(
       is_causal: additionally restrict query ``p`` to keys ``t <= p``.
       scale: logit scale, default ``1 / sqrt(d)``.
       implementation: ``None``/``"xla"`` (gathers only the active key blocks; time and memory
-        follow the number of active blocks), ``"pallas"`` (the table-driven Pallas kernel;
-        needs ``n % B == 0``) or ``"reference"`` (dense, explicit mask). ``None`` picks
-        ``"pallas"`` on GPU and ``"xla"`` elsewhere.
+        follow the number of active blocks), ``"pallas"`` (the table-driven Pallas kernel,
+        valid lengths included; needs ``pattern.block_size`` a power of two, >= 16 on GPU)
+        or ``"reference"`` (dense, explicit mask). ``None`` picks ``"pallas"`` on GPU where
+        it serves the call and ``"xla"`` otherwise (:mod:`dilax.registry` says why).
       interpret: run the Pallas kernel in the interpreter (CPU testing).
       query_seq_lengths, key_value_seq_lengths: optional int ``(b,)`` valid lengths
         (padding), as in :func:`dilax.dilated_attention`: keys ``t >= kv_len[i]`` get no
         weight, query rows ``p >= q_len[i]`` output 0 with zero gradient; static values
-        outside ``[0, n]`` raise, traced ones are clipped. The XLA path skips gathered key
-        blocks past the length. The table-driven Pallas kernel has no length mask: with
-        lengths ``implementation=None`` runs the XLA path and ``"pallas"`` raises
-        (:mod:`dilax.registry`).
+        outside ``[0, n]`` raise, traced ones are clipped. Both the XLA path and the Pallas
+        kernel skip key blocks past the length.
       sequence_parallel: a :class:`dilax.SequenceParallel` (``layout="contiguous"``): run as
         ring block-sparse attention with the sequence split over ``sequence_parallel.mesh``
         (XLA core; no valid lengths; ``n / P`` a multiple of ``pattern.block_size``; see
@@ -232,8 +238,10 @@ def block_sparse_attention(
         q, k, v; non-bool ``is_causal``.
       ValueError: q, k, v not rank 4 or with mismatched ``b``, ``n``, ``d``; ``h % hk != 0``;
         a pattern whose block counts are not ``ceil(n / B)`` or whose heads are neither 1 nor
-        ``h``; an unknown ``implementation``; ``"pallas"`` with ``n % B != 0``, with lengths,
-        or off GPU without ``interpret=True``; a non-positive ``scale``.
+        ``h``; an unknown ``implementation``; ``"pallas"`` where :mod:`dilax.registry` says
+        the kernel cannot serve the call (a block size that is not a power of two, or
+        below 16 on GPU; a dtype other than bf16/fp16/fp32 on GPU; off GPU without
+        ``interpret=True``; the message names the reason); a non-positive ``scale``.
     """
     q, k, v, rows, unfold = fold_batch_dims(q, k, v, query_seq_lengths=query_seq_lengths,
                                             key_value_seq_lengths=key_value_seq_lengths)
@@ -256,7 +264,8 @@ def block_sparse_attention(
     kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)
     implementation, _ = registry.choose(implementation, registry.CoreRequest(
         "block_sparse", q.dtype, q.shape[3], is_causal,
-        has_lengths=q_len is not None or kv_len is not None, interpret=interpret),
+        has_lengths=q_len is not None or kv_len is not None, interpret=interpret,
+        block_size=pattern.block_size),
         IMPLEMENTATIONS)
     V.check_memory(q, k, dense=implementation == "reference", op="block_sparse_attention")
     if b == 0:  # the blockwise cores need a row; the result is empty anyway
@@ -275,22 +284,18 @@ def _block_sparse_dispatch(q, k, v, q_len, kv_len, pattern, is_causal, scale, im
         return block_sparse_attention_reference(q, k, v, pattern, is_causal=is_causal,
                                                 scale=scale, **lengths)
     if implementation == "pallas":
-        return _block_sparse_pallas(q, k, v, pattern, is_causal, scale, interpret)
+        return _block_sparse_pallas(q, k, v, q_len, kv_len, pattern, is_causal, scale,
+                                    interpret)
     return block_sparse_attention_xla(q, k, v, pattern, is_causal=is_causal, scale=scale,
                                       **lengths)
 
 
-def _block_sparse_pallas(q, k, v, pattern, is_causal, scale, interpret):
-    from pallas_kernels.block_sparse import block_sparse_flash_attention  # lazy: optional
-
-    b, n, h, d = q.shape
-    hk = k.shape[2]
-    bs = pattern.block_size
-    if n % bs != 0:
-        raise ValueError(f"implementation='pallas' needs seq_len to be a multiple of "
-                         f"pattern.block_size={bs}, got n={n} (use implementation='xla')")
-    idx, cnt = pattern.tables(is_causal)
-    out, _ = block_sparse_flash_attention(
-        q.reshape(b, n, hk, h // hk, d), k, v, idx, cnt, block_size=bs, scale=scale,
-        is_causal=is_causal, interpret=interpret)
-    return out.reshape(b, n, h, d)
+def _block_sparse_pallas(q, k, v, q_len, kv_len, pattern, is_causal, scale, interpret):
+    """The Pallas kernel through the core interface: one :func:`dilax.core.attention` call
+    with :class:`~dilax.core.block_sparse.BlockSparsePallasCore` (lengths in the kernel)."""
+    h, hk = q.shape[2], k.shape[2]
+    per_row = lambda x: None if x is None else x[:, None]  # (b,) -> (b, 1): every kv head
+    mask = Mask(per_row(kv_len), 0, 0, is_causal, per_row(q_len))
+    out, _ = attention(q, k, v, view=identity_view(hk, h // hk), scale=scale, mask=mask,
+                       core=BlockSparsePallasCore(pattern, interpret))
+    return out

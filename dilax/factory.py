@@ -223,7 +223,8 @@ def _requests(kind, pattern, backend, is_causal, dtype, head_dim, local_window
         label = "block-sparse ring hops" if pattern is not None else "ring hops"
         return [(label, registry.CoreRequest("ring_hop", **common))]
     if kind == "block_sparse":
-        return [("block-sparse", registry.CoreRequest("block_sparse", **common))]
+        return [("block-sparse", registry.CoreRequest("block_sparse", **common,
+                                                      block_size=pattern.block_size))]
     out = [("dilated branches", registry.CoreRequest("dilated_branch", **common))]
     if local_window is not None:
         out.append(("local-window branch", registry.CoreRequest("window", **common)))
@@ -237,13 +238,14 @@ def _choose_implementation(implementation, backend, requests, reasons
     on_gpu = backend in ("gpu", "cuda")
     out = []
     for label, request in requests:
-        if implementation is None and on_gpu and len(requests) == 1 and request.op in (
-                "dilated_branch", "block_sparse"):  # cuDNN is considered for one kind only
-            name, why = gpu_choice(kind="dilated" if request.op == "dilated_branch"
-                                   else request.op, dtype=request.dtype,
+        if implementation is None and on_gpu and len(requests) == 1 and (
+                request.op == "dilated_branch"):  # cuDNN is considered for one kind only
+            name, why = gpu_choice(kind="dilated", dtype=request.dtype,
                                    head_dim=request.head_dim)
-        else:
+        else:  # block-sparse: the registry's rules for this pattern (block size)
             name, why = registry.choose(implementation, request)
+            if implementation is None and on_gpu and request.op == "block_sparse":
+                why = f"block_sparse: cuDNN has no such attention; {why}"
         out.append((label, name, why))
     if implementation is not None:
         reasons.append(f"implementation {implementation!r} requested")

@@ -51,6 +51,7 @@ class CoreRequest:
     ``platform``: the platform the program is compiled for when known (``"cpu"``, ``"gpu"``...),
     ``None`` when decided at lowering. ``interpret``: the Pallas kernels run in the interpreter.
     ``has_documents``: packed documents (``segment_ids``; per-row key ranges in the core).
+    ``block_size``: a block-sparse pattern's block size, or ``None``.
     """
 
     op: str
@@ -63,6 +64,7 @@ class CoreRequest:
     platform: str | None = None
     interpret: bool = False
     has_documents: bool = False
+    block_size: int | None = None
 
     def __post_init__(self):
         if self.op not in OPS:
@@ -105,12 +107,26 @@ def _pallas(r: CoreRequest) -> str | None:
         return "the Pallas flash kernel has no band mask (local_window)"
     if r.has_key_padding:
         return "the Pallas flash kernel has no per-key mask (key_padding_mask)"
-    if r.op == "block_sparse" and r.has_lengths:
-        return ("the table-driven Pallas block-sparse kernel has no length mask "
-                "(query_seq_lengths / key_value_seq_lengths)")
+    if r.op == "block_sparse" and (reason := _pallas_block_sparse(r)) is not None:
+        return reason
     if r.platform is not None and r.platform not in GPU_PLATFORMS and not r.interpret:
         return (f"the Pallas kernels compile for GPU targets, not {r.platform!r}; "
                 "interpret=True runs them in the Pallas interpreter")
+    return None
+
+
+def _pallas_block_sparse(r: CoreRequest) -> str | None:
+    """The table-driven block-sparse kernel's own limits (:mod:`pallas_kernels.block_sparse`;
+    any ``n``, head dim, GQA, causality and valid lengths are served)."""
+    bs = r.block_size
+    if bs is not None and bs & (bs - 1):
+        return (f"the Pallas block-sparse kernel needs pattern.block_size to be a power of two "
+                f"(Triton tiles), got block_size={bs}")
+    if bs is not None and bs < 16 and not r.interpret:
+        return (f"the Pallas block-sparse kernel needs pattern.block_size >= 16 on GPU (the "
+                f"smallest Triton tile; interpret=True runs smaller), got block_size={bs}")
+    if r.dtype is not None and r.dtype not in (*_HALF, "float32") and not r.interpret:
+        return f"the Pallas block-sparse kernel takes bf16/fp16/fp32 on GPU, got {r.dtype}"
     return None
 
 

@@ -15,15 +15,12 @@ query block is delivered by the BlockSpec index map, and the program's key loop 
 ``count`` listed blocks only, dynamic-slicing K/V (resident in HBM/L2) at ``index * B``.
 Compute therefore scales with the number of active blocks; nothing of size ``n x n`` exists.
 
-The backward needs the transposed tables (the query blocks that attend each key block) for the
-dk/dv kernel. Pass them (``q_block_indices``, ``q_block_counts``) when the pattern has them;
-otherwise they are derived with :func:`transpose_block_tables` (numpy when the tables are
-concrete, XLA scatter + stable sort when traced; the latter is ``O(nq_blocks * nk_blocks)``
-integers per pattern head).
-
-With ``is_causal`` key ``t`` is visible to query ``p`` iff ``t <= p``: listed blocks entirely
-above the diagonal are dropped from the tables, the cut inside the diagonal block is an
-element mask. A query with no key gets ``out = 0``, ``lse = -inf``, zero gradient.
+The dk/dv kernel reads the transposed tables (the query blocks that attend each key block),
+given or derived by :func:`transpose_block_tables`. With ``is_causal`` listed blocks above the
+diagonal are dropped and the diagonal block gets an element mask. Valid lengths (traced,
+per batch row and kv head) are handled inside the kernels: key blocks past ``kv_len`` are
+not visited, query tiles past ``q_len`` visit nothing. A query with no key gets ``out = 0``,
+``lse = -inf``, zero gradient.
 """
 
 from __future__ import annotations
@@ -51,11 +48,13 @@ from pallas_kernels.common import (
     pad_to,
     padded_head_dim,
 )
-from pallas_kernels.config import MIN_BLOCK, KernelConfig, default_config, triton_compiler_params
+from pallas_kernels.config import KernelConfig, default_config, triton_compiler_params
 from pallas_kernels.reference import block_sparse_reference  # noqa: F401 - beside its kernel
 from pallas_kernels.tables import (
     block_mask_from_tables,
-    causal_counts,
+    check_block_size,
+    sparse_lengths,
+    sparse_tables,
     tables_from_block_mask,
     transpose_block_tables,
 )
@@ -71,58 +70,36 @@ __all__ = [
 _F32 = jnp.float32
 
 
-def _check_tables(indices, counts, name_i, name_c, num_heads, rows, cols, what_rows):
-    if indices.ndim != 3 or counts.ndim != 2:
-        raise ValueError(
-            f"{name_i} must be (H_pat, {what_rows}, max_active) and {name_c} (H_pat, "
-            f"{what_rows}), got {name_i} {tuple(indices.shape)} and {name_c} "
-            f"{tuple(counts.shape)}"
-        )
-    if not (jnp.issubdtype(indices.dtype, jnp.integer) and jnp.issubdtype(counts.dtype,
-                                                                         jnp.integer)):
-        raise TypeError(
-            f"{name_i} and {name_c} must be integer arrays, got {indices.dtype} and "
-            f"{counts.dtype}"
-        )
-    h_pat = indices.shape[0]
-    if h_pat not in (1, num_heads) or counts.shape[0] != h_pat:
-        raise ValueError(
-            f"{name_i}/{name_c} must have H_pat = 1 or H_pat = number of query heads "
-            f"({num_heads}) rows, got {indices.shape[0]} and {counts.shape[0]}"
-        )
-    if indices.shape[1] != rows or counts.shape[1] != rows:
-        raise ValueError(
-            f"{name_i}/{name_c} must have {rows} {what_rows} (= ceil(n / block_size)), got "
-            f"{indices.shape[1]} and {counts.shape[1]}"
-        )
-    if isinstance(indices, np.ndarray) and isinstance(counts, np.ndarray):
-        width = indices.shape[2]
-        if counts.min(initial=0) < 0 or counts.max(initial=0) > width:
-            raise ValueError(f"{name_c} must lie in [0, {width}] (the table width)")
-        valid = np.arange(width)[None, None, :] < counts[..., None]
-        used = np.where(valid, indices, 0)
-        if used.min(initial=0) < 0 or used.max(initial=0) >= cols:
-            raise ValueError(f"{name_i} must list block indices in [0, {cols})")
-        steps = np.diff(indices, axis=-1)
-        if np.any((steps <= 0) & valid[..., 1:]):
-            raise ValueError(f"{name_i} must list each row's active blocks strictly ascending")
-
-
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
 
 
-def _query_tile_segments(idx_ref, cnt, *, is_causal, block, block_q, block_k, seq_len,
-                         num_blocks):
+def _lengths(len_ref, seq_len, lengths):
+    """``(q_len, kv_len)`` of the program's batch row and kv head: read from ``len_ref``
+    (traced) with lengths, else ``(None, seq_len)`` (static)."""
+    return (len_ref[0], len_ref[1]) if lengths else (None, seq_len)
+
+
+def _count_below(entry, count, limit):
+    """How many of the ``count`` listed blocks ``entry(s)`` (ascending) lie below ``limit``:
+    a prefix of the row, so the loops stop there (blocks past a length are never visited)."""
+    return lax.fori_loop(0, count, lambda s, c: c + (entry(s) < limit).astype(jnp.int32),
+                         jnp.int32(0))
+
+
+def _query_tile_segments(idx_ref, cnt, kv_len, *, is_causal, block, block_q, block_k, ragged,
+                         lengths):
     """Key-tile segments of query tile ``i`` (forward and dq): the listed blocks cut into
     ``block // block_k`` tiles, unmasked except the last listed block when it is the causal
-    diagonal or the ragged end of the sequence (the tables are ascending, so only the last
-    listed block can be either)."""
+    diagonal or holds ``kv_len`` (the ragged end of the sequence or a valid length; the
+    tables are ascending, so only the last listed block can be either). With ``lengths``
+    the listed blocks wholly past ``kv_len`` are dropped first."""
     i = pl.program_id(0)
     sub_q, sub_k = block // block_q, block // block_k
     qb = lax.div(i, jnp.int32(sub_q))
-    ragged = seq_len % block != 0
+    if lengths:
+        cnt = _count_below(lambda s: idx_ref[s], cnt, cdiv_nonneg(kv_len, block))
     if not (is_causal or ragged):
         return [(cnt * sub_k, lambda s: _listed(idx_ref, s, sub_k), False)]
     last = idx_ref[jnp.maximum(cnt - 1, 0)]
@@ -134,10 +111,10 @@ def _query_tile_segments(idx_ref, cnt, *, is_causal, block, block_q, block_k, se
         tail_tiles = jnp.where(diag, jnp.minimum(tail_tiles, cdiv_nonneg(rows, block_k)),
                                tail_tiles)
         is_tail = is_tail | diag
-    if ragged:  # key tiles of the last block that hold keys < seq_len
-        end = last == num_blocks - 1
-        keys = seq_len - (num_blocks - 1) * block
-        tail_tiles = jnp.where(end, jnp.minimum(tail_tiles, -(-keys // block_k)), tail_tiles)
+    if ragged:  # key tiles of the last block that hold keys < kv_len
+        end = (last + 1) * block > kv_len
+        keys = cdiv_nonneg(jnp.maximum(kv_len - last * block, 0), block_k)
+        tail_tiles = jnp.where(end, jnp.minimum(tail_tiles, keys), tail_tiles)
         is_tail = is_tail | end
     is_tail = is_tail & (cnt > 0)
     head = (cnt - is_tail.astype(jnp.int32)) * sub_k
@@ -150,52 +127,67 @@ def _listed(idx_ref, step, sub):
     return idx_ref[lax.div(step, jnp.int32(sub))] * sub + lax.rem(step, jnp.int32(sub))
 
 
-def _fwd_kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, is_causal,
-                block, block_q, block_k, seq_len, num_blocks):
+def _query_tile(idx_ref, cnt_ref, len_ref, *, block_q, seq_len, lengths, **kw):
+    """Query positions, segments, ``q_len`` and ``kv_len`` of query tile ``i``; a tile wholly
+    past ``q_len`` visits no key."""
     i = pl.program_id(0)
     q_pos = i * block_q + jnp.arange(block_q, dtype=jnp.int32)
-    segments = _query_tile_segments(idx_ref, cnt_ref[0], is_causal=is_causal, block=block,
-                                    block_q=block_q, block_k=block_k, seq_len=seq_len,
-                                    num_blocks=num_blocks)
+    q_len, kv_len = _lengths(len_ref, seq_len, lengths)
+    cnt = cnt_ref[0] if q_len is None else jnp.where(i * block_q < q_len, cnt_ref[0], 0)
+    segments = _query_tile_segments(idx_ref, cnt, kv_len, block_q=block_q, lengths=lengths,
+                                    ragged=lengths or seq_len % kw["block"] != 0, **kw)
+    return q_pos, segments, q_len, kv_len
+
+
+def _fwd_kernel(idx_ref, cnt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale,
+                is_causal, block_k, **kw):
+    q_pos, segments, q_len, kv_len = _query_tile(idx_ref, cnt_ref, len_ref,
+                                                 is_causal=is_causal, block_k=block_k, **kw)
     out, lse = online_softmax(
-        q_ref[...], q_pos, k_ref, v_ref, segments=segments, kv_len=seq_len, k_offset=0,
+        q_ref[...], q_pos, k_ref, v_ref, segments=segments, kv_len=kv_len, k_offset=0,
         scale=scale, is_causal=is_causal, block_k=block_k,
     )
+    if q_len is not None:  # rows past q_len: out 0, lse -inf, so the backward's p is 0
+        valid = q_pos < q_len
+        out = jnp.where(valid[:, None], out, 0.0)
+        lse = jnp.where(valid, lse, -jnp.inf)
     o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = lse
 
 
-def _dq_kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
-               scale, is_causal, block, block_q, block_k, seq_len, num_blocks):
-    i = pl.program_id(0)
-    q_pos = i * block_q + jnp.arange(block_q, dtype=jnp.int32)
-    segments = _query_tile_segments(idx_ref, cnt_ref[0], is_causal=is_causal, block=block,
-                                    block_q=block_q, block_k=block_k, seq_len=seq_len,
-                                    num_blocks=num_blocks)
+def _dq_kernel(idx_ref, cnt_ref, len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+               dq_ref, *, scale, is_causal, block_k, **kw):
+    # rows past q_len have lse = +inf (the forward's -inf, backward_rows): p = 0, dq = 0
+    q_pos, segments, _, kv_len = _query_tile(idx_ref, cnt_ref, len_ref, is_causal=is_causal,
+                                             block_k=block_k, **kw)
     dq = dq_loop(
         q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], q_pos, k_ref, v_ref,
-        segments=segments, kv_len=seq_len, k_offset=0, scale=scale, is_causal=is_causal,
+        segments=segments, kv_len=kv_len, k_offset=0, scale=scale, is_causal=is_causal,
         block_k=block_k,
     )
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _dkdv_kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
-                 dv_ref, *, scale, is_causal, block, block_q, block_k, seq_len, groups,
-                 per_head):
+def _dkdv_kernel(idx_ref, cnt_ref, len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                 dk_ref, dv_ref, *, scale, is_causal, block, block_q, block_k, seq_len, groups,
+                 per_head, lengths):
     j = pl.program_id(0)
     sub_q, sub_k = block // block_q, block // block_k
     kb = lax.div(j, jnp.int32(sub_k))
+    q_len, kv_len = _lengths(len_ref, seq_len, lengths)
     k_idx = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
-    valid = (k_idx < seq_len)[:, None]
+    valid = (k_idx < kv_len)[:, None]
     k = jnp.where(valid, k_ref[...], jnp.zeros((), k_ref.dtype))
     v = jnp.where(valid, v_ref[...], jnp.zeros((), v_ref.dtype))
-    # A key tile that straddles seq_len needs the mask on every query tile.
-    straddles = (j + 1) * block_k > seq_len if seq_len % block_k else False
+    # A key tile that straddles kv_len needs the mask on every query tile.
+    straddles = (j + 1) * block_k > kv_len if lengths or seq_len % block_k else False
 
     def per_group(g, carry):
         row = g if per_head else 0
         cnt = cnt_ref[row]
+        if lengths:  # no work for a key tile past kv_len; no query block past q_len
+            below = _count_below(lambda s: idx_ref[row, s], cnt, cdiv_nonneg(q_len, block))
+            cnt = jnp.where(j * block_k < kv_len, below, 0)
         head, first = jnp.int32(0), jnp.int32(0)
         if is_causal:  # the diagonal block (listed first) is masked, from its first tile
             head = ((cnt > 0) & (idx_ref[row, 0] == kb)).astype(jnp.int32)  # that sees a key
@@ -209,7 +201,7 @@ def _dkdv_kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_r
             segments += [(jnp.where(straddles, 0, rest), listed, False),
                          (jnp.where(straddles, rest, 0), listed, True)]
         return dkdv_loop(
-            carry, g, k, v, k_idx, seq_len, q_ref, do_ref, lse_ref, delta_ref,
+            carry, g, k, v, k_idx, kv_len, q_ref, do_ref, lse_ref, delta_ref,
             segments=segments, q_offset=0, k_offset=0, scale=scale, is_causal=is_causal,
             block_q=block_q,
         )
@@ -255,8 +247,22 @@ def sparse_tiles(config: KernelConfig, block_size: int) -> tuple[tuple[int, int]
             cap(config.dq_blocks))
 
 
-def _sparse_forward(q, k, v, kv_idx, kv_cnt, block_size, scale, is_causal, config, interpret,
-                    debug):
+def _lens_spec(kv_of):
+    """``(q_len, kv_len)`` of the program's batch row and kv head, from ``(B, Hk, 2)``."""
+    return pl.BlockSpec((None, None, 2), lambda i, b, h: (b, kv_of(h), 0))
+
+
+def _lens(lengths, B, Hk, n):
+    return jnp.full((B, Hk, 2), n, jnp.int32) if lengths is None else lengths
+
+
+def sparse_forward(q, k, v, tables, *, lengths, block_size: int, scale: float,
+                   is_causal: bool, config: KernelConfig, interpret=False, debug=False):
+    """Forward kernel on prepared ``tables`` (:func:`sparse_tables`): ``out (B, n, Hk, G, d)``
+    in ``q.dtype`` and ``lse (B, n, Hk, G)`` float32. ``lengths``: ``None`` or int32
+    ``(B, Hk, 2)``, ``(q_len, kv_len)`` in ``[0, n]`` per batch row and kv head: key blocks
+    past ``kv_len`` are not visited, rows past ``q_len`` get ``out = 0``, ``lse = -inf``."""
+    kv_idx, kv_cnt = tables[:2]
     B, n, Hk, G, d = q.shape
     dp = padded_head_dim(d)
     nqb = kv_idx.shape[1]
@@ -275,12 +281,12 @@ def _sparse_forward(q, k, v, kv_idx, kv_cnt, block_size, scale, is_causal, confi
     row = lambda i: lax.div(i, jnp.int32(sub_q))  # the pattern block of query tile i
     out, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, scale=scale, is_causal=is_causal, block=block_size,
-                          block_q=bq, block_k=bk, seq_len=n, num_blocks=nqb),
+                          block_q=bq, block_k=bk, seq_len=n, lengths=lengths is not None),
         grid=(nqb * sub_q, B, Hk * G),
         in_specs=[
             pl.BlockSpec((None, None, width), lambda i, b, h: (pat_of(h), row(i), 0)),
             pl.BlockSpec((None, 1), lambda i, b, h: (pat_of(h), row(i))),
-            q_spec, kv_spec, kv_spec,
+            _lens_spec(kv_of), q_spec, kv_spec, kv_spec,
         ],
         out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
         out_shape=[jax.ShapeDtypeStruct(qp.shape, q.dtype),
@@ -289,14 +295,18 @@ def _sparse_forward(q, k, v, kv_idx, kv_cnt, block_size, scale, is_causal, confi
         interpret=interpret,
         debug=debug,
         name="dilax_block_sparse_fwd",
-    )(kv_idx, kv_cnt, qp, kp, vp)
+    )(kv_idx, kv_cnt, _lens(lengths, B, Hk, n), qp, kp, vp)
     out = out[:, :n, :, :, :d]
     lse = lse.reshape(B, Hk, G, n_pad)[..., :n].transpose(0, 3, 1, 2)
     return out, lse
 
 
-def _sparse_backward(q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, out, lse, dout, dlse, block_size,
-                     scale, is_causal, config, interpret, debug):
+def sparse_backward(q, k, v, tables, *, lengths, lse, dout, delta, block_size: int,
+                    scale: float, is_causal: bool, config: KernelConfig, interpret=False,
+                    debug=False):
+    """Backward kernels: ``(dq, dk, dv)`` in the input dtypes, recomputed from ``lse``
+    (:func:`sparse_forward`'s) with ``delta = rowsum(dO * O) - dlse`` ``(B, n, Hk, G)``."""
+    kv_idx, kv_cnt, q_idx, q_cnt = tables
     B, n, Hk, G, d = q.shape
     dp = padded_head_dim(d)
     nqb = kv_idx.shape[1]
@@ -305,12 +315,15 @@ def _sparse_backward(q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, out, lse, dout, dlse
     _, (bq_kv, bk_kv), (bq_q, bk_q) = sparse_tiles(config, block_size)
     per_head = kv_idx.shape[0] > 1
     kv_of, grp_of, pat_of = _head_maps(G, per_head)
-    lse_rows, delta_rows = backward_rows(lse, output_delta(out, dout, dlse), n_pad)
+    lse_rows, delta_rows = backward_rows(lse, delta, n_pad)
     qp = pad_to(gpu_only(q, interpret), {1: n_pad, 4: dp})
     dop = pad_to(dout.astype(q.dtype), {1: n_pad, 4: dp})
     kp = pad_to(k, {1: n_pad, 3: dp})
     vp = pad_to(v, {1: n_pad, 3: dp})
     params = triton_compiler_params(config, dp, interpret)
+    lens = _lens(lengths, B, Hk, n)
+    statics = dict(scale=scale, is_causal=is_causal, block=block_size, seq_len=n,
+                   lengths=lengths is not None)
 
     sub_q = block_size // bq_q
     q_spec = pl.BlockSpec((None, bq_q, None, None, dp),
@@ -320,13 +333,12 @@ def _sparse_backward(q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, out, lse, dout, dlse
     kv_full = pl.BlockSpec((None, n_pad, None, dp), lambda i, b, h: (b, 0, kv_of(h), 0))
     row = lambda i: lax.div(i, jnp.int32(sub_q))
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=scale, is_causal=is_causal, block=block_size,
-                          block_q=bq_q, block_k=bk_q, seq_len=n, num_blocks=nqb),
+        functools.partial(_dq_kernel, block_q=bq_q, block_k=bk_q, **statics),
         grid=(nqb * sub_q, B, Hk * G),
         in_specs=[
             pl.BlockSpec((None, None, kv_idx.shape[2]), lambda i, b, h: (pat_of(h), row(i), 0)),
             pl.BlockSpec((None, 1), lambda i, b, h: (pat_of(h), row(i))),
-            q_spec, kv_full, kv_full, q_spec, row_spec, row_spec,
+            _lens_spec(kv_of), q_spec, kv_full, kv_full, q_spec, row_spec, row_spec,
         ],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
@@ -334,7 +346,7 @@ def _sparse_backward(q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, out, lse, dout, dlse
         interpret=interpret,
         debug=debug,
         name="dilax_block_sparse_dq",
-    )(kv_idx, kv_cnt, qp, kp, vp, dop, lse_rows, delta_rows)
+    )(kv_idx, kv_cnt, lens, qp, kp, vp, dop, lse_rows, delta_rows)
 
     # Transposed tables grouped by kv head: (Hk or 1, G or 1, nkb, width) and (.., nkb).
     rows = G if per_head else 1
@@ -346,42 +358,38 @@ def _sparse_backward(q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, out, lse, dout, dlse
     sub_k = block_size // bk_kv
     key_block = lambda j: lax.div(j, jnp.int32(sub_k))
     dk, dv = dkdv_call(
-        functools.partial(_dkdv_kernel, scale=scale, is_causal=is_causal, block=block_size,
-                          block_q=bq_kv, block_k=bk_kv, seq_len=n, groups=G,
-                          per_head=per_head),
+        functools.partial(_dkdv_kernel, block_q=bq_kv, block_k=bk_kv, groups=G,
+                          per_head=per_head, **statics),
         grid=(nkb * sub_k, B, Hk),
         table_specs=[
             pl.BlockSpec((None, rows, None, width),
                          lambda j, b, c: (c_map(c), 0, key_block(j), 0)),
             pl.BlockSpec((None, rows, None), lambda j, b, c: (c_map(c), 0, key_block(j))),
+            pl.BlockSpec((None, None, 2), lambda j, b, c: (b, c, 0)),
         ],
         len_pad=n_pad, groups=G, dp=dp, block_k=bk_kv, kv_shape=kp.shape,
         k_dtype=k.dtype, v_dtype=v.dtype, compiler_params=params, interpret=interpret,
         debug=debug, name="dilax_block_sparse_dkdv",
-    )(q_idx4, q_cnt3, qp, kp, vp, dop, lse_rows, delta_rows)
+    )(q_idx4, q_cnt3, lens, qp, kp, vp, dop, lse_rows, delta_rows)
     return dq[:, :n, ..., :d], dk[:, :n, :, :d], dv[:, :n, :, :d]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
-def _sparse(q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, block_size, scale, is_causal, config,
-            interpret, debug):
-    return _sparse_forward(q, k, v, kv_idx, kv_cnt, block_size, scale, is_causal, config,
-                           interpret, debug)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _sparse(q, k, v, tables, lengths, statics):
+    return sparse_forward(q, k, v, tables, lengths=lengths, **dict(statics))
 
 
-def _sparse_fwd(q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, block_size, scale, is_causal, config,
-                interpret, debug):
-    out, lse = _sparse_forward(q, k, v, kv_idx, kv_cnt, block_size, scale, is_causal, config,
-                               interpret, debug)
-    return (out, lse), (q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, out, lse)
+def _sparse_fwd(q, k, v, tables, lengths, statics):
+    out, lse = sparse_forward(q, k, v, tables, lengths=lengths, **dict(statics))
+    return (out, lse), (q, k, v, tables, lengths, out, lse)
 
 
-def _sparse_bwd(block_size, scale, is_causal, config, interpret, debug, res, cotangents):
-    q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, out, lse = res
+def _sparse_bwd(statics, res, cotangents):
+    q, k, v, tables, lengths, out, lse = res
     dout, dlse = cotangents
-    dq, dk, dv = _sparse_backward(q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, out, lse, dout, dlse,
-                                  block_size, scale, is_causal, config, interpret, debug)
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv = sparse_backward(q, k, v, tables, lengths=lengths, lse=lse, dout=dout,
+                                 delta=output_delta(out, dout, dlse), **dict(statics))
+    return dq, dk, dv, None, None
 
 
 _sparse.defvjp(_sparse_fwd, _sparse_bwd)
@@ -400,6 +408,8 @@ def block_sparse_flash_attention(
     interpret: bool = False,
     q_block_indices: jax.Array | np.ndarray | None = None,
     q_block_counts: jax.Array | np.ndarray | None = None,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     config: KernelConfig | None = None,
@@ -421,6 +431,10 @@ def block_sparse_flash_attention(
       q_block_indices, q_block_counts: optional transposed tables
         (``(H_pat, nk_blocks, width)``, ``(H_pat, nk_blocks)``) for the dk/dv kernel; derived
         with :func:`transpose_block_tables` when omitted.
+      query_seq_lengths, key_value_seq_lengths: optional int ``(B,)`` or ``(B, Hk)`` valid
+        lengths (traced allowed, clipped to ``[0, n]``): keys ``t >= kv_len`` get no weight
+        (their blocks are not visited), query rows ``p >= q_len`` get ``out = 0``,
+        ``lse = -inf`` and zero gradient.
       num_warps, num_stages: Triton launch parameters (override ``config``'s).
       config: the kernels' tiles, warps and stages (default
         :func:`pallas_kernels.default_config` of the shape); each tile is capped at
@@ -438,14 +452,7 @@ def block_sparse_flash_attention(
     if k.shape[1] != n:
         raise ValueError(f"block_sparse_flash_attention: q and k must have the same length n, "
                          f"got {n} and {k.shape[1]}")
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
-        raise TypeError(f"block_size must be a static int, got {type(block_size).__name__}")
-    block_size = int(block_size)
-    min_block = 1 if interpret else MIN_BLOCK
-    if block_size < min_block or block_size & (block_size - 1):
-        raise ValueError(
-            f"block_size must be a power of two >= {min_block} (Triton tiles), got {block_size}"
-        )
+    block_size = check_block_size(block_size, interpret)
     if config is None:
         config = default_config(n, n, d, q.dtype)
     elif not isinstance(config, KernelConfig):
@@ -454,29 +461,10 @@ def block_sparse_flash_attention(
     overrides = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages))
                  if v is not None}
     config = dataclasses.replace(config, **overrides)
-    nqb = -(-n // block_size)
-    H = Hk * G
-    kv_idx, kv_cnt = kv_block_indices, kv_block_counts
-    if not isinstance(kv_idx, (np.ndarray, jax.Array)) or not isinstance(
-            kv_cnt, (np.ndarray, jax.Array)):
-        kv_idx, kv_cnt = np.asarray(kv_idx), np.asarray(kv_cnt)
-    _check_tables(kv_idx, kv_cnt, "kv_block_indices", "kv_block_counts", H, nqb, nqb,
-                  "query blocks")
-    if (q_block_indices is None) != (q_block_counts is None):
-        raise ValueError("q_block_indices and q_block_counts must be given together")
-    if q_block_indices is None:
-        q_idx, q_cnt = transpose_block_tables(kv_idx, kv_cnt, nqb, is_causal)
-    else:
-        q_idx, q_cnt = q_block_indices, q_block_counts
-        _check_tables(q_idx, q_cnt, "q_block_indices", "q_block_counts", H, nqb, nqb,
-                      "key blocks")
-        if q_idx.shape[0] != kv_idx.shape[0]:
-            raise ValueError("q_block_indices must have the same H_pat as kv_block_indices")
-    if is_causal:
-        kv_cnt = causal_counts(kv_idx, kv_cnt)
-    kv_idx = jnp.clip(jnp.asarray(kv_idx, jnp.int32), 0, nqb - 1)
-    q_idx = jnp.clip(jnp.asarray(q_idx, jnp.int32), 0, nqb - 1)
-    kv_cnt = jnp.asarray(kv_cnt, jnp.int32)
-    q_cnt = jnp.asarray(q_cnt, jnp.int32)
-    return _sparse(q, k, v, kv_idx, kv_cnt, q_idx, q_cnt, block_size, float(scale),
-                   bool(is_causal), config, interpret or False, bool(debug))
+    tables = sparse_tables(kv_block_indices, kv_block_counts, n=n, block_size=block_size,
+                           num_heads=Hk * G, is_causal=is_causal,
+                           q_block_indices=q_block_indices, q_block_counts=q_block_counts)
+    lengths = sparse_lengths(query_seq_lengths, key_value_seq_lengths, B, Hk, n)
+    statics = dict(block_size=block_size, scale=float(scale), is_causal=bool(is_causal),
+                   config=config, interpret=interpret or False, debug=bool(debug))
+    return _sparse(q, k, v, tables, lengths, tuple(statics.items()))

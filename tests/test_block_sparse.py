@@ -26,7 +26,7 @@ from dilax import block_sparse_tables as BT
 from dilax import content_adaptive as CA
 from dilax import patterns as P
 from dilax.nn import BlockSparseAttention, BlockSparseMultiheadAttention
-from dilax.reference import masked_attention
+from dilax.reference import length_mask, masked_attention
 
 B, N, D, BSZ = 2, 60, 8, 8  # n = 60 -> 8 blocks, the last one partial
 NB = -(-N // BSZ)
@@ -462,19 +462,23 @@ def test_argument_errors():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", sorted(PATTERNS))
 def test_every_pattern_public_op_per_implementation(name, causal, impl):
-    """The shared pattern set, run through ``block_sparse_attention`` end to end."""
-    n = 64  # whole blocks: the Pallas kernel has no partial last block
-    pattern = make_patterns(n)[name]
-    q, k, v, cot = inputs(*GQA, n)
+    """The shared pattern set, run through ``block_sparse_attention`` end to end, with
+    traced valid lengths (both paths skip key blocks past ``kv_len`` and zero the rows past
+    ``q_len``) on a partial last block. One program per pattern: the lengths are data."""
+    pattern = PATTERNS[name]
+    q, k, v, cot = inputs(*GQA)
     kwargs = dict(implementation="pallas", interpret=True) if impl == "pallas-interpret" else \
         dict(implementation=impl)
     fwd = functools.partial(dilax.block_sparse_attention, pattern=pattern, is_causal=causal,
                             **kwargs)
 
     @jax.jit  # one program for forward and backward
-    def run(q, k, v, cot):
-        out, vjp = jax.vjp(fwd, q, k, v)
+    def run(q, k, v, cot, q_len, kv_len):
+        out, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, query_seq_lengths=q_len,
+                                               key_value_seq_lengths=kv_len), q, k, v)
         return out, vjp(cot)
 
-    mask = pattern.expanded_mask(n, causal).astype(np.float32)
-    assert_close(run(q, k, v, cot), reference_vjp(q, k, v, mask, cot))
+    q_len, kv_len = jnp.array([N, 29]), jnp.array([43, N])  # inside blocks, and the full row
+    mask = pattern.expanded_mask(N, causal).astype(np.float32)[None] * length_mask(
+        N, q_len, kv_len)
+    assert_close(run(q, k, v, cot, q_len, kv_len), reference_vjp(q, k, v, mask, cot))

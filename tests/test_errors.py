@@ -98,10 +98,12 @@ ERROR_TABLE += [
     ("pattern heads != h", lambda: dilax.block_sparse_attention(
         Q, KV, KV, dilax.patterns.random(16, 4, 0.5, num_heads=3)), ValueError,
      "pattern has 3 heads"),
-    ("pallas block-sparse with a partial block", lambda: dilax.block_sparse_attention(
+    ("pallas block-sparse with a block size not a power of two", lambda:
+     dilax.block_sparse_attention(
         jnp.zeros((1, 18, 4, 8)), jnp.zeros((1, 18, 2, 8)), jnp.zeros((1, 18, 2, 8)),
-        dilax.patterns.local_window(18, 4, 4), implementation="pallas", interpret=True),
-     ValueError, "needs seq_len to be a multiple of pattern.block_size=4"),
+        dilax.patterns.local_window(18, 6, 6), implementation="pallas", interpret=True),
+     ValueError, "needs pattern.block_size to be a power of two (Triton tiles), got "
+                 "block_size=6"),
     ("content-adaptive top_k too large", lambda: dilax.content_adaptive_attention(
         Q, KV, KV, 4, 5), ValueError, "top_k must be in [1, ceil(n / block_size)] = [1, 4]"),
     ("pattern too large to build", lambda: dilax.patterns.local_window(2**40, 1, 4),

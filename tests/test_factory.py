@@ -23,8 +23,11 @@ def test_auto_picks_xla_on_cpu_and_pallas_on_gpu():
     gpu = dilax.create_attention(segment_lengths=(8, 16), dilation_rates=(1, 2), backend="gpu")
     assert gpu.choice.implementation == "pallas"
     assert gpu.inner.implementation == "pallas"
-    sparse = dilax.create_attention(pattern=patterns.local_window(32, 8, 16), backend="gpu")
+    sparse = dilax.create_attention(pattern=patterns.local_window(32, 16, 16), backend="gpu")
     assert sparse.choice.kind == "block_sparse" and sparse.choice.implementation == "pallas"
+    # a block below the smallest Triton tile: the registry's rule, recorded in the choice
+    small = dilax.create_attention(pattern=patterns.local_window(32, 8, 16), backend="gpu")
+    assert small.choice.implementation == "xla" and "block_size >= 16" in small.choice.reason
 
 
 def test_dilated_kind_computes_the_functional_op():
@@ -94,7 +97,7 @@ def test_ring_kind_with_a_pattern_runs_the_block_sparse_ring():
     # dilax.registry: an explicit implementation that cannot serve a branch names the reason
     (dict(segment_lengths=(8,), dilation_rates=(1,), local_window=2, implementation="pallas"),
      "has no band mask (local_window); use implementation=None to run that branch on 'xla'"),
-    (dict(pattern=patterns.local_window(32, 8, 8), embed_dim=32, num_heads=4,
+    (dict(pattern=patterns.local_window(32, 16, 16), embed_dim=32, num_heads=4,
           rngs=nnx.Rngs(0), implementation="pallas"),
      "the multi-head block-sparse module runs implementation=None (here 'xla')"),
 ])
