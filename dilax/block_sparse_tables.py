@@ -96,6 +96,16 @@ def _gather_blocks(src: jax.Array, idx: jax.Array, kvmap: tuple[int, ...], share
     return g.transpose(0, 2, 3, 4, 1, 5).reshape(b * R, A * bs, U, d)
 
 
+def gather_key_blocks(x: jax.Array, idx: jax.Array, kvmap: tuple[int, ...],
+                      block_size: int) -> jax.Array:
+    """K or V ``(b, nk*B, hk, d)`` -> the key blocks of the tables ``idx (Bi, Ui, R, A)``,
+    ``(b * R, A * B, U, d)``: row ``i * R + r`` holds, in table order, the blocks of query block
+    ``r`` of batch row ``i``; virtual kv head ``u`` reads kv head ``kvmap[u]`` (the layout
+    :func:`sparse_attention_tables` runs the core on; the block-sparse ring's hops too)."""
+    shared = _shared_gather(idx.shape, kvmap, x.shape[2])
+    return _gather_blocks(_gather_source(x, shared, block_size), idx, kvmap, shared, block_size)
+
+
 def _rows_kv_len(kv_len: jax.Array, b: int, U: int) -> jax.Array:
     """``(Bi, Ui, R)`` -> ``(b * R, U)``."""
     Bi, Ui, R = kv_len.shape
