@@ -1,8 +1,9 @@
 """The table-driven gather + core of block-sparse attention, below both of its users.
 
-:func:`dilax.block_sparse_attention` (one device) and the block-sparse ring
-(:mod:`dilax.sp.block_sparse_ring`) run the same :func:`sparse_attention_tables` on tables
-read off the pattern; the method is described in :mod:`dilax.block_sparse`. This module
+:func:`dilax.block_sparse_attention` (one device) runs :func:`sparse_attention_tables` on
+tables read off the pattern, the block-sparse ring (:mod:`dilax.sp.block_sparse_ring`) the same
+gather (:func:`gather_key_blocks`) at every hop; the method is described in
+:mod:`dilax.block_sparse`. This module
 imports neither, so the public op can dispatch to the ring without an import cycle.
 """
 
