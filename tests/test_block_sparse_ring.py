@@ -201,5 +201,16 @@ def test_ring_errors_in_process():
         sharded_block_sparse_attention(x, x, x, P.local_window(60, 8, 0), mesh=mesh)
 
 
+def test_empty_batch_equals_one_device():
+    """b = 0 on the ring: the single-device op's empty result (no shard to run)."""
+    mesh = jax.make_mesh((4,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:4])
+    x = jnp.zeros((0, 64, 2, D))
+    pattern = P.local_window(64, 8, 8)
+    got = block_sparse_attention(x, x, x, pattern, sequence_parallel=SequenceParallel(mesh))
+    np.testing.assert_array_equal(got, block_sparse_attention(x, x, x, pattern))
+    assert got.shape == (0, 64, 2, D)
+
+
 if __name__ == "__main__":
     print(json.dumps(_report()))

@@ -435,11 +435,10 @@ def sharded_block_sparse(q, k, v, pattern: BlockSparsePattern, is_causal: bool, 
                          key_value_seq_lengths=None) -> jax.Array:
     """The sequence-parallel program on validated arguments: the shard_map of
     :func:`ring_block_sparse_core` over ``sp.mesh`` (lengths int32 ``(b,)`` or None)."""
-
-    def body(q, k, v, q_len=None, kv_len=None):
-        return ring_block_sparse_core(q, k, v, pattern, is_causal, scale, sp.seq_axis, q_len,
-                                      kv_len)
-
+    body = lambda q, k, v, q_len=None, kv_len=None: ring_block_sparse_core(
+        q, k, v, pattern, is_causal, scale, sp.seq_axis, q_len, kv_len)
+    if q.shape[0] == 0:  # nothing to shard: an empty result (and empty gradients)
+        return V.empty_batch(q, v)
     return shard_sequence(body, sp.mesh, sp.seq_axis, sp.batch_axis, q, k, v,
                           query_seq_lengths, key_value_seq_lengths)
 
