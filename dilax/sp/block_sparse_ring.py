@@ -193,9 +193,9 @@ class BlockSparseRing:
             kv_len = cnt * B  # (Ui, R)
             if L is not None:  # gathered keys are ascending: the valid ones are a prefix
                 start = src * m + idx * B  # (Ui, R, A)
-                used = jnp.arange(idx.shape[-1]) < cnt[..., None]
+                used = jnp.arange(idx.shape[-1])[None, None] < cnt[..., None]
                 valid = jnp.clip(L[:, None, None, None] - start[None], 0, B)
-                kv_len = jnp.minimum(kv_len, jnp.where(used, valid, 0).sum(-1))
+                kv_len = jnp.minimum(kv_len[None], jnp.where(used[None], valid, 0).sum(-1))
             kr, vr = (gather_key_blocks(x, idx[None], p.kvmap, B) for x in (kb, vb))
             res.append(fn(idx[None], qr, kr, vr, identity_view(p.U, p.G),
                           Mask(_per_row(kv_len, b, p.U), q_len=q_len),
@@ -203,7 +203,7 @@ class BlockSparseRing:
         if diag is not None:
             dl = lax.dynamic_slice_in_dim(jnp.asarray(diag)[me], g * R, R, axis=1)
             if L is not None:
-                dl = jnp.minimum(dl, jnp.clip(L[:, None, None] - first[None, None], 0, B))
+                dl = jnp.minimum(dl[None], jnp.clip(L[:, None, None] - first[None, None], 0, B))
             rows = lambda x: lax.dynamic_slice_in_dim(x, g * R * B, R * B, axis=1).reshape(
                 b * R, B, *x.shape[2:])
             res.append(fn(None, qr, rows(kb), rows(vb), self._diag_view(kb.shape[2]),
