@@ -227,7 +227,7 @@ def block_sparse_attention(
         kernel skip key blocks past the length.
       sequence_parallel: a :class:`dilax.SequenceParallel` (``layout="contiguous"``): run as
         ring block-sparse attention with the sequence split over ``sequence_parallel.mesh``
-        (XLA core; no valid lengths; ``n / P`` a multiple of ``pattern.block_size``; see
+        (XLA core; ``n / P`` a multiple of ``pattern.block_size``; see
         :func:`dilax.sp.ring_block_sparse_attention`). Same result, forward and backward.
 
     Returns:
@@ -251,17 +251,14 @@ def block_sparse_attention(
     is_causal = V.check_bool(is_causal, "is_causal")
     scale = V.check_scale(scale, q.shape[3])
     interpret = V.check_bool(interpret, "interpret")
-    if sequence_parallel is not None:
-        check_sequence_parallel(sequence_parallel, implementation, interpret=interpret)
-        if query_seq_lengths is not None or key_value_seq_lengths is not None:
-            raise ValueError("query_seq_lengths / key_value_seq_lengths are not supported by "
-                             "block-sparse attention with sequence_parallel")
-        check_sharded_block_sparse(q, pattern, sequence_parallel)
-        return unfold(sharded_block_sparse(q, k, v, pattern, is_causal, scale,
-                                           sequence_parallel))
     b, n = q.shape[:2]
     q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n)
     kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)
+    if sequence_parallel is not None:
+        check_sequence_parallel(sequence_parallel, implementation, interpret=interpret)
+        check_sharded_block_sparse(q, pattern, sequence_parallel)
+        return unfold(sharded_block_sparse(q, k, v, pattern, is_causal, scale,
+                                           sequence_parallel, q_len, kv_len))
     implementation, _ = registry.choose(implementation, registry.CoreRequest(
         "block_sparse", q.dtype, q.shape[3], is_causal,
         has_lengths=q_len is not None or kv_len is not None, interpret=interpret,

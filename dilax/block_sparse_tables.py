@@ -1,8 +1,9 @@
 """The table-driven gather + core of block-sparse attention, below both of its users.
 
-:func:`dilax.block_sparse_attention` (one device) and the block-sparse ring
-(:mod:`dilax.sp.block_sparse_ring`) run the same :func:`sparse_attention_tables` on tables
-read off the pattern; the method is described in :mod:`dilax.block_sparse`. This module
+:func:`dilax.block_sparse_attention` (one device) runs :func:`sparse_attention_tables` on
+tables read off the pattern, the block-sparse ring (:mod:`dilax.sp.block_sparse_ring`) the same
+gather (:func:`gather_key_blocks`) at every hop; the method is described in
+:mod:`dilax.block_sparse`. This module
 imports neither, so the public op can dispatch to the ring without an import cycle.
 """
 
@@ -94,6 +95,16 @@ def _gather_blocks(src: jax.Array, idx: jax.Array, kvmap: tuple[int, ...], share
     kix = jnp.asarray(np.asarray(kvmap, np.int32))[None, :, None, None]
     g = src[bix, kix, jnp.broadcast_to(idx, (b, U, R, A))]  # (b, U, R, A, B, d)
     return g.transpose(0, 2, 3, 4, 1, 5).reshape(b * R, A * bs, U, d)
+
+
+def gather_key_blocks(x: jax.Array, idx: jax.Array, kvmap: tuple[int, ...],
+                      block_size: int) -> jax.Array:
+    """K or V ``(b, nk*B, hk, d)`` -> the key blocks of the tables ``idx (Bi, Ui, R, A)``,
+    ``(b * R, A * B, U, d)``: row ``i * R + r`` holds, in table order, the blocks of query block
+    ``r`` of batch row ``i``; virtual kv head ``u`` reads kv head ``kvmap[u]`` (the layout
+    :func:`sparse_attention_tables` runs the core on; the block-sparse ring's hops too)."""
+    shared = _shared_gather(idx.shape, kvmap, x.shape[2])
+    return _gather_blocks(_gather_source(x, shared, block_size), idx, kvmap, shared, block_size)
 
 
 def _rows_kv_len(kv_len: jax.Array, b: int, U: int) -> jax.Array:

@@ -1,4 +1,7 @@
-"""Ring (sequence-parallel) block-sparse attention equals the single-device op on 8 CPU devices.
+"""Ring (sequence-parallel) block-sparse attention equals the single-device op and the
+mask-based reference, forward and gradients, on 8 CPU devices (4 on the sequence axis of the
+2 x 4 mesh): through the alias, the public op with ``sequence_parallel=`` and the per-device
+op inside a user's ``jax.shard_map`` with its default checks (``check_vma=True``).
 
 The 8 host devices need ``XLA_FLAGS`` before jax is imported, so unless this pytest process
 already has >= 8 devices the cases run once in a subprocess (this file run as a script) that
@@ -17,16 +20,14 @@ if __name__ == "__main__":  # worker: must set the device count before importing
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     )
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from tolerance import FP32
 
+from dilax import SequenceParallel, ring_block_sparse_attention, sharded_block_sparse_attention
 from dilax import patterns as P
-from dilax import sharded_block_sparse_attention
 from dilax.block_sparse import block_sparse_attention
 from dilax.sp.block_sparse_ring import plan_ring
 
@@ -39,20 +40,42 @@ def _mask_with_empty_rows():
     mask = np.array(P.random(N, BSZ, 0.6, seed=7, num_heads=4).block_mask) & near
     mask[2] = False  # empty head
     mask[0, 5] = False  # empty query block
+    mask[:, :2, :2] = False  # device 0 has no work at all (not even on its own chunk)
     return P.from_mask(mask, BSZ)
 
 
 CASES = {
-    # name: (pattern, h, hk, causal, mesh shape, batch)
-    "local_window_gqa": (P.local_window(N, BSZ, 10), 4, 2, False, (8,), 2),
-    "per_head_empty_rows_causal": (_mask_with_empty_rows(), 4, 2, True, (8,), 2),
+    # name: (pattern, h, hk, causal, mesh shape, batch, entry, valid lengths (q, kv) or None)
+    "local_window_gqa": (P.local_window(N, BSZ, 10), 4, 2, False, (8,), 2, "alias", None),
+    "per_head_empty_rows_causal": (_mask_with_empty_rows(), 4, 2, True, (8,), 2,
+                                   "user_shard_map", ([128, 45], [101, 70])),
     "dilated_global_mha_batch_sharded": (
-        P.dilated(N, BSZ, (5,)) | P.global_local(N, BSZ, 8, 0), 2, 2, True, (2, 4), 2),
+        P.dilated(N, BSZ, (5,)) | P.global_local(N, BSZ, 8, 0), 2, 2, True, (2, 4), 2,
+        "sequence_parallel", ([77, 128], [128, 30])),
 }
 
 
+def _ring(entry, pattern, mesh, batch_axis, causal):
+    """The ring through ``entry``: ``fn(q, k, v, q_len, kv_len)``."""
+    if entry == "alias":
+        return lambda q, k, v, ql, kl: sharded_block_sparse_attention(
+            q, k, v, pattern, mesh=mesh, seq_axis="sp", batch_axis=batch_axis, is_causal=causal,
+            query_seq_lengths=ql, key_value_seq_lengths=kl)
+    if entry == "sequence_parallel":
+        sp = SequenceParallel(mesh, seq_axis="sp", batch_axis=batch_axis)
+        return lambda q, k, v, ql, kl: block_sparse_attention(
+            q, k, v, pattern, is_causal=causal, query_seq_lengths=ql, key_value_seq_lengths=kl,
+            sequence_parallel=sp)
+    spec = jax.sharding.PartitionSpec(None, "sp")  # a user's shard_map, default checks
+    return jax.shard_map(
+        lambda q, k, v, ql, kl: ring_block_sparse_attention(
+            q, k, v, pattern, axis_name="sp", is_causal=causal, query_seq_lengths=ql,
+            key_value_seq_lengths=kl),
+        mesh=mesh, in_specs=(spec,) * 3 + (jax.sharding.PartitionSpec(),) * 2, out_specs=spec)
+
+
 def _run_case(name):
-    pattern, h, hk, causal, mesh_shape, b = CASES[name]
+    pattern, h, hk, causal, mesh_shape, b, entry, lengths = CASES[name]
     auto = (jax.sharding.AxisType.Auto,) * len(mesh_shape)
     if len(mesh_shape) == 1:
         mesh = jax.make_mesh(mesh_shape, ("sp",), axis_types=auto)
@@ -65,27 +88,35 @@ def _run_case(name):
     k = jax.random.normal(ks[1], (b, N, hk, D))
     v = jax.random.normal(ks[2], (b, N, hk, D))
     cot = jax.random.normal(ks[3], (b, N, h, D))
+    ql, kl = (None, None) if lengths is None else (jnp.asarray(x, jnp.int32) for x in lengths)
 
-    def vjp_of(fn):
+    def vjp_of(*fns):
         @jax.jit
-        def run(q, k, v, cot):
-            out, vjp = jax.vjp(fn, q, k, v)
-            return out, vjp(cot)
+        def run(q, k, v, cot, ql, kl):
+            res = []
+            for fn in fns:
+                out, vjp = jax.vjp(lambda q, k, v, fn=fn: fn(q, k, v, ql, kl), q, k, v)
+                res.append((out, *vjp(cot)))
+            return res
 
         return run
 
-    single = functools.partial(block_sparse_attention, pattern=pattern, is_causal=causal)
-    ring = functools.partial(sharded_block_sparse_attention, pattern=pattern, mesh=mesh,
-                             seq_axis="sp", batch_axis=batch_axis, is_causal=causal)
-    want = vjp_of(single)(q, k, v, cot)
-    compiled = vjp_of(ring).lower(q, k, v, cot).compile()
-    got = compiled(q, k, v, cot)
+    def single(implementation):
+        return lambda q, k, v, ql, kl: block_sparse_attention(
+            q, k, v, pattern, is_causal=causal, implementation=implementation,
+            query_seq_lengths=ql, key_value_seq_lengths=kl)
+
+    # One program for the single-device op and the mask-based reference, one for the ring.
+    wants = vjp_of(single("xla"), single("reference"))(q, k, v, cot, ql, kl)
+    compiled = vjp_of(_ring(entry, pattern, mesh, batch_axis, causal)).lower(
+        q, k, v, cot, ql, kl).compile()
+    got = compiled(q, k, v, cot, ql, kl)[0]
     errors = {  # max |a - b| in units of max(1, max|b|), as in tests/tolerance.py
-        key: float(jnp.max(jnp.abs(a - b_)) / jnp.maximum(1.0, jnp.max(jnp.abs(b_))))
-        for key, a, b_ in zip(("out", "dq", "dk", "dv"), (got[0], *got[1]),
-                              (want[0], *want[1]), strict=True)
+        f"{key} vs {ref}": float(jnp.max(jnp.abs(a - b_)) / jnp.maximum(1.0, jnp.max(jnp.abs(b_))))
+        for ref, want in zip(("single", "reference"), wants, strict=True)
+        for key, a, b_ in zip(("out", "dq", "dk", "dv"), got, want, strict=True)
     }
-    finite = all(bool(jnp.isfinite(x).all()) for x in (got[0], *got[1]))
+    finite = all(bool(jnp.isfinite(x).all()) for x in got)
     nd = mesh.shape["sp"]
     plan = plan_ring(pattern, nd, h, hk, causal)
     hlo = compiled.as_text()
@@ -94,7 +125,7 @@ def _run_case(name):
     streams = [[st.hops, sorted({(i - j) % nd for row in st.src for i, j in enumerate(row)
                                  if j >= 0})] for st in plan.streams]
     steps = {int((i - j) % nd) for i, j in np.argwhere(plan.needs)}
-    steps |= {0} if plan.own is not None else set()
+    steps |= {0} if plan.own_active.any() else set()
     return {"errors": errors, "finite": finite, "streams": streams, "steps": sorted(steps),
             "permutes": permutes, "all_gather": "all-gather" in hlo}
 
@@ -145,10 +176,12 @@ def test_ring_skips_steps_and_permutes_only_as_far_as_needed(report):
     # A local window needs the neighbours only: one step each way (right: the chunk of i - 1,
     # left: of i + 1), not P - 1 = 7 steps.
     assert lw["steps"] == [0, 1, 7] and lw["streams"] == [[1, [1]], [1, [7]]]
-    # (k, v) x (right, left) forward, their cotangents backward; a one-way ring needs 7 steps.
-    assert 0 < lw["permutes"] <= 2 * 2 * 2, lw["permutes"]
+    # (k, v) x (right, left): forward, again in the backward ring, and (dk, dv) back to their
+    # owners after their one hop; a one-way ring would need 7 hops of each.
+    assert 0 < lw["permutes"] <= 3 * 2 * 2, lw["permutes"]
     causal = report["per_head_empty_rows_causal"]
     assert causal["steps"] == [0, 1, 2] and causal["streams"] == [[2, [1, 2]]]
+    assert report["dilated_global_mha_batch_sharded"]["streams"] == [[3, [1, 2, 3]]]
 
 
 def test_ring_errors(report):
@@ -166,6 +199,17 @@ def test_ring_errors_in_process():
                                        seq_axis="seq")
     with pytest.raises(ValueError, match="multiple of the pattern's block_size 8"):
         sharded_block_sparse_attention(x, x, x, P.local_window(60, 8, 0), mesh=mesh)
+
+
+def test_empty_batch_equals_one_device():
+    """b = 0 on the ring: the single-device op's empty result (no shard to run)."""
+    mesh = jax.make_mesh((4,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:4])
+    x = jnp.zeros((0, 64, 2, D))
+    pattern = P.local_window(64, 8, 8)
+    got = block_sparse_attention(x, x, x, pattern, sequence_parallel=SequenceParallel(mesh))
+    np.testing.assert_array_equal(got, block_sparse_attention(x, x, x, pattern))
+    assert got.shape == (0, 64, 2, D)
 
 
 if __name__ == "__main__":

@@ -282,9 +282,9 @@ def test_block_sparse_sequence_parallel_validates_once_and_errors(monkeypatch):
     calls = _count(monkeypatch, "check_qkv")
     jax.eval_shape(lambda: dilax.block_sparse_attention(q, k, v, pattern, sequence_parallel=sp))
     assert len(calls) == 1
-    with pytest.raises(ValueError, match="not supported by block-sparse attention with seq"):
+    with pytest.raises(ValueError, match=r"query_seq_lengths must lie in \[0, n=64\]"):
         dilax.block_sparse_attention(q, k, v, pattern, sequence_parallel=sp,
-                                     query_seq_lengths=[3, 4])
+                                     query_seq_lengths=[3, 65])
     with pytest.raises(ValueError, match="implementation must be None or 'xla'"):
         dilax.block_sparse_attention(q, k, v, pattern, sequence_parallel=sp,
                                      implementation="pallas")

@@ -227,7 +227,7 @@ def _tables(cfg: RingConfig):
             [lookup(cnt_t[c], idx) for c in range(geo.C)])
 
 
-def _stream_loop(st: Stream, idx, step, carry, transfer):
+def stream_loop(st: Stream, idx, step, carry, transfer):
     """Runs ``step(carry, src)`` for every hop of stream ``st``, moving ``transfer(carry)`` one
     hop between steps. A ``fori_loop`` keeps one block in use and one in flight per device."""
     src = jnp.asarray(np.asarray(st.src, np.int32))  # (steps, P)
@@ -311,13 +311,25 @@ def _ring_backward(cfg: RingConfig, kd, vd, qside, n_u=None):
 
     kc, vc = tuple(kd[:, c] for c in range(C)), tuple(vd[:, c] for c in range(C))
     zeros = lambda x: tuple(varying_like(jnp.zeros(y.shape, _F32), y, dq[0]) for y in x)
+    dq, dk, dv = backward_streams(cfg.streams, cfg.axis_name, idx, visit, kc, vc, dq, zeros)
+    # The own block last: its gradients go straight into the returned accumulators, which
+    # are not held next to the travelling ones.
+    return visit((dq, dk, dv), kc, vc, idx)
+
+
+def backward_streams(streams, axis_name, idx, visit, kc, vc, dq, zeros):
+    """The hops of a backward ring (both rings): along every stream the K/V blocks ``kc, vc``
+    (pytrees) travel with their float32 dK/dV accumulators (``zeros(kc)``, ``zeros(vc)``),
+    and ``visit((dq, dk, dv), kb, vb, src)`` adds this device's gradients for the visiting
+    block of device ``src`` (-1: none needed) into them. Returns ``(dq, dk, dv)``, dK/dV back
+    at their owners and summed over the streams; the own block is not visited."""
     dk = dv = None
-    for st in cfg.streams:
+    for st in streams:
         def transfer(carry, first, st=st):
             kb, vb, dkb, dvb, dq = carry
-            kb, vb = (lax.ppermute(x, cfg.axis_name, st.perm) for x in (kb, vb))
+            kb, vb = (lax.ppermute(x, axis_name, st.perm) for x in (kb, vb))
             if not first:  # dK/dV accumulators travel with the block they belong to
-                dkb, dvb = (lax.ppermute(x, cfg.axis_name, st.perm) for x in (dkb, dvb))
+                dkb, dvb = (lax.ppermute(x, axis_name, st.perm) for x in (dkb, dvb))
             return kb, vb, dkb, dvb, dq
 
         def step(carry, src):
@@ -325,16 +337,14 @@ def _ring_backward(cfg: RingConfig, kd, vd, qside, n_u=None):
             dq, dkb, dvb = visit((dq, dkb, dvb), kb, vb, src)
             return kb, vb, dkb, dvb, dq
 
-        _, _, dkb, dvb, dq = _stream_loop(st, idx, step, (kc, vc, zeros(kc), zeros(vc), dq),
-                                          transfer)
-        dkb, dvb = (lax.ppermute(x, cfg.axis_name, st.ret) for x in (dkb, dvb))
-        dk, dv = (dkb, dvb) if dk is None else (tuple(map(jnp.add, dk, dkb)),
-                                                tuple(map(jnp.add, dv, dvb)))
-    # The own block last: its gradients go straight into the returned accumulators, which
-    # are not held next to the travelling ones.
+        _, _, dkb, dvb, dq = stream_loop(st, idx, step, (kc, vc, zeros(kc), zeros(vc), dq),
+                                         transfer)
+        dkb, dvb = (lax.ppermute(x, axis_name, st.ret) for x in (dkb, dvb))
+        dk, dv = (dkb, dvb) if dk is None else (jax.tree.map(jnp.add, dk, dkb),
+                                                jax.tree.map(jnp.add, dv, dvb))
     if dk is None:
         dk, dv = zeros(kc), zeros(vc)
-    return visit((dq, dk, dv), kc, vc, idx)
+    return dq, dk, dv
 
 
 def ring_forward(cfg: RingConfig, q, k, v, n_u=None):
