@@ -129,7 +129,8 @@ def dilated_attention(
         ``key_value_seq_lengths`` and ``key_padding_mask`` must be left out); its
         ``is_causal`` or ``is_causal`` here makes the call causal.
       sequence_parallel: a :class:`dilax.SequenceParallel`: run as ring attention with the
-        sequence split over ``sequence_parallel.mesh`` (XLA core; no ``key_padding_mask``;
+        sequence split over ``sequence_parallel.mesh`` (each hop on the core the registry
+        picks, as for the branches: Pallas on GPU; no ``key_padding_mask``;
         ``n`` divisible by the ``seq_axis`` size, ``local_window`` at most ``n/P``, see
         :func:`dilax.sp.ring_dilated_attention`). Same result, forward and backward.
 
@@ -146,7 +147,7 @@ def dilated_attention(
         local_window=local_window)
     if sequence_parallel is not None:
         check_sequence_parallel(sequence_parallel, settings.implementation,
-                                interpret=settings.interpret)
+                                interpret=settings.interpret, dilated=True)
     q, k, v, rows, unfold = fold_batch_dims(
         q, k, v, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, key_padding_mask=key_padding_mask,

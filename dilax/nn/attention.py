@@ -82,7 +82,8 @@ class DilatedAttention(nnx.Module):
             scale=scale, implementation=implementation, block_sizes=block_sizes,
             local_window=local_window)
         self.sequence_parallel: SequenceParallel | None = check_sequence_parallel(
-            sequence_parallel, settings.implementation, interpret=settings.interpret)
+            sequence_parallel, settings.implementation, interpret=settings.interpret,
+            dilated=True)
         self.settings: DilatedSettings = settings
         self.local_window: int | None = settings.local_window
         self.segment_lengths: tuple[int, ...] = settings.segment_lengths
