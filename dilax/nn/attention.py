@@ -48,8 +48,8 @@ class DilatedAttention(nnx.Module):
       implementation, block_sizes: forwarded to :func:`dilax.dilated_attention`.
       sequence_parallel: a :class:`dilax.SequenceParallel` (mesh and axes) to run as ring
         attention over the devices (:func:`dilax.dilated_attention` with
-        ``sequence_parallel``; XLA core, so ``implementation`` must be None or ``"xla"``);
-        None: one device.
+        ``sequence_parallel``; ``implementation`` None, ``"xla"`` or ``"pallas"``, the
+        cores that serve a ring hop); None: one device.
       local_window: optional ``W >= 0`` (``mode="mixture"``): one more branch attending the
         keys ``|p - t| <= W`` (see :func:`dilax.dilated_attention`); with
         ``sequence_parallel`` at most the local chunk length ``n/P`` (``n/(2P)`` zigzag).

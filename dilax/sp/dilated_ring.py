@@ -34,8 +34,16 @@ Validation happens once, at the public entry (:func:`dilax.dilated_attention` wi
 ``sequence_parallel=``, or the aliases below); :func:`sharded_dilated` and
 :func:`ring_dilated_core` take the validated ``(mask, settings)``.
 
-Inside your own ``jax.shard_map``: shard_map's default checks (``check_vma=True``) hold, every
-loop carry and ``cond`` of the core and the ring is typed as device-varying.
+Cores (:func:`ring_cores`): the local branches, the spanning branches' hops and the window
+run on the cores :mod:`dilax.registry` picks for ``settings.implementation`` -- the Pallas
+flash kernels on GPU (or with ``interpret=True``), each hop with its traced query/key offsets
+and the ring's key bounds as ``kv_len``; the XLA core otherwise, and for the local window (a
+band the kernels have no mask for).
+
+Inside your own ``jax.shard_map``: with the XLA core shard_map's default checks
+(``check_vma=True``) hold, every loop carry and ``cond`` of the core and the ring is typed as
+device-varying; the Pallas kernels' outputs carry no such type, so with them call it under
+``check_vma=False`` (the ``sequence_parallel=`` path does that itself).
 """
 
 from __future__ import annotations
@@ -109,12 +117,15 @@ def ring_dilated_attention(
         neighbours. Needs ``W <= n/P`` (``n/(2P)`` with ``layout="zigzag"``).
       settings, mask: a :class:`dilax.DilatedSettings` / :class:`dilax.AttentionMask` instead
         of the keywords (as in :func:`dilax.dilated_attention`; mask lengths are global).
+        ``settings.implementation`` / ``interpret`` pick the cores (:func:`ring_cores`).
 
     Returns:
       The local shard of the output, ``(b, n/P, h, d)`` in ``q.dtype``.
 
     Raises:
       ValueError: ``axis_name`` not bound by an enclosing ``shard_map``, a bad ``layout``,
+        an implementation that serves no ring hop (or, explicit, not every call), the Pallas
+        kernels under ``shard_map(check_vma=True)``,
         ``layout="zigzag"`` with an odd local length, ``local_window`` longer than a local
         chunk, and every input error of
         :func:`dilax.dilated_attention`. TypeError: as there (dtypes, non-static config).
