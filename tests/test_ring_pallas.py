@@ -11,17 +11,23 @@ compiled. The Pallas interpreter makes these programs slow to compile: two tiny 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import numpy as np
 import pytest
 from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as Ps
 from oracle import attention as oracle_attention
 from test_ring import _FAST
 from test_ring import _inputs as ring_inputs
 from tolerance import assert_scaled_close
 
 import dilax
+from dilax import AttentionMask, DilatedSettings, registry
 from dilax.reference import dilated_counts
+from dilax.sp.dilated_ring import ring_cores
 
 P, N = 4, 64  # n/P = 16 positions per device
 
@@ -111,3 +117,26 @@ def test_full_attention():
     """Not causal (the ring runs both ways): w = 12 is a halo branch, w = 32 (r = 2) a ring
     branch with one segment per chunk."""
     _check((12, 32), (1, 2), False, seed=4)
+
+
+def test_cores_follow_the_registry_and_kernels_refuse_check_vma(monkeypatch):
+    """``implementation=None``: XLA on CPU (the default programs), the kernels with
+    ``interpret=True`` and on GPU, the local window on XLA (no band mask in the kernel); an
+    explicit ``"pallas"`` raises for the window. Inside a user's ``shard_map`` with
+    ``check_vma=True`` the kernels raise (their outputs carry no device-varying type)."""
+    settings = DilatedSettings((8, 32), (1, 2), local_window=4)
+    names = lambda s: tuple(c.name for c in ring_cores(s, AttentionMask(), "float32", 8))  # noqa: E731
+    assert names(settings) == ("xla", "xla", "xla")
+    assert names(dataclasses.replace(settings, interpret=True)) == ("pallas", "pallas", "xla")
+    with pytest.raises(ValueError, match=r"no band mask \(local_window\)"):
+        names(dataclasses.replace(settings, implementation="pallas"))
+    monkeypatch.setattr(registry, "current_platform", lambda: "gpu")
+    assert names(settings) == ("pallas", "pallas", "xla")
+    q, k, v, _ = ring_inputs(1, N, 4, 2, 8)
+    pallas = dataclasses.replace(settings, local_window=None, implementation="pallas",
+                                 interpret=True)
+    fn = jax.shard_map(functools.partial(dilax.ring_dilated_attention, axis_name="sp",
+                                         settings=pallas),
+                       mesh=_sp().mesh, in_specs=(Ps(None, "sp"),) * 3, out_specs=Ps(None, "sp"))
+    with pytest.raises(ValueError, match=r"check_vma=False"):
+        jax.eval_shape(fn, q, k, v)
