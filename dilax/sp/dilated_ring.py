@@ -209,13 +209,15 @@ def _check_ring(shape, hk: int, mask: AttentionMask, settings: DilatedSettings, 
 def check_sharded(q: jax.Array, k_heads: int, mask: AttentionMask,
                   settings: DilatedSettings, sp: SequenceParallel) -> None:
     """The rules of a sequence-parallel call on arguments :func:`check_dilated_request`
-    validated (global view): divisibility by the mesh, zigzag, window, per-device memory."""
+    validated (global view): divisibility by the mesh, zigzag, window, per-device memory, an
+    implementation that serves every call of the ring (:func:`ring_cores`)."""
     P = check_sharded_shape(q, sp.mesh, sp.seq_axis, sp.batch_axis)
     b, n, h, d = q.shape
     if sp.batch_axis is not None:
         b //= sp.mesh.shape[sp.batch_axis]
     _check_ring((b, n, h, d), k_heads, mask, settings, P, sp.layout, q.dtype,
                 per_device=False, seq_axis=sp.seq_axis)
+    ring_cores(settings, mask, q.dtype, d)
 
 
 def ring_dilated_core(q, k, v, mask: AttentionMask, settings: DilatedSettings, *,
