@@ -174,12 +174,16 @@ def _reference_mha(*, n=8192, h=16, d=64, dtype="bfloat16", causal=True):
     return build
 
 
-def _ring(kind, *, n=16384, h=8, hk=2, d=64, dtype="bfloat16", grad=True):
+def _ring(kind, *, n=16384, h=8, hk=2, d=64, dtype="bfloat16", grad=True, impl=None):
     def build():
         import dilax
         from dilax import patterns
 
         def f(q, k, v, mesh):
+            if impl is not None:  # the dilated ring with an explicit core for its calls
+                return dilax.dilated_attention(
+                    q, k, v, (2048, 4096, 16384), (1, 2, 4), is_causal=True,
+                    implementation=impl, sequence_parallel=dilax.SequenceParallel(mesh, "sp"))
             if kind == "dilated":
                 return dilax.sharded_dilated_attention(q, k, v, (2048, 4096, 16384), (1, 2, 4),
                                                        mesh=mesh, seq_axis="sp",
@@ -322,6 +326,8 @@ def cases() -> list[Case]:
              targets=("h100",), devices=8),
         Case("ring block-sparse on 8 GPUs (P=8) bf16 GQA causal fwd+bwd", "ring",
              _ring("block_sparse"), targets=("h100",), devices=8),
+        Case("ring dilated on 8 GPUs, fwd+bwd, implementation='pallas' (P=8) bf16 GQA causal",
+             "ring", _ring("dilated", impl="pallas"), targets=("h100",), devices=8),
     ]
     out += report_cases()
     return out

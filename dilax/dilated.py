@@ -144,7 +144,8 @@ def dilated_attention(
         (docs/semantics.md, "Packed documents"). Runs on the XLA core (the kernels have no
         per-row key ranges) and costs the documents' own attended pairs, never ``n x n``.
       sequence_parallel: a :class:`dilax.SequenceParallel`: run as ring attention with the
-        sequence split over ``sequence_parallel.mesh`` (XLA core; no ``key_padding_mask``;
+        sequence split over ``sequence_parallel.mesh`` (each hop on the core the registry
+        picks, as for the branches: Pallas on GPU; no ``key_padding_mask``;
         ``n`` divisible by the ``seq_axis`` size, ``local_window`` at most ``n/P``, see
         :func:`dilax.sp.ring_dilated_attention`). Same result, forward and backward.
 
@@ -161,7 +162,7 @@ def dilated_attention(
         local_window=local_window)
     if sequence_parallel is not None:
         check_sequence_parallel(sequence_parallel, settings.implementation,
-                                interpret=settings.interpret)
+                                interpret=settings.interpret, dilated=True)
     q, k, v, rows, unfold = fold_batch_dims(
         q, k, v, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, key_padding_mask=key_padding_mask,

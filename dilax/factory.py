@@ -20,6 +20,7 @@ from dilax.backend import current_backend, gpu_choice
 from dilax.core import BlockSizes
 from dilax.nn.attention import DilatedAttention
 from dilax.sp import SequenceParallel
+from dilax.sp.config import check_ring_hops
 
 KINDS = ("auto", "dilated", "block_sparse", "ring")
 
@@ -55,9 +56,9 @@ class RingDilatedAttention(DilatedAttention):
     def __init__(self, segment_lengths, dilation_rates, *, mesh: jax.sharding.Mesh,
                  seq_axis: str = "sp", batch_axis: str | None = None, mode: str = "mixture",
                  is_causal: bool = False, scale: float | None = None,
-                 block_sizes: BlockSizes | None = None):
+                 block_sizes: BlockSizes | None = None, implementation: str | None = None):
         super().__init__(segment_lengths, dilation_rates, mode=mode, is_causal=is_causal,
-                         scale=scale, block_sizes=block_sizes,
+                         scale=scale, block_sizes=block_sizes, implementation=implementation,
                          sequence_parallel=SequenceParallel(mesh, seq_axis, batch_axis))
 
 
@@ -242,6 +243,9 @@ def _choose_implementation(implementation, backend, requests, reasons
                 request.op == "dilated_branch"):  # cuDNN is considered for one kind only
             name, why = gpu_choice(kind="dilated", dtype=request.dtype,
                                    head_dim=request.head_dim)
+        elif label == "block-sparse ring hops":  # no kernel for them: XLA, or raise
+            check_ring_hops(implementation)
+            name, why = "xla", "the block-sparse ring runs its hops on the XLA core"
         else:  # block-sparse: the registry's rules for this pattern (block size)
             name, why = registry.choose(implementation, request)
             if implementation is None and on_gpu and request.op == "block_sparse":
@@ -253,8 +257,6 @@ def _choose_implementation(implementation, backend, requests, reasons
         reasons.append(f"backend {backend!r} -> {out[0][1]!r} ({out[0][2]})")
     else:
         reasons.append(f"backend {backend!r}: the core is chosen per branch")
-    if requests[0][1].op == "ring_hop":
-        reasons.append("ring attention runs the blockwise XLA core on each device")
     return tuple(out)
 
 
@@ -283,6 +285,8 @@ def _build(kind: str, multihead: bool, sp: SequenceParallel | None, a: dict,
                                    implementation=a["implementation"], **module_kwargs)
     if multihead:
         return nn.MultiheadDilatedAttention(*heads, *branches, mode=a["mode"], rngs=a["rngs"],
+                                            implementation=a["implementation"],
                                             sequence_parallel=sp, **module_kwargs)
     return RingDilatedAttention(*branches, mesh=sp.mesh, seq_axis=sp.seq_axis, mode=a["mode"],
-                                is_causal=a["is_causal"], **module_kwargs)
+                                is_causal=a["is_causal"], implementation=a["implementation"],
+                                **module_kwargs)

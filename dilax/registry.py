@@ -98,8 +98,8 @@ def _xla(r: CoreRequest) -> str | None:
 def _pallas(r: CoreRequest) -> str | None:
     if r.has_documents:
         return "the Pallas kernels have no per-row key ranges (segment_ids, packed documents)"
-    if r.op == "ring_hop":
-        return "the rings run their hops through the XLA core (no Pallas ring kernel yet)"
+    # ring_hop (the dilated ring's hops): the flash kernel with the hop's traced offsets and
+    # the ring's key bounds as kv_len; the masks below decide like for a dilated branch.
     if r.op == "decode":
         return ("no Pallas decode kernel: a decode step gathers at most w / r cached keys per "
                 "branch, which the XLA core serves")
@@ -135,7 +135,9 @@ def _cudnn(r: CoreRequest) -> str | None:
         return "cuDNN's fused attention is not wired for segment_ids (packed documents) here"
     if r.op == "block_sparse":
         return "cuDNN has no block-sparse attention"
-    if r.op in ("ring_hop", "decode"):
+    if r.op == "ring_hop":
+        return "cuDNN's fused attention takes no query/key offsets, which a ring hop needs"
+    if r.op == "decode":
         return f"cuDNN's fused attention is not wired for {r.what}; the XLA core serves it"
     if r.has_window:
         return "cuDNN's fused attention has no band mask (local_window)"

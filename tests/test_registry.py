@@ -182,15 +182,20 @@ def test_decode_and_rings_raise_for_kernels_the_registry_does_not_list():
     with pytest.raises(ValueError, match=re.escape(why)):
         dilax.dilated_attention_decode(q, kv, kv, cache, WS, RS, implementation="pallas")
     mesh = jax.make_mesh((1,), ("sp",), axis_types=(AxisType.Auto,))
-    why = registry.supports("pallas", registry.CoreRequest("ring_hop"))
+    why = registry.supports("cudnn", registry.CoreRequest("ring_hop"))
     with pytest.raises(ValueError, match=re.escape(why)):
-        DilatedAttention(WS, RS, implementation="pallas",
+        DilatedAttention(WS, RS, implementation="cudnn",
                                   sequence_parallel=dilax.SequenceParallel(mesh))
     with pytest.raises(ValueError, match=re.escape(why)):
         dilax.create_attention("ring", segment_lengths=WS, dilation_rates=RS, mesh=mesh,
+                               implementation="cudnn")
+    with pytest.raises(ValueError, match="the block-sparse ring runs its hops on the XLA"):
+        dilax.create_attention("ring", pattern=patterns.local_window(N, 4, BLOCK), mesh=mesh,
                                implementation="pallas")
     assert registry.served_by(registry.CoreRequest("decode")) == ("xla",)
-    assert registry.served_by(registry.CoreRequest("ring_hop")) == ("xla",)
+    # the dilated ring's hops: the flash kernel with the hop's offsets (tests/test_ring_pallas)
+    assert registry.served_by(registry.CoreRequest("ring_hop")) == ("xla", "pallas")
+    assert "offsets" in registry.supports("cudnn", registry.CoreRequest("ring_hop"))
 
 
 def test_none_chooses_per_branch_and_create_attention_reports_it():

@@ -239,8 +239,9 @@ def test_sequence_parallel_errors():
     sp = SequenceParallel(_mesh())
     with pytest.raises(ValueError, match="implementation must be None or 'xla'"):
         dilax.dilated_attention(q, k, v, **CFG, implementation="reference", sequence_parallel=sp)
-    with pytest.raises(ValueError, match="interpret=True"):
-        dilax.dilated_attention(q, k, v, **CFG, interpret=True, sequence_parallel=sp)
+    with pytest.raises(ValueError, match="no band mask"):  # the window's core: no kernel
+        dilax.dilated_attention(q, k, v, **CFG, implementation="pallas", interpret=True,
+                                local_window=4, sequence_parallel=sp)
     with pytest.raises(ValueError, match="key_padding_mask is not supported with sequence"):
         dilax.dilated_attention(q, k, v, **CFG, key_padding_mask=jnp.ones((2, 64), bool),
                                 sequence_parallel=sp)
@@ -288,6 +289,8 @@ def test_block_sparse_sequence_parallel_validates_once_and_errors(monkeypatch):
     with pytest.raises(ValueError, match="implementation must be None or 'xla'"):
         dilax.block_sparse_attention(q, k, v, pattern, sequence_parallel=sp,
                                      implementation="pallas")
+    with pytest.raises(ValueError, match="interpret=True"):
+        dilax.block_sparse_attention(q, k, v, pattern, sequence_parallel=sp, interpret=True)
     with pytest.raises(ValueError, match=r"layout must be one of \('contiguous',\)"):
         dilax.block_sparse_attention(q, k, v, pattern, sequence_parallel=SequenceParallel(
             sp.mesh, layout="zigzag"))

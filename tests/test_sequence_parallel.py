@@ -159,9 +159,9 @@ def test_block_sparse_module_ring_batch_axis_forward_and_gradient():
     (lambda: dilax.SequenceParallel(_mesh(), batch_axis="sp"), ValueError,
      "seq_axis and batch_axis must differ"),
     (lambda: dilax.SequenceParallel(_mesh(), layout="spiral"), ValueError, "layout must be one"),
-    (lambda: DilatedAttention((8,), (1,), implementation="pallas",
+    (lambda: DilatedAttention((8,), (1,), implementation="cudnn",
                               sequence_parallel=dilax.SequenceParallel(_mesh())),
-     ValueError, "implementation must be None or 'xla'"),
+     ValueError, "implementation must be None or 'xla' or 'pallas'"),
     (lambda: DilatedAttention((8,), (1,), sequence_parallel=_mesh()), TypeError,
      "sequence_parallel must be a dilax.SequenceParallel"),
     (lambda: BlockSparseAttention(patterns.local_window(64, 8, 8), sequence_parallel=(

@@ -225,6 +225,20 @@ class SplitView:
     def expand_kv(self, x):
         return self.kv.expand_kv(x)
 
+    # Whole-array forms (kernel cores): queries through ``q``, keys and values through ``kv``.
+
+    def gather_q(self, x):
+        return self.q.gather_q(x)
+
+    def ungather_q(self, y):
+        return self.q.ungather_q(y)
+
+    def gather_kv(self, x):
+        return self.kv.gather_kv(x)
+
+    def ungather_kv(self, y):
+        return self.kv.ungather_kv(y)
+
 
 def identity_view(num_kv_heads: int, q_per_kv: int) -> SlotView:
     h = num_kv_heads * q_per_kv

@@ -137,7 +137,7 @@ class LongNetConfig:
             dilation_rates=dilated.dilation_rates, dropout=check_dropout(self.dropout),
             layer_norm_eps=eps, use_bias=V.check_bool(self.use_bias, "use_bias"),
             sequence_parallel=check_sequence_parallel(self.sequence_parallel,
-                                                      self.implementation),
+                                                      self.implementation, dilated=True),
             keep_rngs=V.check_bool(self.keep_rngs, "keep_rngs"),
             local_window=V.check_local_window(self.local_window, self.mode),
             position_scheme=scheme, xpos_scale_base=scale_base, rope_theta=theta,

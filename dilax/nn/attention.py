@@ -48,8 +48,8 @@ class DilatedAttention(nnx.Module):
       implementation, block_sizes: forwarded to :func:`dilax.dilated_attention`.
       sequence_parallel: a :class:`dilax.SequenceParallel` (mesh and axes) to run as ring
         attention over the devices (:func:`dilax.dilated_attention` with
-        ``sequence_parallel``; XLA core, so ``implementation`` must be None or ``"xla"``);
-        None: one device.
+        ``sequence_parallel``; ``implementation`` None, ``"xla"`` or ``"pallas"``, the
+        cores that serve a ring hop); None: one device.
       local_window: optional ``W >= 0`` (``mode="mixture"``): one more branch attending the
         keys ``|p - t| <= W`` (see :func:`dilax.dilated_attention`); with
         ``sequence_parallel`` at most the local chunk length ``n/P`` (``n/(2P)`` zigzag).
@@ -82,7 +82,8 @@ class DilatedAttention(nnx.Module):
             scale=scale, implementation=implementation, block_sizes=block_sizes,
             local_window=local_window)
         self.sequence_parallel: SequenceParallel | None = check_sequence_parallel(
-            sequence_parallel, settings.implementation, interpret=settings.interpret)
+            sequence_parallel, settings.implementation, interpret=settings.interpret,
+            dilated=True)
         self.settings: DilatedSettings = settings
         self.local_window: int | None = settings.local_window
         self.segment_lengths: tuple[int, ...] = settings.segment_lengths

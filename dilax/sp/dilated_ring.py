@@ -34,8 +34,16 @@ Validation happens once, at the public entry (:func:`dilax.dilated_attention` wi
 ``sequence_parallel=``, or the aliases below); :func:`sharded_dilated` and
 :func:`ring_dilated_core` take the validated ``(mask, settings)``.
 
-Inside your own ``jax.shard_map``: shard_map's default checks (``check_vma=True``) hold, every
-loop carry and ``cond`` of the core and the ring is typed as device-varying.
+Cores (:func:`ring_cores`): the local branches, the spanning branches' hops and the window
+run on the cores :mod:`dilax.registry` picks for ``settings.implementation`` -- the Pallas
+flash kernels on GPU (or with ``interpret=True``), each hop with its traced query/key offsets
+and the ring's key bounds as ``kv_len``; the XLA core otherwise, and for the local window (a
+band the kernels have no mask for).
+
+Inside your own ``jax.shard_map``: with the XLA core shard_map's default checks
+(``check_vma=True``) hold, every loop carry and ``cond`` of the core and the ring is typed as
+device-varying; the Pallas kernels' outputs carry no such type, so with them call it under
+``check_vma=False`` (the ``sequence_parallel=`` path does that itself).
 """
 
 from __future__ import annotations
@@ -49,16 +57,18 @@ from jax import lax
 from jax.sharding import Mesh
 
 from dilax import _validation as V
+from dilax import registry
 from dilax.attention_mask import AttentionMask
 from dilax.branches import attend_branches
-from dilax.core import BlockSizes
+from dilax.core import BlockSizes, Core
 from dilax.layout import dilated_branches, window_plan
 from dilax.settings import DilatedSettings, check_dilated_request, settings_from_keywords
-from dilax.sp.config import SequenceParallel, check_sequence_parallel
+from dilax.sp.config import SequenceParallel, check_ring_hops, check_sequence_parallel
 from dilax.sp.layout import check_layout, relayout
 from dilax.sp.mesh import axis_size, check_sharded_shape, shard_sequence
 from dilax.sp.ring_branches import WindowBranch, branch_op, chunk_starts, is_local
 from dilax.sp.ring_vjp import RING_BLOCKS
+from dilax.utils import varying_axes
 
 
 def ring_dilated_attention(
@@ -107,12 +117,15 @@ def ring_dilated_attention(
         neighbours. Needs ``W <= n/P`` (``n/(2P)`` with ``layout="zigzag"``).
       settings, mask: a :class:`dilax.DilatedSettings` / :class:`dilax.AttentionMask` instead
         of the keywords (as in :func:`dilax.dilated_attention`; mask lengths are global).
+        ``settings.implementation`` / ``interpret`` pick the cores (:func:`ring_cores`).
 
     Returns:
       The local shard of the output, ``(b, n/P, h, d)`` in ``q.dtype``.
 
     Raises:
       ValueError: ``axis_name`` not bound by an enclosing ``shard_map``, a bad ``layout``,
+        an implementation that serves no ring hop (or, explicit, not every call), the Pallas
+        kernels under ``shard_map(check_vma=True)``,
         ``layout="zigzag"`` with an odd local length, ``local_window`` longer than a local
         chunk, and every input error of
         :func:`dilax.dilated_attention`. TypeError: as there (dtypes, non-static config).
@@ -120,7 +133,7 @@ def ring_dilated_attention(
     settings = settings_from_keywords(
         settings, segment_lengths, dilation_rates, is_causal=is_causal, mode=mode, scale=scale,
         block_sizes=block_sizes, local_window=local_window)
-    check_ring_implementation(settings)
+    check_ring_hops(settings.implementation, settings.interpret, dilated=True)
     layout = check_layout(layout)
     P = axis_size(axis_name, "ring_dilated_attention", "sharded_dilated_attention")
     q, k, v, mask, settings = check_dilated_request(
@@ -128,15 +141,36 @@ def ring_dilated_attention(
         key_value_seq_lengths=key_value_seq_lengths)
     _check_ring(q.shape, k.shape[2], mask, settings, P, layout, q.dtype, per_device=True,
                 seq_axis=axis_name)
-    return ring_dilated_core(q, k, v, mask, settings, axis_name=axis_name, layout=layout)
+    cores = ring_cores(settings, mask, q.dtype, q.shape[3])
+    if not _vma_free(cores) and varying_axes(q, k, v):
+        raise ValueError(
+            "the ring's hops run the Pallas kernels here, whose outputs carry no device-varying "
+            "type: call ring_dilated_attention inside jax.shard_map(..., check_vma=False), or "
+            "use implementation='xla'")
+    return ring_dilated_core(q, k, v, mask, settings, axis_name=axis_name, layout=layout,
+                             cores=cores)
 
 
-def check_ring_implementation(settings: DilatedSettings) -> None:
-    """The ring runs the XLA core: ``implementation`` None or ``"xla"``, no ``interpret``."""
-    if settings.implementation not in (None, "xla") or settings.interpret:
-        raise ValueError("ring attention runs the XLA core on every device: implementation "
-                         f"must be None or 'xla' and interpret False, got "
-                         f"{settings.implementation!r}, interpret={settings.interpret}")
+def ring_cores(settings: DilatedSettings, mask: AttentionMask, dtype, head_dim: int
+               ) -> tuple[Core, Core, Core | None]:
+    """The cores of the ring's calls, as :mod:`dilax.registry` picks them for
+    ``settings.implementation``: the local branches' (``"dilated_branch"``), the spanning
+    branches' hops (``"ring_hop"``) and the local window's (``"window"``; ``None`` without
+    one). ``None`` takes the best core of each (Pallas on GPU, or with ``interpret``; XLA
+    otherwise); an explicit name runs every call or raises ``ValueError`` with the reason."""
+    lengths = mask.query_seq_lengths is not None or mask.key_value_seq_lengths is not None
+    ops = ("dilated_branch", "ring_hop") + (("window",) if settings.local_window is not None
+                                            else ())
+    cores = tuple(registry.select(settings.implementation, registry.CoreRequest(
+        op, dtype, head_dim, settings.is_causal, has_lengths=lengths,
+        interpret=settings.interpret)) for op in ops)
+    return cores if len(cores) == 3 else (*cores, None)
+
+
+def _vma_free(cores) -> bool:
+    """Whether every core types its results as device-varying under ``shard_map`` (the XLA
+    core does; the Pallas kernels' outputs are untyped, so they need ``check_vma=False``)."""
+    return all(c is None or c.name == "xla" for c in cores)
 
 
 def _check_ring(shape, hk: int, mask: AttentionMask, settings: DilatedSettings, P: int,
@@ -175,18 +209,21 @@ def _check_ring(shape, hk: int, mask: AttentionMask, settings: DilatedSettings, 
 def check_sharded(q: jax.Array, k_heads: int, mask: AttentionMask,
                   settings: DilatedSettings, sp: SequenceParallel) -> None:
     """The rules of a sequence-parallel call on arguments :func:`check_dilated_request`
-    validated (global view): divisibility by the mesh, zigzag, window, per-device memory."""
+    validated (global view): divisibility by the mesh, zigzag, window, per-device memory, an
+    implementation that serves every call of the ring (:func:`ring_cores`)."""
     P = check_sharded_shape(q, sp.mesh, sp.seq_axis, sp.batch_axis)
     b, n, h, d = q.shape
     if sp.batch_axis is not None:
         b //= sp.mesh.shape[sp.batch_axis]
     _check_ring((b, n, h, d), k_heads, mask, settings, P, sp.layout, q.dtype,
                 per_device=False, seq_axis=sp.seq_axis)
+    ring_cores(settings, mask, q.dtype, d)
 
 
 def ring_dilated_core(q, k, v, mask: AttentionMask, settings: DilatedSettings, *,
-                      axis_name: Hashable, layout: str) -> jax.Array:
-    """:func:`ring_dilated_attention` on validated arguments (inside ``shard_map``)."""
+                      axis_name: Hashable, layout: str, cores=None) -> jax.Array:
+    """:func:`ring_dilated_attention` on validated arguments (inside ``shard_map``); ``cores``:
+    :func:`ring_cores` (computed when not given)."""
     P = int(lax.axis_size(axis_name))
     b, m, h, d = q.shape
     C = 2 if layout == "zigzag" and P > 1 else 1
@@ -196,17 +233,19 @@ def ring_dilated_core(q, k, v, mask: AttentionMask, settings: DilatedSettings, *
     block_sizes, window = settings.block_sizes, settings.local_window
     q_len, kv_len = mask.query_seq_lengths, mask.key_value_seq_lengths
     plans = dilated_branches(n, h, k.shape[2], ws, rs, mode)
+    branch_core, hop_core, window_core = cores or ring_cores(settings, mask, q.dtype, d)
     # Spanning branches first, sparsest (largest r, smallest dilated copies) first, local ones
     # last, each fenced behind the previous one (attend_branches): only finished (dilated, so
     # small) branch outputs are live next to the branch being computed, whatever the XLA
     # scheduler prefers. All branches and the merge are one custom_vjp, whose backward adds
     # every branch's float32 gradients into one accumulator.
     order = sorted(plans, key=lambda p: (is_local(p, P, C, m), -p.r))
-    ops = tuple(branch_op(p, P, C, m, h, k.shape[2], axis_name, scale, is_causal, block_sizes)
-                for p in order)
+    ops = tuple(branch_op(p, P, C, m, h, k.shape[2], axis_name, scale, is_causal, block_sizes,
+                          branch_core, hop_core) for p in order)
     if window is not None:
+        blocks = (block_sizes or RING_BLOCKS) if window_core.name == "xla" else block_sizes
         ops += (WindowBranch(window_plan(m // C, h, k.shape[2], window), P, C, n, axis_name,
-                             scale, is_causal, block_sizes or RING_BLOCKS),)
+                             scale, is_causal, blocks, window_core),)
     starts = chunk_starts(P, C, m // C, axis_name) if (q_len, kv_len) != (None, None) else None
     aux = None
     if kv_len is not None:
@@ -276,7 +315,8 @@ def sharded_dilated_attention(
         settings, segment_lengths, dilation_rates, is_causal=is_causal, mode=mode, scale=scale,
         block_sizes=block_sizes, local_window=local_window)
     sp = SequenceParallel(mesh, seq_axis, batch_axis, layout)
-    check_sequence_parallel(sp, settings.implementation, interpret=settings.interpret)
+    check_sequence_parallel(sp, settings.implementation, interpret=settings.interpret,
+                            dilated=True)
     q, k, v, mask, settings = check_dilated_request(
         q, k, v, settings, mask, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths)
@@ -298,6 +338,7 @@ def sharded_dilated(q, k, v, mask: AttentionMask, settings: DilatedSettings,
 def _sharded_jit(q, k, v, mask, settings, sp):
     P = sp.mesh.shape[sp.seq_axis]
     zigzag = sp.layout == "zigzag" and P > 1
+    cores = ring_cores(settings, mask, q.dtype, q.shape[3])
 
     def body(q, k, v, q_len=None, kv_len=None):
         if zigzag:
@@ -305,8 +346,9 @@ def _sharded_jit(q, k, v, mask, settings, sp):
         local = AttentionMask(query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
                               is_causal=mask.is_causal)
         out = ring_dilated_core(q, k, v, local, settings, axis_name=sp.seq_axis,
-                                layout=sp.layout)
+                                layout=sp.layout, cores=cores)
         return relayout(out, P, sp.seq_axis, False) if zigzag else out
 
     return shard_sequence(body, sp.mesh, sp.seq_axis, sp.batch_axis, q, k, v,
-                          mask.query_seq_lengths, mask.key_value_seq_lengths)
+                          mask.query_seq_lengths, mask.key_value_seq_lengths,
+                          check_vma=_vma_free(cores))

@@ -58,7 +58,7 @@ def check_sharded_shape(q: jax.Array, mesh: Mesh, seq_axis, batch_axis) -> int:
 
 
 def shard_sequence(body: Callable, mesh: Mesh, seq_axis, batch_axis, q, k, v,
-                   *per_row, per_position: tuple = ()) -> jax.Array:
+                   *per_row, per_position: tuple = (), check_vma: bool = True) -> jax.Array:
     """``jax.shard_map(body)`` with the batch of ``q, k, v`` and the output over
     ``batch_axis`` and their sequence over ``seq_axis``. ``per_row``: extra ``(b,)`` arrays
     (e.g. valid lengths), sharded over ``batch_axis`` only (``None`` passes through).
@@ -66,7 +66,8 @@ def shard_sequence(body: Callable, mesh: Mesh, seq_axis, batch_axis, q, k, v,
     axes, passed to ``body`` right after ``q, k, v``.
 
     shard_map's default checks (``check_vma=True``): every loop carry and ``cond`` of the core
-    and the rings is typed as device-varying.
+    and the rings is typed as device-varying. ``check_vma=False`` for bodies that run Pallas
+    kernels (their outputs carry no device-varying type).
     """
     spec = PartitionSpec(batch_axis, seq_axis)
     axes = [ax for ax in (seq_axis, batch_axis) if ax is not None]
@@ -82,4 +83,4 @@ def shard_sequence(body: Callable, mesh: Mesh, seq_axis, batch_axis, q, k, v,
     row_specs = tuple(None if x is None else PartitionSpec(batch_axis) for x in per_row)
     pos_specs = (spec,) * len(per_position)
     return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, *pos_specs, *row_specs),
-                         out_specs=spec)(q, k, v, *per_position, *per_row)
+                         out_specs=spec, check_vma=check_vma)(q, k, v, *per_position, *per_row)

@@ -22,7 +22,7 @@ import numpy as np
 from jax import lax
 
 from dilax.branches import CoreBranch
-from dilax.core import BlockSizes, Mask, attention, attention_core, static_take
+from dilax.core import XLA, BlockSizes, Core, Mask, attention, identity_view, static_take
 from dilax.layout import BranchPlan, slot_view
 from dilax.layout import plan_branch as _plan_branch
 from dilax.sp.dilate import dilate, undilate, valid_rows
@@ -41,10 +41,11 @@ from dilax.utils import varying_like
 _F32 = jnp.float32
 
 
-def _halo_branch(qd, kd, vd, geo: Geometry, n_u, axis_name, scale, is_causal, block_sizes):
+def _halo_branch(qd, kd, vd, geo: Geometry, n_u, axis_name, scale, is_causal, block_sizes,
+                 core: Core = XLA):
     """Segments shorter than a chunk but not aligned with it: each device takes the
     ``L - 1`` dilated rows on either side of its chunks from its neighbours, cuts
-    segment-aligned windows and runs the core on them. ``(out f32, lse)`` per dilated row."""
+    segment-aligned windows and runs ``core`` on them. ``(out f32, lse)`` per dilated row."""
     b, C, R, U, G, d = qd.shape
     L, Lm1 = geo.L, geo.L - 1
     idx = lax.axis_index(axis_name)
@@ -83,12 +84,10 @@ def _halo_branch(qd, kd, vd, geo: Geometry, n_u, axis_name, scale, is_causal, bl
     n_u = jnp.broadcast_to(n_u, (b, U))  # (U,) or, with valid key lengths, (b, U)
     kv_len = jnp.clip(n_u[:, None, None, :] - seg_start[None, :, :, None], 0, L)
     kv_len = kv_len.reshape(b * C * s_w, U)
-    out, lse = attention_core(
-        qw.reshape(b * C * s_w, L, U, G, d),
-        kw.reshape(b * C * s_w, L, U, d),
-        vw.reshape(b * C * s_w, L, U, d),
-        scale=scale, is_causal=is_causal, kv_len=kv_len, block_sizes=block_sizes,
-    )
+    out, lse = attention(qw.reshape(b * C * s_w, L, U * G, d), kw.reshape(b * C * s_w, L, U, d),
+                         vw.reshape(b * C * s_w, L, U, d), view=identity_view(U, G),
+                         scale=scale, mask=Mask(kv_len, 0, 0, bool(is_causal)), core=core,
+                         block_sizes=block_sizes)
     out = out.reshape(b, C, s_w * L, U, G, d)
     lse = lse.reshape(b, C, s_w * L, U, G)
     out = jnp.stack([lax.dynamic_slice_in_dim(out[:, c], F[c] % L, R, axis=1)
@@ -112,6 +111,7 @@ class _SpanningBranch:
     is_causal: bool
     block_sizes: BlockSizes | None
     ring: RingConfig | None  # None: the halo exchange
+    core: Core = XLA  # the halo exchange's core (the ring's: ``ring.core``)
 
     def _dilate(self, q, k, v):
         b, d, plan, geo = q.shape[0], q.shape[-1], self.plan, self.geo
@@ -167,8 +167,8 @@ class _SpanningBranch:
             return ring_forward(self.ring, q, k, v, n_u)
         if n_u is None:
             n_u = jnp.asarray(self.n_u, jnp.int32)
-        return _halo_branch(*self._dilate(q, k, v), self.geo, n_u,
-                            self.axis_name, self.scale, self.is_causal, self.block_sizes)
+        return _halo_branch(*self._dilate(q, k, v), self.geo, n_u, self.axis_name, self.scale,
+                            self.is_causal, self.block_sizes, self.core)
 
     @property
     def _in_place(self) -> bool:
@@ -234,8 +234,8 @@ def chunk_starts(P: int, C: int, mc: int, axis_name) -> list[jax.Array]:
 class WindowBranch:
     """The local-window branch ``|p - t| <= W`` on the ring (docs: "Local window branch"):
     each chunk receives the ``W`` rows before it (and after it, when not causal) from the
-    devices holding its neighbouring chunks (one ``ppermute`` each), then one core call per
-    device with the band mask. ``O(m W)`` work and ``O(W)`` rows sent per device. Backward:
+    devices holding its neighbouring chunks (one ``ppermute`` each), then one call of ``core``
+    per device with the band mask. ``O(m W)`` work and ``O(W)`` rows sent per device. Backward:
     the VJP of this forward (recomputed; the transfers transpose to the reverse ones).
     ``aux``: ``None`` or ``(kv_len (b,) global, ...)``."""
 
@@ -247,6 +247,7 @@ class WindowBranch:
     scale: float
     is_causal: bool
     block_sizes: BlockSizes | None
+    core: Core = XLA
 
     @property
     def result_plan(self) -> BranchPlan:
@@ -280,8 +281,8 @@ class WindowBranch:
                     kv_valid=valid.reshape(b * C, 1, lk))
         qf = q.reshape(b * C, mc, h, d)
         return attention(qf, kb, vb, view=slot_view(self.plan, h, k.shape[2]),
-                         scale=self.scale, mask=mask, block_sizes=self.block_sizes,
-                         out_dtype=_F32)
+                         scale=self.scale, mask=mask, core=self.core,
+                         block_sizes=self.block_sizes, out_dtype=_F32)
 
     def forward(self, q, k, v, aux):
         out, lse = self._run(q, k, v, aux)
@@ -294,23 +295,29 @@ class WindowBranch:
         return grads if acc is None else tuple(a + g for a, g in zip(acc, grads, strict=True))
 
 
-def branch_op(plan: BranchPlan, P, C, m, h, hk, axis_name, scale, is_causal, block_sizes):
+def branch_op(plan: BranchPlan, P, C, m, h, hk, axis_name, scale, is_causal, block_sizes,
+              core: Core = XLA, hop_core: Core = XLA):
     """Branch ``plan`` on local shards of ``m`` positions as a
-    :class:`dilax.branches.BranchOp`: a :class:`~dilax.branches.CoreBranch` over the ``C``
-    chunks of the shard when every segment lies inside one chunk, else a spanning branch."""
+    :class:`dilax.branches.BranchOp`: a :class:`~dilax.branches.CoreBranch` of ``core`` over
+    the ``C`` chunks of the shard when every segment lies inside one chunk, else a spanning
+    branch whose hops (ring or halo) run on ``hop_core``. The XLA core gets the ring's small
+    default tiles (:data:`RING_BLOCKS`, :func:`ring_blocks`); a kernel core ``block_sizes`` as
+    given (``None``: the kernels' per-shape defaults)."""
     n = P * m
     geo = geometry(n, P, C, plan.w, plan.r)
     kind = branch_kind(P, C, m, plan.w, plan.r)
     if kind == "local":
         loc = _plan_branch(geo.mc, h, hk, plan.w, plan.r, plan.q_heads, plan.q_slots)
-        return _LocalBranch(CoreBranch(loc, scale, is_causal, block_sizes or RING_BLOCKS,
-                                       fold=C))
+        blocks = (block_sizes or RING_BLOCKS) if core.name == "xla" else block_sizes
+        return _LocalBranch(CoreBranch(loc, scale, is_causal, blocks, core, fold=C))
     n_u = tuple(-(-(n - o) // plan.r) for o in plan.kv_slots)
     cfg = None
     if kind == "ring":
+        blocks = ring_blocks(geo, block_sizes) if hop_core.name == "xla" else block_sizes
         cfg = RingConfig(axis_name, geo, n_u, ring_streams(geo, is_causal), scale, is_causal,
-                         ring_blocks(geo, block_sizes), None)
-    op = _SpanningBranch(plan, geo, n_u, axis_name, scale, is_causal, block_sizes, cfg)
+                         blocks, None, hop_core)
+    op = _SpanningBranch(plan, geo, n_u, axis_name, scale, is_causal, block_sizes, cfg,
+                         hop_core)
     if cfg is not None:
         op = dataclasses.replace(op, ring=dataclasses.replace(cfg, dilate=op._dilate))
     return op

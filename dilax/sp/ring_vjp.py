@@ -4,7 +4,9 @@ Each device dilates its own K/V first (keeps the ``1/r`` of its rows that the he
 selects, :mod:`dilax.sp.dilate`), then those dilated chunks travel between the devices that
 share segments (:mod:`dilax.sp.schedule` streams) with ``lax.ppermute`` while every device
 folds them into the float32 online-softmax state of its queries with
-the XLA core (:meth:`dilax.core.XlaCore.forward`, and ``backward`` in the backward ring) and
+the ring's core (``RingConfig.core``, chosen by :mod:`dilax.registry` for a ``"ring_hop"``:
+the XLA core's ``forward``/``backward`` or the Pallas flash kernels, each hop's traced
+query/key offsets and the ring's key bounds as its mask) and
 :func:`dilax.core.merge_attention_states`. Chunks
 entirely in the future (causal) or in another segment are skipped with ``lax.cond``.
 Communication per device is ``O(w / r)`` rows per branch, independent of ``n``.
@@ -34,6 +36,7 @@ from jax import lax
 from dilax.core import (
     XLA,
     BlockSizes,
+    Core,
     Mask,
     identity_view,
     merge_attention_states,
@@ -58,8 +61,9 @@ class RingConfig:
     streams: tuple[Stream, ...]
     scale: float
     is_causal: bool
-    block_sizes: BlockSizes  # forward (block_q, block_k) and backward (.backward) blocks
+    block_sizes: BlockSizes | None  # forward (block_q, block_k) and backward (.backward)
     dilate: Callable  # local shards (q, k, v) -> dilated chunks (qd, kd, vd)
+    core: Core = XLA  # runs every hop (forward and backward)
 
     @property
     def single_segment(self) -> bool:
@@ -121,9 +125,11 @@ def _pair_forward(cfg: RingConfig, q, k, v, Fq, cq, Fk, ck, ok, n_u=None):
 
         def run(ops, kv_len_b=kv_len_b, k_off=k_off):
             qq, kk, vv = ops
-            o, lse = XLA.forward(qq.reshape(b, R, U * G, d), kk, vv, view=identity_view(U, G),
-                                 mask=Mask(kv_len_b, Fq, k_off, cfg.is_causal), scale=cfg.scale,
-                                 block_sizes=cfg.block_sizes, out_dtype=_F32)
+            o, lse = cfg.core.forward(qq.reshape(b, R, U * G, d), kk, vv,
+                                      view=identity_view(U, G),
+                                      mask=Mask(kv_len_b, Fq, k_off, cfg.is_causal),
+                                      scale=cfg.scale, block_sizes=cfg.block_sizes,
+                                      out_dtype=_F32)
             return o.reshape(q.shape), lse.reshape(q.shape[:-1])
 
         def skip(ops):
@@ -158,10 +164,11 @@ def _pair_backward(cfg: RingConfig, view, q, k, v, lse, dout, delta, Fq, cq, Fk,
 
         def grads(ops, kv_len_b=kv_len_b, k_off=k_off):
             qq, kk, vv, ll, do, dd, *into = ops
-            return XLA.backward(qq, kk, vv, view=view,
-                                mask=Mask(kv_len_b, Fq, k_off, cfg.is_causal), scale=cfg.scale,
-                                lse=ll, dout=do, delta=dd, block_sizes=cfg.block_sizes,
-                                grad_dtype=_F32, acc=tuple(into))
+            return cfg.core.backward(qq, kk, vv, view=view,
+                                     mask=Mask(kv_len_b, Fq, k_off, cfg.is_causal),
+                                     scale=cfg.scale, lse=ll, dout=do, delta=dd,
+                                     block_sizes=cfg.block_sizes, grad_dtype=_F32,
+                                     acc=tuple(into))
 
         if lo is None:
             into = acc

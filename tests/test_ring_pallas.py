@@ -1,0 +1,142 @@
+"""The dilated ring on the Pallas flash kernels: ``dilated_attention(...,
+implementation="pallas", interpret=True, sequence_parallel=...)`` on 4 host devices against the
+single-device op and the float64 oracle, forward and dq/dk/dv (SPEC.md, "Ring").
+
+Every core call of these programs is a kernel: the local branches, the ring hops (traced
+query/key offsets, the ring's key bounds as ``kv_len``, rows of another segment masked by
+``lse = +inf`` in the backward) and the halo exchange's calls. The traced program is checked
+for that (``pallas_call`` present, no ``dot_general`` outside the kernels) before it is
+compiled. The Pallas interpreter makes these programs slow to compile: two tiny ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as Ps
+from oracle import attention as oracle_attention
+from test_ring import _FAST
+from test_ring import _inputs as ring_inputs
+from tolerance import assert_scaled_close
+
+import dilax
+from dilax import AttentionMask, DilatedSettings, registry
+from dilax.reference import dilated_counts
+from dilax.sp.dilated_ring import ring_cores
+
+P, N = 4, 64  # n/P = 16 positions per device
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _four_devices():
+    assert jax.device_count() >= P, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+
+
+def _sp(layout="contiguous"):
+    mesh = jax.make_mesh((P,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:P])
+    return dilax.SequenceParallel(mesh, seq_axis="sp", layout=layout)
+
+
+def _calls(jaxpr) -> tuple[int, int]:
+    """``(pallas_call, dot_general outside the kernels)`` in ``jaxpr`` and its sub-jaxprs
+    (loop bodies, cond branches, custom_vjp calls)."""
+    kernels = dots = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            kernels += 1
+            continue
+        dots += eqn.primitive.name == "dot_general"
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                if hasattr(sub, "eqns"):
+                    k, d = _calls(sub)
+                    kernels, dots = kernels + k, dots + d
+    return kernels, dots
+
+
+def _oracle(q, k, v, g, ws, rs, is_causal, q_len=None, kv_len=None):
+    """The float64 oracle of SPEC.md (mixture mode) with valid lengths: keys past ``kv_len``
+    get no weight, rows past ``q_len`` none at all (output 0, no gradient)."""
+    b, n, h, d = q.shape
+    w = dilated_counts(n, h, ws, rs, "mixture", is_causal)[None]  # (1, h, n, n)
+    pos = np.arange(n)
+    if q_len is not None:
+        w = w * (pos[None, :] < q_len[:, None])[:, None, :, None]
+    if kv_len is not None:
+        w = w * (pos[None, :] < kv_len[:, None])[:, None, None, :]
+    return oracle_attention(q, k, v, w, 1 / np.sqrt(d), dout=g)
+
+
+def _value_and_grads(fn, *args, kernels_only=False):
+    """``fn(q, k, v, *rest)`` and the gradients of ``sum(out * g)`` w.r.t. q, k, v, one
+    compiled program; ``kernels_only``: assert first that every attention is a kernel."""
+
+    def run(q, k, v, g, *rest):
+        out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, *rest), q, k, v)
+        return out, vjp(g)
+
+    traced = jax.jit(run).trace(*args)
+    if kernels_only:
+        kernels, dots = _calls(traced.jaxpr.jaxpr)
+        assert kernels > 0 and dots == 0, (kernels, dots)
+    return traced.lower().compile(compiler_options=_FAST)(*args)
+
+
+def _check(ws, rs, is_causal, q_len=None, kv_len=None, seed=0):
+    b = 1 if q_len is None else len(q_len)
+    q, k, v, g = ring_inputs(b, N, 4, 2, 8, seed=seed)  # GQA: 4 query heads, 2 kv heads
+    sp = _sp()
+    ring = lambda q, k, v, *lengths: dilax.dilated_attention(  # noqa: E731
+        q, k, v, ws, rs, is_causal=is_causal, implementation="pallas", interpret=True,
+        sequence_parallel=sp, **dict(zip(("query_seq_lengths", "key_value_seq_lengths"),
+                                         lengths)))
+    lengths = () if q_len is None else (q_len, kv_len)
+    out, grads = _value_and_grads(ring, q, k, v, g, *lengths, kernels_only=True)
+    ref = _oracle(q, k, v, g, ws, rs, is_causal, q_len, kv_len)
+    assert_scaled_close(out, ref.out)
+    for name, a, e in zip("qkv", grads, (ref.dq, ref.dk, ref.dv), strict=True):
+        assert_scaled_close(a, e, err_msg=f"d{name}")
+    return out
+
+
+def test_causal_with_lengths():
+    """Causal, valid lengths; on n/P = 16: w = 8 is local and w = 24 (r = 2) a ring branch
+    with two segment candidates per chunk (its backward reads the queries in place)."""
+    q_len, kv_len = np.array([64, 41], np.int32), np.array([50, 64], np.int32)
+    out = _check((8, 24), (1, 2), True, q_len, kv_len, seed=3)
+    assert np.all(np.asarray(out)[1, 41:] == 0)  # rows past the query length
+
+
+def test_full_attention():
+    """Not causal (the ring runs both ways): w = 12 is a halo branch, w = 32 (r = 2) a ring
+    branch with one segment per chunk."""
+    _check((12, 32), (1, 2), False, seed=4)
+
+
+def test_cores_follow_the_registry_and_kernels_refuse_check_vma(monkeypatch):
+    """``implementation=None``: XLA on CPU (the default programs), the kernels with
+    ``interpret=True`` and on GPU, the local window on XLA (no band mask in the kernel); an
+    explicit ``"pallas"`` raises for the window. Inside a user's ``shard_map`` with
+    ``check_vma=True`` the kernels raise (their outputs carry no device-varying type)."""
+    settings = DilatedSettings((8, 32), (1, 2), local_window=4)
+    names = lambda s: tuple(c.name for c in ring_cores(s, AttentionMask(), "float32", 8))  # noqa: E731
+    assert names(settings) == ("xla", "xla", "xla")
+    assert names(dataclasses.replace(settings, interpret=True)) == ("pallas", "pallas", "xla")
+    with pytest.raises(ValueError, match=r"no band mask \(local_window\)"):
+        names(dataclasses.replace(settings, implementation="pallas"))
+    monkeypatch.setattr(registry, "current_platform", lambda: "gpu")
+    assert names(settings) == ("pallas", "pallas", "xla")
+    q, k, v, _ = ring_inputs(1, N, 4, 2, 8)
+    pallas = dataclasses.replace(settings, local_window=None, implementation="pallas",
+                                 interpret=True)
+    fn = jax.shard_map(functools.partial(dilax.ring_dilated_attention, axis_name="sp",
+                                         settings=pallas),
+                       mesh=_sp().mesh, in_specs=(Ps(None, "sp"),) * 3, out_specs=Ps(None, "sp"))
+    with pytest.raises(ValueError, match=r"check_vma=False"):
+        jax.eval_shape(fn, q, k, v)
