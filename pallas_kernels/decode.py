@@ -16,8 +16,8 @@ only one branch covers (grouped mode) gets that branch's softmax.
 :func:`decode_attention` runs one program per ``(query row, kv head, split)``: the program
 keeps the ``G`` query heads of its kv head resident (zero rows up to 16, the smallest Triton
 ``dot``), walks split ``s`` of every branch's window in tiles of ``block_k`` gathered cache
-rows (the row index is computed, clamped into the cache, and keys past the window masked;
-nothing outside the window is read) with an online softmax (float32 statistics), and
+rows (the row index is computed; lanes past the window re-read its last key and are masked,
+so nothing outside the window is read) with an online softmax (float32 statistics), and
 writes a normalized partial ``(out, lse)``. The splits are merged by their log-sum-exp
 (elementwise XLA, no matmul). Splitting the window (split-K, "flash decoding") keeps the GPU
 busy when ``b * t * hk`` programs alone would not. :func:`decode_reference` is the same
@@ -147,7 +147,9 @@ def _decode_kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, branches, ch
             m, denom, acc = carry
             j = first + i * block_k + arange_i32(block_k)
             valid = j < count
-            idx = jnp.minimum(start + br.stride * j, max_len - 1)  # gathered cache rows
+            # gathered cache rows; lanes past the window re-read its last key (never a row
+            # outside it), and a position past the cache (overflow) stays inside it
+            idx = jnp.minimum(start + br.stride * jnp.minimum(j, count - 1), max_len - 1)
             k = k_ref[idx, :]
             v = jnp.where(valid[:, None], v_ref[idx, :], jnp.zeros((), v_ref.dtype))
             logits = _dot(q, k, 1, 1) * scale
