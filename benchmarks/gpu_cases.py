@@ -197,6 +197,27 @@ def _ring(kind, *, n=16384, h=8, hk=2, d=64, dtype="bfloat16", grad=True, impl=N
     return build
 
 
+def _decode_step(impl, *, b=1, max_len=32768, h=32, hk=8, d=128, dtype="bfloat16", window=None):
+    """One decode step (t = 1) of every row against a KV cache of ``max_len`` positions."""
+
+    def build():
+        import jax
+        import jax.numpy as jnp
+
+        import dilax
+
+        def f(q, k, v, cache):
+            return dilax.dilated_attention_decode(q, k, v, cache, (2048, 8192, 32768),
+                                                  (1, 4, 16), implementation=impl,
+                                                  local_window=window)
+
+        q, k, v = _qkv(b, 1, h, hk, d, dtype)
+        cache = jax.eval_shape(lambda: dilax.KVCache.init(b, max_len, hk, d, jnp.dtype(dtype)))
+        return f, (q, k, v, cache)
+
+    return build
+
+
 def _train_step(impl, *, n=1024, dtype="bfloat16"):
     """One LongNetLM training step (loss, grads, AdamW update), parameters float32."""
 
@@ -329,6 +350,19 @@ def cases() -> list[Case]:
         Case("ring dilated on 8 GPUs, fwd+bwd, implementation='pallas' (P=8) bf16 GQA causal",
              "ring", _ring("dilated", impl="pallas"), targets=("h100",), devices=8),
     ]
+    # Decode steps on the Pallas decode kernel (split-K over the gathered windows).
+    for b in (1, 64):
+        for d in (128, 64):
+            model = dict(kernel="decode", n=32768, h=32, d=d, dtype=BF16, causal=True)
+            out.append(Case(f"decode step pallas bf16 b={b} d={d} GQA 32/8 max_len=32768",
+                            "decode", _decode_step("pallas", b=b, d=d), report=model))
+    out.append(Case("decode step pallas fp16 b=8 d=128 GQA 32/8 local_window=128", "decode",
+                    _decode_step("pallas", b=8, dtype=FP16, window=128),
+                    report=dict(kernel="decode", n=32768, h=32, d=128, dtype=FP16,
+                                causal=True)))
+    out.append(Case("decode step pallas d=96", "decode", _decode_step("pallas", d=96),
+                    expect="refused", why="the Pallas decode kernel needs head_dim a power "
+                                          "of two in [16, 256]"))
     out += report_cases()
     return out
 

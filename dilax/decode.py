@@ -14,6 +14,11 @@ segments reads those segments instead -- at most ``ceil((w - 1 + t) / w)`` of th
 to the segment grid of each row -- and runs them in the slot layout of
 :mod:`dilax.layout`, as :func:`dilax.dilated_attention` does.
 
+With ``implementation="pallas"`` (the default on GPU) every branch runs in one split-K
+kernel instead (:mod:`pallas_kernels.decode`): each query reads its branches' windows straight
+from the cache, for any ``t`` (a long chunk then costs ``t`` windows, with no key reuse across
+its queries), and the branches meet in one softmax, which is the log-sum-exp merge.
+
 The cache update is a scatter of the ``t`` new rows: under ``jax.jit`` with the cache donated
 it happens in place (see :func:`dilated_attention_decode`).
 """
@@ -33,6 +38,7 @@ from dilax import registry
 from dilax.core import XLA, BlockSizes, Mask, identity_view, merge_attention_states
 from dilax.layout import expand_slots, plan_branch, slot_layout, slot_view
 from dilax.semantics import branch_heads, effective_segment_length
+from dilax.settings import DilatedSettings, settings_from_keywords
 
 __all__ = ["KVCache", "dilated_attention_decode"]
 
@@ -100,14 +106,16 @@ class _Branch:
     offsets: tuple[int, ...]
 
 
-def _branches(h, ws, rs, mode, local_window, max_len) -> tuple[_Branch, ...]:
+def _branches(h: int, settings: DilatedSettings, max_len: int) -> tuple[_Branch, ...]:
     # A segment longer than the cache is one segment: cap w as dilated_attention caps it at n
     # (same segments for every position < max_len), so no window outgrows the cache.
-    ws = tuple(effective_segment_length(max_len, w, r) for w, r in zip(ws, rs))
+    rs = settings.dilation_rates
+    ws = tuple(effective_segment_length(max_len, w, r)
+               for w, r in zip(settings.segment_lengths, rs))
     out = [_Branch(br.w, br.r, br.w // br.r, br.heads, br.offsets)
-           for br in branch_heads(h, ws, rs, mode)]
-    if local_window is not None:
-        out.append(_Branch(None, 1, local_window + 1, tuple(range(h)), (0,) * h))
+           for br in branch_heads(h, ws, rs, settings.mode)]
+    if settings.local_window is not None:
+        out.append(_Branch(None, 1, settings.local_window + 1, tuple(range(h)), (0,) * h))
     return tuple(out)
 
 
@@ -202,17 +210,9 @@ def _selected(pos, br: _Branch):
     return (pos[..., None] % br.r) == offsets[None, None]
 
 
-@functools.partial(jax.jit, static_argnums=(5, 6, 7))
-def _decode(q, k, v, cache: KVCache, new_lengths, branches: tuple[_Branch, ...], mode: str,
-            scale: float):
-    b, t, h, d = q.shape
-    lengths = cache.lengths.astype(jnp.int32)
-    pos = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # (b, t) absolute positions
-    rows = jnp.arange(b)[:, None]
-    # Scatter of the t new rows: in place when the cache is donated. Rows that would pass
-    # max_len (traced lengths) are dropped; see dilated_attention_decode.
-    kc = cache.k.at[rows, pos].set(k, mode="drop")
-    vc = cache.v.at[rows, pos].set(v, mode="drop")
+def _xla_branches(q, kc, vc, lengths, pos, branches, mode: str, scale: float):
+    """Every branch on the XLA core, merged: ``(b, t, h, d)`` float32."""
+    t = q.shape[1]
     outs, lses = [], []
     for br in branches:
         if br.w is None or t <= -(-(br.w - 1 + t) // br.w) * br.r:
@@ -229,8 +229,43 @@ def _decode(q, k, v, cache: KVCache, new_lengths, branches: tuple[_Branch, ...],
         out, lse = outs[0], lses[0]
         for o, s in zip(outs[1:], lses[1:]):
             out, lse = merge_attention_states(out, lse, o, s)
-    else:  # head groups side by side, each divided by the number of branches
-        out = jnp.concatenate(outs, axis=2) / len(branches)
+        return out
+    # head groups side by side, each divided by the number of branches
+    return jnp.concatenate(outs, axis=2) / len(branches)
+
+
+def _pallas_branches(q, kc, vc, pos, branches, mode: str, scale: float, interpret: bool):
+    """Every branch in one Pallas decode kernel (:mod:`pallas_kernels.decode`): one softmax
+    over the union of the branches' windows per head, which is the mixture's log-sum-exp
+    merge (and, in grouped mode, where each head runs one branch, that branch's softmax)."""
+    from pallas_kernels.decode import DecodeBranch, decode_attention  # lazy: no Pallas at import
+
+    kernel_branches = tuple(
+        DecodeBranch(br.w, br.r, br.m, (min(br.heads), max(br.heads) + 1),
+                     None if mode == "mixture" else br.offsets[0])
+        for br in branches)
+    out, _ = decode_attention(q, kc, vc, pos, branches=kernel_branches, scale=scale,
+                              interpret=interpret)
+    return out if mode == "mixture" else out / len(branches)
+
+
+@functools.partial(jax.jit, static_argnames=("settings",))
+def _decode(q, k, v, cache: KVCache, new_lengths, settings: DilatedSettings):
+    b, t, h, d = q.shape
+    branches = _branches(h, settings, cache.max_len)
+    scale = settings.scale_for(d)
+    lengths = cache.lengths.astype(jnp.int32)
+    pos = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # (b, t) absolute positions
+    rows = jnp.arange(b)[:, None]
+    # Scatter of the t new rows: in place when the cache is donated. Rows that would pass
+    # max_len (traced lengths) are dropped; see dilated_attention_decode.
+    kc = cache.k.at[rows, pos].set(k, mode="drop")
+    vc = cache.v.at[rows, pos].set(v, mode="drop")
+    if settings.implementation == "pallas":
+        out = _pallas_branches(q, kc, vc, pos, branches, settings.mode, scale,
+                               settings.interpret)
+    else:
+        out = _xla_branches(q, kc, vc, lengths, pos, branches, settings.mode, scale)
     # Padded new positions: output 0 and the row advances by its own count. Their keys were
     # written past the new length, where they are never read (causal: no valid query of this
     # chunk attends a later position) and get overwritten by the next call.
@@ -281,14 +316,16 @@ def dilated_attention_decode(
     k: jax.Array,
     v: jax.Array,
     cache: KVCache,
-    segment_lengths: tuple[int, ...] | list[int] | int,
-    dilation_rates: tuple[int, ...] | list[int] | int,
+    segment_lengths: tuple[int, ...] | list[int] | int | None = None,
+    dilation_rates: tuple[int, ...] | list[int] | int | None = None,
     *,
     mode: str = "mixture",
     scale: float | None = None,
     local_window: int | None = None,
     implementation: str | None = None,
     query_seq_lengths: jax.Array | None = None,
+    interpret: bool = False,
+    settings: DilatedSettings | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Causal dilated attention of the next ``t`` positions of every row, with a KV cache.
 
@@ -317,14 +354,22 @@ def dilated_attention_decode(
       segment_lengths, dilation_rates, mode, scale: as in :func:`dilax.dilated_attention`.
       local_window: ``W >= 0`` adds the local window branch (``mode="mixture"`` only): query
         ``p`` also attends keys ``p - W .. p``.
-      implementation: ``None`` or ``"xla"``: the cores :mod:`dilax.registry` lists for a
-        decode step (the blockwise core: a decode step is a gather and small products, the
-        same on every backend); another name raises ``ValueError`` with the reason.
+      implementation: ``None`` (the core :mod:`dilax.registry` picks for a decode step:
+        ``"pallas"`` on GPU, ``"xla"`` elsewhere), ``"xla"`` (gathered windows through the
+        blockwise core) or ``"pallas"`` (:func:`pallas_kernels.decode.decode_attention`: one
+        split-K kernel over every branch's gathered window, reading the cache in place;
+        ``head_dim`` a power of two in ``[16, 256]``). Another name, or ``"pallas"`` for a
+        head_dim it cannot serve, raises ``ValueError`` with the reason.
       query_seq_lengths: optional int ``(b,)`` in ``[0, t]``: row ``i`` brings only its first
         ``query_seq_lengths[i]`` new positions (a padded chunk); the others output 0 and the
         row's length advances by ``query_seq_lengths[i]`` instead of ``t``.
         The keys of a row are its cache (``cache.lengths``: the valid key lengths). Static
         values out of range raise; traced values are clipped to ``[0, t]``.
+      interpret: run the Pallas kernel in the interpreter (CPU testing); with
+        ``implementation=None`` the kernel then serves the step.
+      settings: a :class:`dilax.DilatedSettings` holding the whole configuration (then
+        ``segment_lengths`` ... ``implementation`` and ``interpret`` must be left out). A
+        decode step is causal whatever its ``is_causal``; its ``block_sizes`` are not used.
 
     Returns:
       ``(out, cache)``: ``out (b, t, h, d)`` in ``q.dtype`` and the cache with the new
@@ -341,18 +386,22 @@ def dilated_attention_decode(
     if getattr(q, "ndim", 0) == 4 and q.shape[1] == 0:
         raise ValueError(f"t (axis 1 of q) must be >= 1 new positions, got q of shape "
                          f"{tuple(q.shape)}")
+    # one settings value, validated once; the compiled step takes it whole (static)
+    settings = settings_from_keywords(
+        settings, segment_lengths, dilation_rates, mode=mode, scale=scale,
+        local_window=local_window, implementation=implementation, interpret=interpret)
     q, k, v = V.check_qkv(q, k, v, empty_batch=True)
-    ws, rs, mode, _, scale, _ = V.check_dilated_call(
-        q, segment_lengths, dilation_rates, mode, True, scale, None)
-    local_window = V.check_local_window(local_window, mode)
+    V.check_mode(settings.mode, q.shape[2], len(settings.segment_lengths))
     new_lengths = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", q.shape[0],
                                       q.shape[1])
-    # the registry says which cores serve a decode step (the XLA core today); others raise
-    registry.choose(implementation, registry.CoreRequest(
-        "decode", q.dtype, q.shape[3], True, has_window=local_window is not None,
-        has_lengths=new_lengths is not None))
+    # the registry says which core serves a decode step; an explicit one that cannot raises
+    name, _ = registry.choose(settings.implementation, registry.CoreRequest(
+        "decode", q.dtype, q.shape[3], True, has_window=settings.local_window is not None,
+        has_lengths=new_lengths is not None, interpret=settings.interpret))
     cache = _check_cache(cache, k)
     if q.shape[0] == 0:  # an empty batch: nothing to attend, nothing to write
         return V.empty_batch(q, v), cache
-    branches = _branches(q.shape[2], ws, rs, mode, local_window, cache.max_len)
-    return _decode(q, k, v, cache, new_lengths, branches, mode, scale)
+    settings = settings.causal()
+    if name != settings.implementation:  # implementation=None: the step's core, resolved
+        settings = settings.replace(implementation=name)
+    return _decode(q, k, v, cache, new_lengths, settings)

@@ -95,14 +95,26 @@ def _xla(r: CoreRequest) -> str | None:
     return None
 
 
+def _pallas_decode(r: CoreRequest) -> str | None:
+    # pallas_kernels.decode: every branch (local window included) in one split-K kernel;
+    # query lengths are applied around it. It reads cache rows whole (no head-dim padding).
+    d = r.head_dim
+    if d is not None and (d < 16 or d > 256 or d & (d - 1)):
+        return (f"the Pallas decode kernel reads cache rows whole: head_dim must be a power "
+                f"of two in [16, 256], got head_dim={d}")
+    if r.platform is not None and r.platform not in GPU_PLATFORMS and not r.interpret:
+        return (f"the Pallas kernels compile for GPU targets, not {r.platform!r}; "
+                "interpret=True runs them in the Pallas interpreter")
+    return None
+
+
 def _pallas(r: CoreRequest) -> str | None:
     if r.has_documents:
         return "the Pallas kernels have no per-row key ranges (segment_ids, packed documents)"
     # ring_hop (the dilated ring's hops): the flash kernel with the hop's traced offsets and
     # the ring's key bounds as kv_len; the masks below decide like for a dilated branch.
     if r.op == "decode":
-        return ("no Pallas decode kernel: a decode step gathers at most w / r cached keys per "
-                "branch, which the XLA core serves")
+        return _pallas_decode(r)
     if r.has_window:
         return "the Pallas flash kernel has no band mask (local_window)"
     if r.has_key_padding:

@@ -178,7 +178,8 @@ def test_decode_and_rings_raise_for_kernels_the_registry_does_not_list():
     q = jnp.zeros((1, 1, H, D))
     kv = jnp.zeros((1, 1, HK, D))
     cache = dilax.KVCache.init(1, N, HK, D)
-    why = registry.supports("pallas", registry.CoreRequest("decode"))
+    # the Pallas decode kernel reads cache rows whole: head_dim 8 is not one it serves
+    why = registry.supports("pallas", registry.CoreRequest("decode", head_dim=D))
     with pytest.raises(ValueError, match=re.escape(why)):
         dilax.dilated_attention_decode(q, kv, kv, cache, WS, RS, implementation="pallas")
     mesh = jax.make_mesh((1,), ("sp",), axis_types=(AxisType.Auto,))
@@ -192,7 +193,7 @@ def test_decode_and_rings_raise_for_kernels_the_registry_does_not_list():
     with pytest.raises(ValueError, match="the block-sparse ring runs its hops on the XLA"):
         dilax.create_attention("ring", pattern=patterns.local_window(N, 4, BLOCK), mesh=mesh,
                                implementation="pallas")
-    assert registry.served_by(registry.CoreRequest("decode")) == ("xla",)
+    assert registry.served_by(registry.CoreRequest("decode")) == ("xla", "pallas")
     # the dilated ring's hops: the flash kernel with the hop's offsets (tests/test_ring_pallas)
     assert registry.served_by(registry.CoreRequest("ring_hop")) == ("xla", "pallas")
     assert "offsets" in registry.supports("cudnn", registry.CoreRequest("ring_hop"))

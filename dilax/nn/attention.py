@@ -116,7 +116,8 @@ class DilatedAttention(nnx.Module):
         (:func:`dilax.dilated_attention_decode` with this module's configuration).
 
         ``q (b, t, h, d)``, ``k, v (b, t, hk, d)`` -> ``(out (b, t, h, d), cache)``. Runs on
-        the XLA core whatever ``implementation`` is (a step reads at most ``w / r`` keys per
+        the core the registry picks for a decode step whatever ``implementation`` is (the
+        Pallas decode kernel on GPU, XLA elsewhere; a step reads at most ``w / r`` keys per
         branch); not with ``sequence_parallel``."""
         if self.sequence_parallel is not None:
             raise ValueError("KV-cache decoding runs on one device; this DilatedAttention "

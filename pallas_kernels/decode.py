@@ -1,0 +1,303 @@
+"""Decode attention over gathered windows (split-K) as a Pallas kernel, beside its reference.
+
+A decode step writes ``t`` new positions into a KV cache ``(b, L, hk, d)`` and attends, for
+each new query at position ``p``, only the keys its branches give it (:class:`DecodeBranch`):
+
+* a dilated branch ``(w, r)``: the keys of ``p``'s segment in ``p``'s offset class,
+  ``s + p % r + r * j`` for ``j = 0 .. (p % w) // r`` (``s = (p // w) * w``), at most
+  ``w / r`` keys -- a strided run of cache rows;
+* the local window ``W``: keys ``max(p - W, 0) .. p``.
+
+Each query head runs a branch only when the branch covers it and selects ``p`` for it
+(``p % r`` equals the head's offset); the union of all branches' keys is one softmax, which
+is exactly the log-sum-exp merge of the per-branch softmaxes (mixture mode), and a head that
+only one branch covers (grouped mode) gets that branch's softmax.
+
+:func:`decode_attention` runs one program per ``(query row, kv head, split)``: the program
+keeps the ``G`` query heads of its kv head resident (zero rows up to 16, the smallest Triton
+``dot``), walks split ``s`` of every branch's window in tiles of ``block_k`` gathered cache
+rows (the row index is computed; lanes past the window re-read its last key and are masked,
+so nothing outside the window is read) with an online softmax (float32 statistics), and
+writes a normalized partial ``(out, lse)``. The splits are merged by their log-sum-exp
+(elementwise XLA, no matmul). Splitting the window (split-K, "flash decoding") keeps the GPU
+busy when ``b * t * hk`` programs alone would not. :func:`decode_reference` is the same
+computation with gathers and a dense softmax in plain ``jax.numpy``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common import arange_i32, cdiv_nonneg, gpu_only
+from pallas_kernels.config import MIN_BLOCK, KernelConfig, next_power_of_2, triton_compiler_params
+
+__all__ = ["DecodeBranch", "DecodeConfig", "decode_attention", "decode_reference",
+           "default_decode_config"]
+
+_F32 = jnp.float32
+_NEG_INF = float("-inf")
+# Programs to aim for when choosing the split count: a few per SM of an H100 (132 SMs).
+_TARGET_PROGRAMS = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBranch:
+    """One branch of a decode step (static, hashable).
+
+    ``segment``: ``w`` of a dilated branch, ``None`` for the local window. ``stride``: ``r``
+    (1 for the local window). ``window``: the most keys one query reads (``w // r``, or
+    ``W + 1``). ``heads``: the query heads ``[lo, hi)`` that run the branch. ``offset``:
+    the offset of those heads (a head selects positions ``p % r == offset``); ``None``:
+    head ``j`` has offset ``j % r`` (mixture mode)."""
+
+    segment: int | None
+    stride: int
+    window: int
+    heads: tuple[int, int]
+    offset: int | None = None
+
+    def keys(self, p):
+        """``(start, count)`` int32 of position(s) ``p``: keys ``start + stride * j``,
+        ``j < count`` (works in and outside a kernel)."""
+        if self.segment is None:
+            return jnp.maximum(p - (self.window - 1), 0), jnp.minimum(p, self.window - 1) + 1
+        w, r = jnp.int32(self.segment), jnp.int32(self.stride)
+        in_seg = lax.rem(p, w)
+        start = p - in_seg + (lax.rem(p, r) if self.stride > 1 else 0)
+        return start, lax.div(in_seg, r) + 1
+
+    def selects(self, p, head):
+        """bool: head(s) ``head`` run this branch for query position(s) ``p``."""
+        lo, hi = self.heads
+        sel = (head >= lo) & (head < hi)
+        if self.segment is None or self.stride == 1:
+            return sel
+        r = jnp.int32(self.stride)
+        offset = lax.rem(head, r) if self.offset is None else jnp.int32(self.offset)
+        return sel & (lax.rem(p, r) == offset)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of :func:`decode_attention`: ``block_k`` gathered keys per tile (a
+    power of two >= 16), ``num_splits`` (``None``: enough splits for about
+    ``_TARGET_PROGRAMS`` programs), ``num_warps``, ``num_stages``."""
+
+    block_k: int = 64
+    num_splits: int | None = None
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        KernelConfig(block_k=self.block_k, num_warps=self.num_warps,
+                     num_stages=self.num_stages)  # the same rules as the flash tiles
+        if self.block_k < MIN_BLOCK:
+            raise ValueError(f"DecodeConfig.block_k must be >= {MIN_BLOCK}, got {self.block_k}")
+        if self.num_splits is not None and (isinstance(self.num_splits, bool) or not isinstance(
+                self.num_splits, int) or self.num_splits < 1):
+            raise ValueError(f"DecodeConfig.num_splits must be None or a positive int, got "
+                             f"{self.num_splits!r}")
+
+
+def default_decode_config(dtype) -> DecodeConfig:
+    """64-key tiles (32 for float32: twice the bytes per key), 4 warps, 2 stages."""
+    return DecodeConfig(block_k=32 if jnp.dtype(dtype).itemsize >= 4 else 64)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _num_splits(config: DecodeConfig, programs: int, branches) -> int:
+    tiles = max(_cdiv(br.window, config.block_k) for br in branches)
+    if config.num_splits is not None:
+        return min(config.num_splits, tiles)
+    return max(1, min(tiles, _cdiv(_TARGET_PROGRAMS, max(programs, 1))))
+
+
+def _dot(a, b, contract_a: int, contract_b: int):
+    """2-D matmul with float32 accumulation (default precision, as the flash kernels)."""
+    return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())),
+                           preferred_element_type=_F32)
+
+
+def _decode_kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, branches, chunks, scale,
+                   groups, block_k, max_len):
+    c, s = pl.program_id(1), pl.program_id(2)
+    p = pos_ref[0]
+    q = q_ref[...]  # (Gp, d): the query heads of kv head c at position p
+    rows = arange_i32(q.shape[0])
+    head = c * groups + rows
+    m = jnp.full((q.shape[0],), _NEG_INF, _F32)
+    denom = jnp.zeros((q.shape[0],), _F32)
+    acc = jnp.zeros(q.shape, _F32)
+    for br, chunk in zip(branches, chunks):
+        start, count = br.keys(p)
+        sel = br.selects(p, head) & (rows < groups)
+        first = s * chunk  # this split's part of the window: j in [first, first + chunk)
+        n_tiles = cdiv_nonneg(jnp.clip(count - first, 0, chunk), block_k)
+
+        def body(i, carry, br=br, start=start, count=count, sel=sel, first=first):
+            m, denom, acc = carry
+            j = first + i * block_k + arange_i32(block_k)
+            valid = j < count
+            # gathered cache rows; lanes past the window re-read its last key (never a row
+            # outside it), and a position past the cache (overflow) stays inside it
+            idx = jnp.minimum(start + br.stride * jnp.minimum(j, count - 1), max_len - 1)
+            k = k_ref[idx, :]
+            v = jnp.where(valid[:, None], v_ref[idx, :], jnp.zeros((), v_ref.dtype))
+            logits = _dot(q, k, 1, 1) * scale
+            logits = jnp.where(sel[:, None] & valid[None, :], logits, _NEG_INF)
+            m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+            m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+            prob = jnp.exp(logits - m_safe[:, None])
+            corr = jnp.exp(m - m_safe)
+            denom = denom * corr + jnp.sum(prob, axis=1)
+            acc = acc * corr[:, None] + _dot(prob.astype(v.dtype), v, 1, 0)
+            return m_new, denom, acc
+
+        m, denom, acc = lax.fori_loop(0, n_tiles, body, (m, denom, acc))
+    has_key = denom > 0.0
+    denom_safe = jnp.where(has_key, denom, 1.0)
+    o_ref[...] = acc / denom_safe[:, None]
+    lse_ref[...] = jnp.where(has_key, m + jnp.log(denom_safe), _NEG_INF)
+
+
+def _merge_splits(out, lse):
+    """Log-sum-exp merge over axis 0 of normalized partials ``out (S, ...)``, ``lse (S, ...)``."""
+    if out.shape[0] == 1:
+        return out[0], lse[0]
+    top = jnp.max(lse, axis=0)
+    top = jnp.where(top == _NEG_INF, 0.0, top)
+    weight = jnp.exp(lse - top[None])  # 0 for an empty split
+    denom = jnp.sum(weight, axis=0)
+    has_key = denom > 0.0
+    denom_safe = jnp.where(has_key, denom, 1.0)
+    out = jnp.sum(weight[..., None] * out, axis=0) / denom_safe[..., None]
+    return out, jnp.where(has_key, top + jnp.log(denom_safe), _NEG_INF)
+
+
+def _check(q, k_cache, v_cache, positions, branches):
+    if q.ndim != 4 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"decode_attention: q must be (b, t, h, d) and k_cache, v_cache "
+                         f"(b, L, hk, d), got {q.shape}, {k_cache.shape}, {v_cache.shape}")
+    b, t, h, d = q.shape
+    if k_cache.shape[0] != b or k_cache.shape[3] != d or h % k_cache.shape[2]:
+        raise ValueError(f"decode_attention: k_cache {k_cache.shape} does not fit q {q.shape} "
+                         f"(same batch and head_dim, h % hk == 0)")
+    if tuple(positions.shape) != (b, t):
+        raise ValueError(f"decode_attention: positions must be (b, t) = ({b}, {t}), got "
+                         f"{tuple(positions.shape)}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"decode_attention: q, k_cache and v_cache must have one dtype, got "
+                        f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if d < MIN_BLOCK or d > 256 or d != next_power_of_2(d):
+        raise ValueError(f"decode_attention: head_dim must be a power of two in "
+                         f"[{MIN_BLOCK}, 256] (cache rows are read whole, not padded), got {d}")
+    if not branches or not all(isinstance(br, DecodeBranch) for br in branches):
+        raise TypeError("decode_attention: branches must be a non-empty tuple of DecodeBranch")
+
+
+def decode_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    positions: jax.Array,
+    *,
+    branches: tuple[DecodeBranch, ...],
+    scale: float,
+    config: DecodeConfig | None = None,
+    interpret=False,
+    debug: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Attention of ``t`` new queries per row over their branches' windows of a KV cache
+    (reference: :func:`decode_reference`).
+
+    Args:
+      q: ``(b, t, h, d)``; ``d`` a power of two in ``[16, 256]``.
+      k_cache, v_cache: ``(b, L, hk, d)``, ``h % hk == 0`` (query head ``j`` reads kv head
+        ``j // (h // hk)``), dtype of ``q`` (bf16, fp16 or fp32).
+      positions: int ``(b, t)``, the position of each query (its keys are already written).
+        Rows read past ``L`` are clamped into the cache (callers zero such outputs).
+      branches: static :class:`DecodeBranch` es; one softmax over the union of their keys.
+      scale: logit scale. config: :class:`DecodeConfig` or ``None`` (default).
+      interpret: run in the Pallas interpreter (``True`` or ``pltpu.InterpretParams``).
+
+    Returns:
+      ``out (b, t, h, d)`` float32 and ``lse (b, t, h)`` float32; a head with no key in any
+      branch gets ``out = 0``, ``lse = -inf``.
+    """
+    _check(q, k_cache, v_cache, positions, branches)
+    config = default_decode_config(q.dtype) if config is None else config
+    b, t, h, d = q.shape
+    L, hk = k_cache.shape[1], k_cache.shape[2]
+    G = h // hk
+    gp = max(MIN_BLOCK, next_power_of_2(G))
+    bk = config.block_k
+    S = _num_splits(config, b * t * hk, branches)
+    # split s of a branch: window keys [s * chunk, (s + 1) * chunk), whole tiles
+    chunks = tuple(_cdiv(_cdiv(br.window, bk), S) * bk for br in branches)
+    qg = q.reshape(b * t, hk, G, d)
+    if gp != G:  # zero rows up to the smallest dot (masked in the kernel)
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - G), (0, 0)))
+    qg = gpu_only(qg, interpret)
+    pos = jnp.asarray(positions, jnp.int32).reshape(b * t, 1)
+    row = lambda i: lax.div(i, jnp.int32(t))  # noqa: E731  (query row i -> batch row)
+    kv_spec = pl.BlockSpec((None, L, None, d), lambda i, c, s: (row(i), 0, c, 0))
+    out, lse = pl.pallas_call(
+        functools.partial(_decode_kernel, branches=tuple(branches), chunks=chunks,
+                          scale=float(scale), groups=G, block_k=bk, max_len=L),
+        grid=(b * t, hk, S),
+        in_specs=[pl.BlockSpec((None, 1), lambda i, c, s: (i, 0)),
+                  pl.BlockSpec((None, None, gp, d), lambda i, c, s: (i, c, 0, 0)),
+                  kv_spec, kv_spec],
+        out_specs=[pl.BlockSpec((None, None, None, gp, d), lambda i, c, s: (s, i, c, 0, 0)),
+                   pl.BlockSpec((None, None, None, gp), lambda i, c, s: (s, i, c, 0))],
+        out_shape=[jax.ShapeDtypeStruct((S, b * t, hk, gp, d), _F32),
+                   jax.ShapeDtypeStruct((S, b * t, hk, gp), _F32)],
+        compiler_params=triton_compiler_params(
+            KernelConfig(num_warps=config.num_warps, num_stages=config.num_stages), d,
+            interpret),
+        interpret=interpret,
+        debug=debug,
+        name="dilax_decode",
+    )(pos, qg, k_cache, v_cache)
+    out, lse = _merge_splits(out, lse)
+    return (out[:, :, :G].reshape(b, t, h, d), lse[:, :, :G].reshape(b, t, h))
+
+
+def decode_reference(q, k_cache, v_cache, positions, *, branches: tuple[DecodeBranch, ...],
+                     scale: float) -> tuple[jax.Array, jax.Array]:
+    """:func:`decode_attention` in plain ``jax.numpy``: every branch's window gathered
+    (``(b, t, window)`` rows), one masked softmax over their concatenation; float32 logits
+    at full matmul precision."""
+    b, t, h, d = q.shape
+    L, hk = k_cache.shape[1], k_cache.shape[2]
+    pos = jnp.asarray(positions, jnp.int32)
+    head = jnp.arange(h, dtype=jnp.int32)
+    logits, values = [], []
+    for br in branches:
+        start, count = br.keys(pos)
+        j = jnp.arange(br.window, dtype=jnp.int32)
+        idx = jnp.minimum(start[..., None] + br.stride * j, L - 1)  # (b, t, m)
+        rows = jnp.arange(b)[:, None, None]
+        kw = jnp.repeat(k_cache[rows, idx], h // hk, axis=3)  # (b, t, m, h, d)
+        vw = jnp.repeat(v_cache[rows, idx], h // hk, axis=3)
+        s = jnp.einsum("bthd,btmhd->bthm", q, kw, preferred_element_type=_F32,
+                       precision=lax.Precision.HIGHEST) * scale
+        ok = (j < count[..., None])[:, :, None, :] & br.selects(pos[..., None], head)[..., None]
+        logits.append(jnp.where(ok, s, _NEG_INF))
+        values.append(vw.astype(_F32))
+    s = jnp.concatenate(logits, axis=-1)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    finite = jnp.isfinite(lse)
+    prob = jnp.where(finite[..., None], jnp.exp(s - jnp.where(finite, lse, 0.0)[..., None]), 0.0)
+    out = jnp.einsum("bthm,btmhd->bthd", prob, jnp.concatenate(values, axis=2),
+                     precision=lax.Precision.HIGHEST)
+    return out, jnp.where(finite, lse, _NEG_INF)

@@ -1,0 +1,148 @@
+"""The Pallas decode kernel (pallas_kernels/decode.py) in the Pallas interpreter.
+
+* kernel level: :func:`decode_attention` in bfloat16 equals its plain-jnp reference
+  :func:`decode_reference` (gathered windows, dense softmax) for b > 1, t > 1, GQA with a
+  group size that needs padding rows, mixture and grouped head ranges (one kv head serving
+  two), a local window, and the split-K merge (an explicit split count, one split empty).
+* through :func:`dilax.dilated_attention_decode`: ``implementation="pallas"`` equals the
+  float64 oracle (tests/oracle.py) and the rows of causal :func:`dilax.dilated_attention`
+  over a schedule of padded chunks and single steps with rows of different lengths (SPEC.md,
+  "Decoding with a KV cache"), in float32 with two splits, and the XLA decode.
+
+The strict interpreter (``pltpu.InterpretParams``) refuses gathered (advanced-index) reads,
+which this kernel is made of, so these run with ``interpret=True``; the kernel clamps every
+row index into the cache, so no read is out of bounds by construction.
+(Decode has no gradient: the XLA decode is not differentiable either.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from oracle import attention as oracle_attention
+from tolerance import FP32, HALF, assert_scaled_close
+
+import dilax
+from dilax import KVCache, dilated_attention_decode, registry
+from dilax.semantics import dilated_counts
+from pallas_kernels.decode import DecodeBranch, DecodeConfig, decode_attention, decode_reference
+
+# -- the kernel against its reference -------------------------------------------------------
+
+_KB, _KT, _KH, _KHK, _KD, _KL = 2, 3, 6, 2, 16, 64  # G = 3: padded to 16 rows
+_KBRANCHES = (
+    DecodeBranch(64, 1, 64, (0, 6)),  # 4 tiles of 16: three splits, the last one empty
+    # grouped-style head ranges (kv head 1 serves heads 3, 4, 5: both ranges) and offsets
+    DecodeBranch(32, 2, 16, (0, 4), offset=1),
+    DecodeBranch(16, 4, 4, (4, 6), offset=0),
+    DecodeBranch(None, 1, 4, (0, 6)),  # local window W = 3
+)
+
+
+def test_kernel_bf16_equals_reference():
+    """bfloat16 inputs (float32 statistics) against the reference on the same values in
+    float32; float32 itself is checked against the float64 oracle below."""
+    dtype = jnp.bfloat16
+    ks = jax.random.split(jax.random.PRNGKey(0), 3)
+    q = jax.random.normal(ks[0], (_KB, _KT, _KH, _KD)).astype(dtype)
+    kc = jax.random.normal(ks[1], (_KB, _KL, _KHK, _KD)).astype(dtype)
+    vc = jax.random.normal(ks[2], (_KB, _KL, _KHK, _KD)).astype(dtype)
+    # segment starts, ends, a full window, p = 0, the last cache row
+    pos = jnp.array([[0, 31, 63], [5, 47, 48]], jnp.int32)
+    run = jax.jit(functools.partial(decode_attention, branches=_KBRANCHES, scale=0.3,
+                                    config=DecodeConfig(16, num_splits=3), interpret=True))
+    out, lse = run(q, kc, vc, pos)
+    reference = jax.jit(lambda *a: decode_reference(  # the same values, in float32
+        *(x.astype(jnp.float32) for x in a[:3]), a[3], branches=_KBRANCHES, scale=0.3))
+    ref_out, ref_lse = reference(q, kc, vc, pos)
+    assert_scaled_close(out, ref_out, HALF)  # P is rounded to bf16 for P @ V
+    assert_scaled_close(lse, ref_lse, HALF)
+    assert out.dtype == lse.dtype == jnp.float32
+    with pytest.raises(ValueError, match=r"a power of two in \[16, 256\] \(cache rows"):
+        jax.eval_shape(lambda: decode_attention(
+            jnp.zeros((1, 1, 2, 24)), jnp.zeros((1, 8, 1, 24)), jnp.zeros((1, 8, 1, 24)),
+            jnp.zeros((1, 1), jnp.int32), branches=_KBRANCHES[:1], scale=1.0))
+
+
+# -- through dilated_attention_decode ---------------------------------------------------------
+
+B, H, HK, D, N = 2, 4, 2, 16, 72
+# Branch (128, 2) has 36-key windows on a 72-position cache: two 32-key float32 tiles, so the
+# step runs two splits (the first alone for queries early in the segment).
+WS, RS, WINDOW = (16, 128), (1, 2), 5
+CHUNK, CHUNKS, STEPS = 8, 8, 4  # row 1 brings 5 of each chunk: lengths 64 / 40, then steps
+
+
+def _inputs(seed):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return (np.asarray(jax.random.normal(ks[0], (B, N, H, D))),
+            np.asarray(jax.random.normal(ks[1], (B, N, HK, D))),
+            np.asarray(jax.random.normal(ks[2], (B, N, HK, D))))
+
+
+def _schedule(q, k, v, steps, **cfg):
+    """Padded chunks (row 1 brings fewer positions), then ``steps`` single steps, under jit
+    with the cache donated; returns ``[(row, start, out_rows)]`` of the valid rows."""
+    step = jax.jit(functools.partial(dilated_attention_decode, **cfg), donate_argnums=3)
+    cache, lengths, got = KVCache.init(B, N, HK, D), np.zeros(B, int), []
+    for count in [np.array([CHUNK, 5])] * CHUNKS + [np.array([1, 1])] * steps:
+        t = 1 if count.max() == 1 else CHUNK
+        new = [np.stack([x[i, lengths[i]:lengths[i] + t] for i in range(B)]) for x in (q, k, v)]
+        out, cache = step(*new, cache, query_seq_lengths=None if t == 1 else count)
+        out = np.asarray(out)
+        for i in range(B):
+            got.append((i, int(lengths[i]), out[i, :count[i]]))
+            np.testing.assert_array_equal(out[i, count[i]:], 0.0)  # padded rows
+        lengths = lengths + count
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
+    return got
+
+
+@pytest.mark.parametrize("mode", ["mixture", "grouped"])
+def test_pallas_decode_equals_oracle_and_causal_rows(mode):
+    """Mixture with a local window, given as one settings value, over chunks and steps;
+    grouped, given as keywords, over the chunks, and equal to the XLA decode there."""
+    q, k, v = _inputs(seed=3)
+    window = WINDOW if mode == "mixture" else None
+    counts = dilated_counts(N, H, WS, RS, mode, True, local_window=window)
+    oracle = oracle_attention(q, k, v, counts[None], 1.0 / np.sqrt(D)).out
+    if mode == "grouped":
+        oracle = oracle / len(WS)
+    full = np.asarray(dilax.dilated_attention(q, k, v, WS, RS, is_causal=True, mode=mode,
+                                              local_window=window))
+    if mode == "mixture":
+        settings = dilax.DilatedSettings(WS, RS, local_window=WINDOW, implementation="pallas",
+                                         interpret=True)
+        got = _schedule(q, k, v, STEPS, settings=settings)
+    else:
+        cfg = dict(segment_lengths=WS, dilation_rates=RS, mode=mode)
+        got = _schedule(q, k, v, 0, implementation="pallas", interpret=True, **cfg)
+        for (_, _, a), (_, _, b) in zip(got, _schedule(q, k, v, 0, implementation="xla", **cfg)):
+            assert_scaled_close(a, b, FP32)
+    for row, start, out in got:
+        rows = slice(start, start + out.shape[0])
+        assert_scaled_close(out, oracle[row, rows], FP32, err_msg=f"{mode} row {row} at {start}")
+        assert_scaled_close(out, full[row, rows], FP32, err_msg=f"{mode} row {row} at {start}")
+
+
+def test_pallas_decode_is_chosen_and_settings_are_one_value():
+    # implementation=None: the kernel on GPU (and in the interpreter), XLA on the CPU
+    req = registry.CoreRequest("decode", "bfloat16", 128, True, has_window=True,
+                               has_lengths=True)
+    for platform, interpret, want in (("gpu", False, "pallas"), ("cpu", False, "xla"),
+                                      ("cpu", True, "pallas")):
+        got = registry.choose(None, dataclasses.replace(req, platform=platform,
+                                                        interpret=interpret))[0]
+        assert got == want, (platform, interpret)
+    q = jnp.zeros((B, 1, H, D))
+    kv = jnp.zeros((B, 1, HK, D))
+    cache = KVCache.init(B, N, HK, D)
+    with pytest.raises(TypeError, match="settings= holds the whole configuration"):
+        dilated_attention_decode(q, kv, kv, cache, WS, RS, settings=dilax.DilatedSettings(WS, RS))
+    with pytest.raises(ValueError, match="must be divisible by dilation_rates"):
+        dilated_attention_decode(q, kv, kv, cache, (16, 129), RS)
