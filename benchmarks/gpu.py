@@ -134,12 +134,16 @@ def run(args) -> dict[str, Any]:
         log(f"ring check skipped: {jax.device_count()} device (a mesh of all local devices "
             "needs 2 or more)")
     t0 = time.time()
+    # the checks come first (numerics before speed) but leave 40% of the budget to the timed
+    # sections, and the attention timings leave 10% to decode
+    decode_reserve = 0.1 * args.budget if decode_on else 0.0
+    time_reserve = 0.4 * args.budget if (time_groups or decode_on) else 0.0
     checks = run_checks(configs, args.checks, args.impls, interpret=args.interpret,
-                        budget=budget, log=log, bar=bar)
+                        budget=budget, log=log, bar=bar, reserve=time_reserve)
     check_s = time.time() - t0
     rows = time_rows(args.n, args.head_dims, time_groups, args.impls, dtype=args.time_dtype,
                      causal=args.causal, repeats=args.repeats, interpret=args.interpret,
-                     budget=budget, bar=bar, passes=args.passes)
+                     budget=budget, bar=bar, passes=args.passes, reserve=decode_reserve)
     dec = (decode_rows(args.decode_n, args.decode_batch, args.impls, dtype=args.time_dtype,
                        repeats=args.repeats, interpret=args.interpret, budget=budget, bar=bar)
            if decode_on else [])

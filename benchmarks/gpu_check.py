@@ -217,10 +217,12 @@ def _ring_programs(s: Shape, impl: str, interpret: bool, dtype):
 
 
 def run_checks(configs: list[tuple[str, int]], cases: list[str], impls: list[str], *,
-               interpret: bool, budget, log: Callable[[str], None], bar) -> list[dict]:
+               interpret: bool, budget, log: Callable[[str], None], bar,
+               reserve: float = 0.0) -> list[dict]:
     """One result dict per (dtype, d, case, implementation): ``status`` ``"ok"`` / ``"fail"``
     (errors beyond tolerance) / ``"refused"`` (``reason``) / ``"error"`` (``reason``) /
-    ``"skipped"`` (``reason``: one device for the ring, or the time budget)."""
+    ``"skipped"`` (``reason``: one device for the ring, or the time budget, of which
+    ``reserve`` seconds are kept for the timed sections)."""
     backend = jax.default_backend()
     rows = []
     for dtype, d in configs:
@@ -236,7 +238,7 @@ def run_checks(configs: list[tuple[str, int]], cases: list[str], impls: list[str
                 if case == "ring" and jax.device_count() < 2:
                     row.update(status="skipped", reason="the ring needs 2 or more devices; "
                                f"this process has {jax.device_count()}")
-                elif not budget.allows(budget.check_estimate):
+                elif not budget.allows(budget.check_estimate, reserve):
                     row.update(status="skipped", reason=budget.note("check"))
                 else:
                     row.update(_check_one(case, s, impl, interpret, dtype, tol, refs))

@@ -45,8 +45,9 @@ class Budget:
     def left(self) -> float:
         return self.seconds - (time.monotonic() - self.start)
 
-    def allows(self, estimate: float) -> bool:
-        ok = self.left() >= estimate
+    def allows(self, estimate: float, reserve: float = 0.0) -> bool:
+        """Whether ``estimate`` seconds fit, keeping ``reserve`` seconds for later sections."""
+        ok = self.left() - reserve >= estimate
         self.skipped += not ok
         return ok
 
@@ -105,21 +106,23 @@ def _dilax_row(row: str, impl: str, n: int, causal: bool, interpret: bool, ws, r
                                                    implementation=impl, **kw)
 
 
-def _estimate(history: dict, key, n: int, d: int, repeats: int, power: int,
+def _estimate(history: dict, key, n: int, repeats: int, power: int,
               default_compile: float) -> float:
-    """Seconds of compile + warmup + repeats, scaled from this row's last measurement."""
+    """Seconds of compile + warmup + repeats, scaled from this row's last measurement (as
+    ``n ** power``; ``h * d`` is the same for every d)."""
     if key not in history:
         return default_compile
-    n0, d0, compile_s, call_s = history[key]
-    return compile_s + (1 + repeats) * call_s * (n / n0) ** power * (d / d0)
+    n0, compile_s, call_s = history[key]
+    return compile_s + (1 + repeats) * call_s * (n / n0) ** power
 
 
 def time_rows(ns, head_dims, groups, impls, *, dtype: str, causal: bool, repeats: int,
-              interpret: bool, budget: Budget, bar, passes=("fwd", "fwd+bwd")
-              ) -> list[dict[str, Any]]:
+              interpret: bool, budget: Budget, bar, passes=("fwd", "fwd+bwd"),
+              reserve: float = 0.0) -> list[dict[str, Any]]:
     """Forward and forward+backward of every (n, d, row), n ascending (so the budget cuts the
-    largest sizes). Shape per d: ``b = 1``, ``h = hk = max(1, 2048 // d)`` (hidden 2048, as
-    FlashAttention's benchmarks), ``2`` heads under ``--interpret``."""
+    largest sizes; ``reserve`` seconds are kept for the decode section). Shape per d:
+    ``b = 1``, ``h = hk = max(1, 2048 // d)`` (hidden 2048, as FlashAttention's benchmarks),
+    ``2`` heads under ``--interpret``."""
     ws, rs = (DILATED_WS_TINY, DILATED_RS_TINY) if interpret else (DILATED_WS, DILATED_RS)
     specs = [(g, None) for g in groups if g in JAX_ROWS]
     specs += [(g, impl) for g in groups if g in DILAX_ROWS for impl in impls]
@@ -143,9 +146,9 @@ def time_rows(ns, head_dims, groups, impls, *, dtype: str, causal: bool, repeats
                     if group == "dilated":
                         rec.update(segment_lengths=list(ws), dilation_rates=list(rs))
                     key = (name, pas)
-                    est = _estimate(history, key, n, d, repeats,
+                    est = _estimate(history, key, n, repeats,
                                     1 if group == "dilated" else 2, 2.0 if interpret else 15.0)
-                    if not budget.allows(est):
+                    if not budget.allows(est, reserve):
                         rec.update(status="skipped", reason=budget.note(
                             f"{name} n={n} d={d} {pas}", est))
                         budget.log(rec["reason"])
@@ -153,7 +156,7 @@ def time_rows(ns, head_dims, groups, impls, *, dtype: str, causal: bool, repeats
                         rec.update(_measure(group, impl, n, d, pas, q, k, v, causal=causal,
                                             interpret=interpret, repeats=repeats, ws=ws, rs=rs))
                     if rec["status"] == "ok":
-                        history[key] = (n, d, rec["compile_s"], rec["ms_median"] / 1e3)
+                        history[key] = (n, rec["compile_s"], rec["ms_median"] / 1e3)
                         rec["tflops"] = rec["flops"] / (rec["ms_median"] * 1e-3) / 1e12
                         rec["pct_peak"] = 100 * rec["tflops"] / PEAK_TFLOPS
                     out.append(rec)
