@@ -116,53 +116,74 @@ def _estimate(history: dict, key, n: int, repeats: int, power: int,
     return compile_s + (1 + repeats) * call_s * (n / n0) ** power
 
 
+def tier(group: str, impl: str | None) -> int:
+    """Measuring order: 0 the anchor pair (jax's cuDNN and dilax's dense Pallas kernel), 1 the
+    other dense rows, 2 the dilated rows; the budget cuts the last tier first."""
+    if group == "jax-cudnn" or (group == "dense" and impl == "pallas"):
+        return 0
+    return 2 if group == "dilated" else 1
+
+
 def time_rows(ns, head_dims, groups, impls, *, dtype: str, causal: bool, repeats: int,
               interpret: bool, budget: Budget, bar, passes=("fwd", "fwd+bwd"),
               reserve: float = 0.0) -> list[dict[str, Any]]:
-    """Forward and forward+backward of every (n, d, row), n ascending (so the budget cuts the
-    largest sizes; ``reserve`` seconds are kept for the decode section). Shape per d:
-    ``b = 1``, ``h = hk = max(1, 2048 // d)`` (hidden 2048, as FlashAttention's benchmarks),
-    ``2`` heads under ``--interpret``."""
+    """Forward and forward+backward of every (row, n, d), tier by tier (:func:`tier`), n
+    ascending within a tier, so the budget cuts the largest sizes of the last tiers first
+    (``reserve`` seconds are kept for the decode section). Shape per d: ``b = 1``,
+    ``h = hk = max(1, 2048 // d)`` (hidden 2048, as FlashAttention's benchmarks), ``2`` heads
+    under ``--interpret``. Rows come back in table order (row, d, n, pass)."""
     ws, rs = (DILATED_WS_TINY, DILATED_RS_TINY) if interpret else (DILATED_WS, DILATED_RS)
     specs = [(g, None) for g in groups if g in JAX_ROWS]
     specs += [(g, impl) for g in groups if g in DILAX_ROWS for impl in impls]
     history: dict = {}
     out = []
-    for n in sorted(ns):
-        for d in head_dims:
-            h = 2 if interpret else max(1, 2048 // d)
-            q, k, v = common.random_qkv(1, n, h, h, d, jnp.dtype(dtype))
-            for group, impl in specs:
-                name = group if impl is None else f"dilax-{group} {impl}"
-                for pas in passes:
-                    bar.set_postfix_str(f"{name} n={n} d={d} {pas}")
-                    pairs = pairs_of(group, n, 1, h, causal, ws, rs)
-                    rec: dict[str, Any] = dict(
-                        section="time", row=f"{name} d={d}", kernel=name, group=group,
-                        implementation=impl, n=n, head_dim=d, pass_=pas, batch=1, heads=h,
-                        kv_heads=h, dtype=dtype, causal=causal, pairs=pairs,
-                        flops=pairs * d * (FWD_FLOPS_PER_PAIR if pas == "fwd"
-                                           else FWD_BWD_FLOPS_PER_PAIR))
-                    if group == "dilated":
-                        rec.update(segment_lengths=list(ws), dilation_rates=list(rs))
-                    key = (name, pas)
-                    est = _estimate(history, key, n, repeats,
-                                    1 if group == "dilated" else 2, 2.0 if interpret else 15.0)
-                    if not budget.allows(est, reserve):
-                        rec.update(status="skipped", reason=budget.note(
-                            f"{name} n={n} d={d} {pas}", est))
-                        budget.log(rec["reason"])
-                    else:
-                        rec.update(_measure(group, impl, n, d, pas, q, k, v, causal=causal,
-                                            interpret=interpret, repeats=repeats, ws=ws, rs=rs))
-                    if rec["status"] == "ok":
-                        history[key] = (n, rec["compile_s"], rec["ms_median"] / 1e3)
-                        rec["tflops"] = rec["flops"] / (rec["ms_median"] * 1e-3) / 1e12
-                        rec["pct_peak"] = 100 * rec["tflops"] / PEAK_TFLOPS
-                    out.append(rec)
-                    bar.update()
-            del q, k, v
-    return out
+    for t in sorted({tier(*spec) for spec in specs}):
+        for n in sorted(ns):
+            for d in head_dims:
+                h = 2 if interpret else max(1, 2048 // d)
+                q, k, v = common.random_qkv(1, n, h, h, d, jnp.dtype(dtype))
+                for group, impl in (spec for spec in specs if tier(*spec) == t):
+                    for pas in passes:
+                        out.append(_row(group, impl, n, d, h, pas, q, k, v, dtype=dtype,
+                                        causal=causal, repeats=repeats, interpret=interpret,
+                                        budget=budget, reserve=reserve, history=history,
+                                        ws=ws, rs=rs, bar=bar))
+                del q, k, v
+    order = {spec: i for i, spec in enumerate(specs)}
+    return sorted(out, key=lambda r: (order[r["group"], r["implementation"]], r["head_dim"],
+                                      r["n"], list(passes).index(r["pass_"])))
+
+
+def _row(group, impl, n, d, h, pas, q, k, v, *, dtype, causal, repeats, interpret, budget,
+         reserve, history, ws, rs, bar) -> dict[str, Any]:
+    """One timed (row, n, d, pass), or why not (refused, failed, skipped for the budget)."""
+    name = group if impl is None else f"dilax-{group} {impl}"
+    bar.set_postfix_str(f"{name} n={n} d={d} {pas}")
+    pairs = pairs_of(group, n, 1, h, causal, ws, rs)
+    rec: dict[str, Any] = dict(
+        section="time", row=f"{name} d={d}", kernel=name, group=group, implementation=impl,
+        n=n, head_dim=d, pass_=pas, batch=1, heads=h, kv_heads=h, dtype=dtype, causal=causal,
+        pairs=pairs, flops=pairs * d * (FWD_FLOPS_PER_PAIR if pas == "fwd"
+                                        else FWD_BWD_FLOPS_PER_PAIR))
+    if group == "dilated":
+        rec.update(segment_lengths=list(ws), dilation_rates=list(rs))
+    key = (name, pas)
+    est = _estimate(history, key, n, repeats, 1 if group == "dilated" else 2,
+                    2.0 if interpret else 15.0)
+    if not budget.allows(est, reserve):
+        rec.update(status="skipped", reason=budget.note(f"{name} n={n} d={d} {pas}", est))
+        budget.log(rec["reason"])
+    else:
+        rec.update(_measure(group, impl, n, d, pas, q, k, v, causal=causal,
+                            interpret=interpret, repeats=repeats, ws=ws, rs=rs))
+    if rec["status"] == "ok":
+        history[key] = (n, rec["compile_s"], rec["ms_median"] / 1e3)
+        rec["tflops"] = rec["flops"] / (rec["ms_median"] * 1e-3) / 1e12
+        rec["pct_peak"] = 100 * rec["tflops"] / PEAK_TFLOPS
+    elif rec["status"] == "refused" and key not in history:
+        history[key] = (n, 0.5, 0.0)  # a refusal costs a trace, not a compile
+    bar.update()
+    return rec
 
 
 def _measure(group, impl, n, d, pas, q, k, v, *, causal, interpret, repeats, ws, rs):

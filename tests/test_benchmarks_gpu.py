@@ -72,3 +72,18 @@ def test_decode_rows_and_markdown(result):
     md = result["_md"]
     assert "| lengths | pallas | float32 | 16 |" in md and "PASSED" in md
     assert result["device"]["platform"] == "cpu" and result["config"]["interpret"]
+
+
+def test_budget_guard_skips_with_a_note(tmp_path, capsys):
+    """A spent budget runs nothing: every check and row is skipped, each saying why."""
+    argv = ["--interpret", "--budget", "0", "--checks", "causal-gqa", "--impls", "xla",
+            "--rows", "dense,decode", "--n", "32,64", "--out", str(tmp_path)]
+    assert gpu.main(argv) == 0
+    data = json.loads((tmp_path / "gpu.json").read_text())
+    rows = data["checks"] + data["rows"] + data["decode"]
+    assert len(rows) == 1 + 2 * 2 + 1  # 1 check, 2 n x 2 passes, 1 decode context
+    assert {r["status"] for r in rows} == {"skipped"}
+    assert all(r["reason"].startswith("time budget: ") and "--budget 0 s" in r["reason"]
+               for r in rows)
+    assert data["budget_skips"] == len(rows)
+    assert "time budget: dilax-dense xla n=64 d=16 fwd+bwd skipped" in capsys.readouterr().err
