@@ -39,7 +39,7 @@ class Budget:
     def __init__(self, seconds: float, log: Callable[[str], None]):
         self.seconds, self.log = float(seconds), log
         self.start = time.monotonic()
-        self.check_estimate = 2.0  # seconds of one check, the largest seen so far
+        self.check_seconds: dict[str, float] = {}  # per implementation, the largest check
         self.skipped = 0
 
     def left(self) -> float:
@@ -56,9 +56,13 @@ class Budget:
         return (f"time budget: {what} skipped ({est}{max(0.0, self.left()):.0f} s left of "
                 f"--budget {self.seconds:.0f} s)")
 
-    def check_seen(self, seconds: float | None) -> None:
+    def check_estimate(self, impl: str) -> float:
+        """Seconds of one check of ``impl``: its largest so far (a refusal costs a trace)."""
+        return self.check_seconds.get(impl, 2.0)
+
+    def check_seen(self, impl: str, seconds: float | None) -> None:
         if seconds:
-            self.check_estimate = max(self.check_estimate, float(seconds))
+            self.check_seconds[impl] = max(self.check_seconds.get(impl, 0.0), float(seconds))
 
 
 def pairs_of(row: str, n: int, b: int, h: int, causal: bool, ws, rs) -> int:
