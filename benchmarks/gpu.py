@@ -213,9 +213,11 @@ def _err(r: dict) -> str:
     return f"{r['max_error']:.2e} ({r['tolerance']:.0e})"
 
 
-def markdown(result: dict[str, Any]) -> str:
-    from benchmarks.report import _fmt
+def _fmt(x: Any, spec: str = ".1f") -> str:
+    return "—" if x is None else format(x, spec)
 
+
+def markdown(result: dict[str, Any]) -> str:
     m, dev, cfg = result.get("machine", {}), result.get("device", {}), result.get("config", {})
     s = result["check_summary"]
     lines = [
