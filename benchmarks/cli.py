@@ -278,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m benchmarks", description=__doc__, formatter_class=_Formatter,
         epilog="`python -m benchmarks <command> --help` lists a command's flags and defaults. "
                "`python -m benchmarks gpu-compile --help`: deviceless H100/A100 compiles "
-               "(needs jax[cuda12], see `make gpu-check`).")
+               "(needs jax[cuda12], see `make gpu-check`). `python -m benchmarks gpu --help`: "
+               "checks and timings on the GPU at hand (benchmarks/gpu.py).")
     sub = p.add_subparsers(dest="command", required=True, metavar="command",
                            title="commands")
     for name in COMMANDS:
@@ -292,6 +293,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from benchmarks import gpu_compile
 
         return gpu_compile.main(argv[1:])
+    if argv[:1] == ["gpu"]:  # its own flags (benchmarks/gpu.py)
+        from benchmarks import gpu
+
+        return gpu.main(argv[1:])
     args = build_parser().parse_args(argv)
     if len(args.segment_lengths or ()) != len(args.dilation_rates or ()):
         raise SystemExit("--segment-lengths and --dilation-rates need the same number of values")

@@ -20,8 +20,8 @@ import os
 import re
 
 _DEVICE_COUNT = "--xla_force_host_platform_device_count"
-# jaxlib is pinned below 0.11 (pyproject.toml), where these flags exist; XLA aborts on unknown
-# flags, so check them when moving the pin.
+# These flags exist in the XLA of jaxlib 0.10.2 and 0.11.2 (their names are in both wheels'
+# libjax_common.so); XLA aborts on unknown flags, so check them when moving the jax pin.
 _COMPILE_SPEED_FLAGS = {
     "--xla_backend_optimization_level": "0",
     "--xla_llvm_disable_expensive_passes": "true",
