@@ -217,8 +217,46 @@ class DocumentBranch:
         heads = sorted(self.plan.q_heads)
         return self._gather_in(y, tuple(heads.index(j) for j in self.plan.q_heads), per_u, G)
 
+    # -- r > 1: the core reads the rows where they lie (no gathered copies) ---------------
+
+    def _row_call(self, mask, per_u):
+        """The view and mask of a row-gathered core call (:mod:`dilax.core.rows`)."""
+        rows = jnp.minimum(jnp.stack([t.rows for t in per_u], axis=1), self.n - 1)
+        p = self.plan
+        view = SlotView(1, self.num_heads, self.num_kv_heads, p.q_heads, p.kv_heads)
+        return view, dataclasses.replace(mask, rows=(rows, rows))
+
+    def _columns(self, y, per_u, name, fill):
+        """Per head (ascending): column ``c`` of ``y (b, L, H', ...)`` gathered by the
+        ``name`` table (``"back"``: sequences -> positions, ``"rows"``: the reverse)."""
+        G = self.plan.q_per_kv
+        u_of = {j: i // G for i, j in enumerate(self.plan.q_heads)}
+        y = jnp.pad(y, ((0, 0), (0, 1)) + ((0, 0),) * (y.ndim - 2), constant_values=fill)
+        return jnp.stack([_take_rows(y[:, :, c], getattr(per_u[u_of[j]], name))
+                          for c, j in enumerate(sorted(self.plan.q_heads))], axis=2)
+
+    def _forward_rows(self, q, k, v, per_u, mask):
+        view, mask = self._row_call(mask, per_u)
+        out, lse = self.core.forward(q, k, v, view=view, mask=mask, scale=self.scale,
+                                     block_sizes=self._blocks, out_dtype=_F32)
+        return (self._columns(out, per_u, "back", 0.0),
+                self._columns(lse, per_u, "back", -jnp.inf), None)
+
+    def _backward_rows(self, q, k, v, per_u, mask, lse, dout, delta, acc):
+        view, mask = self._row_call(mask, per_u)
+        seq = lambda x: self._columns(x, per_u, "rows", 0.0)  # noqa: E731
+        return self.core.backward(q, k, v, view=view, mask=mask, scale=self.scale,
+                                  lse=seq(lse), dout=seq(dout), delta=seq(delta),
+                                  block_sizes=self._blocks, grad_dtype=_F32, acc=acc)
+
+    @property
+    def _reads_rows(self) -> bool:
+        return self._gathers and self.core.name == "xla"
+
     def forward(self, q, k, v, aux):
         per_u, mask = self._tables(aux)
+        if self._reads_rows:
+            return self._forward_rows(q, k, v, per_u, mask)
         p, G = self.plan, self.plan.q_per_kv
         qs = self._gather_in(q, p.q_heads, per_u, G)
         ks = self._gather_in(k, p.kv_heads, per_u, 1)
@@ -232,6 +270,8 @@ class DocumentBranch:
     def backward(self, q, k, v, aux, res, lse, dout, dlse, delta, acc):
         del res, dlse
         per_u, mask = self._tables(aux)
+        if self._reads_rows:
+            return self._backward_rows(q, k, v, per_u, mask, lse, dout, delta, acc)
         p, G, U = self.plan, self.plan.q_per_kv, len(self.plan.kv_heads)
         qs = self._gather_in(q, p.q_heads, per_u, G)
         ks = self._gather_in(k, p.kv_heads, per_u, 1)

@@ -47,6 +47,9 @@ class Mask:
       query_range: ``None`` or ``(lo, hi)`` int32 ``(B, U, Lk)``, given with ``key_range``: a
         superset of the queries that may attend key ``t`` (the backward visits only those
         query blocks; the exact rule is ``key_range``'s).
+      rows: ``None`` or ``(q_rows (B, U, Lq), k_rows (B, U, Lk))`` int32: the inputs are in
+        their own position layout ``(B, n, H, d)`` and row ``i`` of virtual head ``u`` is
+        position ``rows[b, u, i]`` (:mod:`dilax.core.rows`; XLA core, identity-slot views).
 
     ``window`` may also be a ``(left, right)`` pair of ints: the band
     ``-left <= (k_offset + t) - (q_offset + i) <= right``.
@@ -63,6 +66,7 @@ class Mask:
     mask: jax.Array | None = None
     key_range: tuple[jax.Array, jax.Array] | None = None
     query_range: tuple[jax.Array, jax.Array] | None = None
+    rows: tuple[jax.Array, jax.Array] | None = None
 
     def resolve(self, batch: int, num_kv: int, len_k: int, len_q: int | None = None) -> Mask:
         """int32 arrays: ``kv_len`` (``q_len``) broadcast to ``(batch, num_kv)`` and capped at
@@ -86,10 +90,14 @@ class Mask:
             query_range = tuple(jnp.broadcast_to(jnp.asarray(x, jnp.int32),
                                                  (batch, num_kv, x.shape[-1]))
                                 for x in query_range)
+        rows = self.rows
+        if rows is not None:
+            rows = tuple(jnp.broadcast_to(jnp.asarray(x, jnp.int32),
+                                          (batch, num_kv, x.shape[-1])) for x in rows)
         return Mask(kv_len, jnp.asarray(self.q_offset, jnp.int32),
                     jnp.asarray(self.k_offset, jnp.int32), bool(self.is_causal), q_len,
                     _static_window(self.window), kv_valid, self.bias, self.mask, key_range,
-                    query_range)
+                    query_range, rows)
 
 
 def _static_window(window):

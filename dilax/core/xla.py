@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dilax.core import pairwise
+from dilax.core import rows as R
 from dilax.core.blocks import BlockSizes
 from dilax.core.mask import Mask
 from dilax.core.view import SlotView, static_take
@@ -105,6 +106,17 @@ def _range_mask(rng, k_start, block_k):
     k_idx = k_start + lax.iota(jnp.int32, block_k)
     return ((k_idx[None, None, :] >= lo[:, :, None])
             & (k_idx[None, None, :] < hi[:, :, None]))[:, None]
+
+
+def _rows_setup(rows, q, k, v, view, size_q, size_k):
+    """The :class:`~dilax.core.rows.RowReader` of a row-gathered call, or None."""
+    if rows is None:
+        return None
+    return R.RowReader(_pad_axis(rows[0], 2, size_q), _pad_axis(rows[1], 2, size_k),
+                       tuple(_as_bits(x).reshape(-1, x.shape[-1]) for x in (q, k, v)),
+                       (q.dtype, k.dtype, v.dtype), q.shape[1],
+                       R.heads_of(view.q_index, q.shape[2], view.q_per_kv),
+                       R.heads_of(view.kv_index, k.shape[2]))
 
 
 def _q_valid(q_start, block_q, q_len):
@@ -216,6 +228,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
                                          nk * block_k, U)
     axes = varying_axes(q, k, v, kv_len, q_offset, k_offset, q_len)
     key_range = _pad_range(mask.key_range, nq * block_q)
+    gathered = _rows_setup(mask.rows, q, k, v, view, nq * block_q, nk * block_k)
 
     groups = _head_groups(U, G, heads_per_step)
 
@@ -231,7 +244,10 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
     def row_heads(idx, view, u0, u1):
         U = u1 - u0
         bi, qi = idx // nq, idx % nq
-        qb = view.select_q(_slice_rows(qp, bi, qi * block_q, block_q, q.dtype))  # (U, G, bq, d)
+        if gathered is None:  # (U, G, bq, d)
+            qb = view.select_q(_slice_rows(qp, bi, qi * block_q, block_q, q.dtype))
+        else:
+            qb = gathered.read_q(bi, qi * block_q, block_q, u0, u1)
         qb = _scaled(qb, scale)
         kl = None if kv_len is None else kv_len[bi, u0:u1]
         ql = None if q_len is None else q_len[bi, u0:u1]
@@ -265,8 +281,11 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
             def body(j, carry):
                 m, l, acc = carry
                 k0 = j * block_k
-                kb = view.select_kv(_slice_rows(kp, bi, k0, block_k, k.dtype))  # (U, bk, d)
-                vb = view.select_kv(_slice_rows(vp, bi, k0, block_k, v.dtype))
+                if gathered is None:  # (U, bk, d)
+                    kb = view.select_kv(_slice_rows(kp, bi, k0, block_k, k.dtype))
+                    vb = view.select_kv(_slice_rows(vp, bi, k0, block_k, v.dtype))
+                else:
+                    kb, vb = gathered.read_kv(bi, k0, block_k, u0, u1)
                 s = jnp.einsum("hgqd,hkd->hgqk", qb, kb, preferred_element_type=_F32)
                 kvb = _key_valid_block(kv_valid, bi, u0, u1, k0, block_k)
                 mask = _mask(k0, block_k, kl, q_pos, k_offset, causal_block and is_causal,
@@ -341,6 +360,7 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
     key_range = _pad_range(mask.key_range, nq * block_q)
     query_range = _pad_range(mask.query_range, nk * block_k)
     ranged = key_range is not None
+    gathered = _rows_setup(mask.rows, q, k, v, view, nq * block_q, nk * block_k)
     out_view = view.output_view()  # reads dout, lse, delta (output layout) per block
 
     # float32 accumulators in the input layouts, padded to whole blocks; ``acc`` (gradients
@@ -366,10 +386,12 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
         k0 = kj * block_k
         kl = None if kv_len is None else kv_len[bi]
         kvb = _key_valid_block(kv_valid, bi, 0, U, k0, block_k)
-        kb = _zero_invalid_keys(view.select_kv(_slice_rows(kp, bi, k0, block_k, k.dtype)),
-                                k0, kl, kvb)
-        vb = _zero_invalid_keys(view.select_kv(_slice_rows(vp, bi, k0, block_k, v.dtype)),
-                                k0, kl, kvb)
+        if gathered is None:
+            kb = view.select_kv(_slice_rows(kp, bi, k0, block_k, k.dtype))
+            vb = view.select_kv(_slice_rows(vp, bi, k0, block_k, v.dtype))
+        else:
+            kb, vb = gathered.read_kv(bi, k0, block_k, 0, U)
+        kb, vb = (_zero_invalid_keys(x, k0, kl, kvb) for x in (kb, vb))
         ql = None if q_len is None else q_len[bi]
         hi = nq if kl is None else jnp.where(k0 < jnp.max(kl), nq, 0)
         if ql is not None:  # query blocks wholly past the valid rows are skipped
@@ -396,7 +418,9 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
             def body(qi, carry):
                 dk, dv, dq, *db = carry
                 q0 = qi * block_q
-                qb = _scaled(view.select_q(_slice_rows(qp, bi, q0, block_q, q.dtype)), scale)
+                qb = _scaled(view.select_q(_slice_rows(qp, bi, q0, block_q, q.dtype))
+                             if gathered is None else gathered.read_q(bi, q0, block_q, 0, U),
+                             scale)
                 dob = out_view.select_q(_slice_rows(dop, bi, q0, block_q, dout.dtype))
                 lse_b = out_view.select_q(_slice_rows(lsep, bi, q0, block_q))
                 del_b = out_view.select_q(_slice_rows(deltap, bi, q0, block_q))
@@ -425,6 +449,10 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
                                            block_k)
                 dk = dk + jnp.einsum("hgqk,hgqd->hkd", ds, qb.astype(_F32),
                                      preferred_element_type=_F32)
+                if gathered is not None:  # added where the rows lie
+                    dq_b = jnp.einsum("hgqk,hkd->hgqd", ds, kb.astype(_F32),
+                                      preferred_element_type=_F32)
+                    return dk, dv, gathered.add_q(dq, bi, q0, block_q, dq_b * scale), *db
                 dq_b = jnp.einsum("hgqk,hkd->qhgd", ds, kb.astype(_F32),
                                   preferred_element_type=_F32)
                 dq_b = view.expand_rows_q(dq_b.reshape(block_q, U * G, d) * scale)
@@ -442,8 +470,11 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
             carry = lax.fori_loop(lo, hi, make_body(False), carry)
         dk, dv, dq, *db = carry
         db = pairwise.column_end(db, None if dense is None else dense.dtype, bi, B, k0, block_k)
-        dk_acc = add_rows(dk_acc, bi, k0, view.expand_kv(dk))
-        dv_acc = add_rows(dv_acc, bi, k0, view.expand_kv(dv))
+        if gathered is not None:
+            dk_acc, dv_acc = gathered.add_kv(dk_acc, dv_acc, bi, k0, block_k, dk, dv)
+        else:
+            dk_acc = add_rows(dk_acc, bi, k0, view.expand_kv(dk))
+            dv_acc = add_rows(dv_acc, bi, k0, view.expand_kv(dv))
         return (dq, dk_acc, dv_acc, *db), None
 
     db0 = pairwise.grad_init(mask.bias, B, nk, block_k)
