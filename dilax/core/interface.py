@@ -195,7 +195,7 @@ class CudnnCore:
     carries a cotangent (the mixture merge of dilated branches). Offsets are not supported
     (cuDNN's causal mask is aligned at 0). Per-head key lengths are served by folding the kv
     heads into the batch; query lengths are applied to the result (as for Pallas); a local
-    ``window`` or a per-key ``kv_valid`` raises (see :class:`PallasCore`)."""
+    ``window`` or a per-key ``kv_valid`` raises (:mod:`dilax.registry` never sends one)."""
 
     name: ClassVar[str] = "cudnn"
 
