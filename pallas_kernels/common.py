@@ -7,6 +7,8 @@ over a kv head's query heads) and the host-side helpers around every ``pallas_ca
 
 from __future__ import annotations
 
+import operator
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -64,11 +66,15 @@ def key_mask(q_pos, k_idx, kv_len, k_offset, is_causal: bool, window=None, k_val
     mask = (k_idx < kv_len)[None, :]
     if k_valid is not None:
         mask = mask & k_valid[None, :]
+    if window is not None:  # causality is the band's right edge at 0
+        left, right = window[0], min(window[1], 0) if is_causal else window[1]
+        if left + right < 0:  # an empty band
+            return mask & jnp.zeros((q_pos.shape[0], 1), bool)
+        # -left <= t - p <= right as one unsigned compare (fewer registers per element)
+        shifted = (k_offset + left + k_idx)[None, :] - q_pos[:, None]
+        return mask & (shifted.astype(jnp.uint32) <= jnp.uint32(left + right))
     if is_causal:
         mask = mask & ((k_offset + k_idx)[None, :] <= q_pos[:, None])
-    if window is not None:
-        delta = (k_offset + k_idx)[None, :] - q_pos[:, None]
-        mask = mask & (delta >= -window[0]) & (delta <= window[1])
     return mask
 
 
@@ -83,8 +89,9 @@ def _keys_ok(k_idx, kv_len, kv_valid_ref, start, block_k):
 
 # A loop over tiles is given as segments ``(num_steps, block_index, masked)``: ``num_steps``
 # (traced int) tiles at ``block_index(step)`` (in tile units), visited in order. Only tiles
-# that straddle ``kv_len`` or the causal diagonal need the element mask; the callers put the
-# others in ``masked=False`` segments, whose body has no mask, no ``where`` on K/V.
+# that straddle ``kv_len``, the causal diagonal or a band edge (and every tile under a per-key
+# mask) need the element mask; the callers put the others in ``masked=False`` segments, whose
+# body has no mask, no ``where`` on K/V.
 
 
 def _run_segments(segments, body_of, carry):
@@ -212,9 +219,13 @@ def band(window) -> tuple[int, int] | None:
     if window is None:
         return None
     pair = tuple(window) if isinstance(window, (tuple, list)) else (window, window)
-    if len(pair) != 2 or not all(isinstance(w, int) and not isinstance(w, bool) for w in pair):
-        raise TypeError(f"window must be an int or a (left, right) pair of ints, got {window!r}")
-    return pair
+    try:
+        if len(pair) != 2 or any(isinstance(w, bool) for w in pair):
+            raise TypeError
+        return tuple(operator.index(w) for w in pair)
+    except TypeError:
+        raise TypeError(f"window must be an int or a (left, right) pair of ints, got "
+                        f"{window!r}") from None
 
 
 def mask_tables(q_len, kv_valid, len_pad: int, table_spec, key_spec):

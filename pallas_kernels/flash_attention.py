@@ -22,7 +22,8 @@ that write their own backward (dilax's core interface adapts them). Written in t
   that meet it are visited, forward and dq, and only the query tiles that meet it, dk/dv:
   ``O(L * W)`` work), a per-key ``kv_valid`` table and query lengths ``q_len`` (query tiles
   wholly past them skipped; their rows get ``out = 0``, ``lse = -inf``, zero gradient).
-  Tiles inside every mask run the unmasked loop body.
+  Tiles wholly inside the band and the lengths run the unmasked loop body (every tile is
+  masked under ``kv_valid``).
 * ragged lengths: ``Lq``/``Lk`` are zero-padded to a multiple of the tiles and the padded keys
   are masked through ``kv_len``; ``head_dim`` is zero-padded to a power of two >= 16.
 * on GPU the Triton lowering is selected with ``jax.experimental.pallas.triton.CompilerParams``
@@ -414,10 +415,11 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def resolve_config(config: KernelConfig | None, len_q: int, len_k: int, head_dim: int,
-                   dtype) -> KernelConfig:
-    """``None`` -> :func:`default_config`; a :class:`KernelConfig` as is."""
+                   dtype, *, masked: bool = False) -> KernelConfig:
+    """``None`` -> :func:`default_config` (``masked``: for the band / per-key / query-length
+    masks); a :class:`KernelConfig` as is."""
     if config is None:
-        return default_config(len_q, len_k, head_dim, dtype)
+        return default_config(len_q, len_k, head_dim, dtype, masked=masked)
     if isinstance(config, KernelConfig):
         return config
     raise TypeError(
@@ -477,7 +479,8 @@ def flash_attention(
     check_grouped_qkv(q, k, v)
     B, Lq, Hk, G, d = q.shape
     Lk = k.shape[1]
-    config = resolve_config(block_sizes, Lq, Lk, d, q.dtype)
+    config = resolve_config(block_sizes, Lq, Lk, d, q.dtype,
+                            masked=window is not None or q_len is not None or kv_valid is not None)
     if kv_len is None:
         kv_len = jnp.full((B, Hk), Lk, jnp.int32)
     kv_len = jnp.clip(jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (B, Hk)), 0, Lk)

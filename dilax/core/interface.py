@@ -93,14 +93,15 @@ class XlaCore:
 
 
 def pallas_config(block_sizes: BlockSizes | None, len_q: int, len_k: int, head_dim: int,
-                  dtype):
+                  dtype, *, masked: bool = False):
     """The Pallas kernels' launch config for ``block_sizes``: ``None`` gives the kernels'
-    per-shape defaults; a :class:`BlockSizes` keeps its forward tiles (powers of two, as
-    Triton requires) with default warps and stages."""
+    per-shape defaults (``masked``: for calls with a band, per-key or query-length mask); a
+    :class:`BlockSizes` keeps its forward tiles (powers of two, as Triton requires) with
+    default warps and stages."""
     from pallas_kernels.config import KernelConfig, default_config  # lazy: optional kernels
 
     if block_sizes is None:
-        return default_config(len_q, len_k, head_dim, dtype)
+        return default_config(len_q, len_k, head_dim, dtype, masked=masked)
     try:
         return KernelConfig(block_q=block_sizes.block_q, block_k=block_sizes.block_k)
     except ValueError as e:
@@ -159,10 +160,12 @@ class PallasCore:
         mask = mask.resolve(B, U, Lk, Lq)
         kv_len = mask.kv_len if mask.kv_len is not None else jnp.full((B, U), Lk, jnp.int32)
         q_len = None if mask.q_len is None else jnp.maximum(mask.q_len, 0)
+        masked = mask.window is not None or q_len is not None or mask.kv_valid is not None
         return dict(kv_len=jnp.maximum(kv_len, 0),
                     offsets=jnp.stack([mask.q_offset, mask.k_offset]),
                     is_causal=mask.is_causal, interpret=self.interpret,
-                    config=pallas_config(block_sizes, Lq, Lk, d, q.dtype), window=mask.window,
+                    config=pallas_config(block_sizes, Lq, Lk, d, q.dtype, masked=masked),
+                    window=mask.window,
                     q_len=q_len, kv_valid=mask.kv_valid)
 
     def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):
