@@ -230,10 +230,11 @@ def test_issue_25_pallas_with_window_and_lengths_runs_wholly_on_the_kernels():
     kw = dict(is_causal=True, local_window=WINDOW, query_seq_lengths=q_len,
               key_value_seq_lengths=kv_len, key_padding_mask=key_valid, interpret=True)
     for impl in ("pallas", None):
-        jaxpr = jax.make_jaxpr(lambda q, k, v: dilax.dilated_attention(
-            q, k, v, WS, RS, implementation=impl, **kw))(q, k, v)  # noqa: B023
-        # one forward kernel per branch (2 dilated + the window), no XLA attention loop
-        assert _outside_kernels(jaxpr.jaxpr) == {"pallas_call": 3}
+        loss = lambda q, k, v: dilax.dilated_attention(  # noqa: E731
+            q, k, v, WS, RS, implementation=impl, **kw).sum()  # noqa: B023
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        # forward, dq and dk/dv kernels per branch (2 dilated + the window), no XLA matmul
+        assert _outside_kernels(jaxpr.jaxpr) == {"pallas_call": 9}
 
 
 def _outside_kernels(jaxpr, counts=None) -> dict[str, int]:
