@@ -95,15 +95,19 @@ def _qkv(b, n, h, hk, d, dtype):
 
 
 def _dilated(impl, *, n=8192, h=8, hk=8, d=64, dtype="bfloat16", causal=False, grad=True,
-             mode="mixture", ws=(2048, 4096), rs=(1, 2), window=None):
+             mode="mixture", ws=(2048, 4096), rs=(1, 2), window=None, padded=False):
     def build():
         import dilax
 
-        def f(q, k, v):
+        def f(q, k, v, *lengths):  # padded: traced query/key lengths and a key-padding mask
+            pad = dict(zip(("query_seq_lengths", "key_value_seq_lengths", "key_padding_mask"),
+                           lengths))
             return dilax.dilated_attention(q, k, v, ws, rs, is_causal=causal, mode=mode,
-                                           implementation=impl, local_window=window)
+                                           implementation=impl, local_window=window, **pad)
 
-        return (loss_grad(f) if grad else f), _qkv(1, n, h, hk, d, dtype)
+        extra = (_sds((1,), "int32"), _sds((1,), "int32"), _sds((1, n), "bool")) if padded \
+            else ()
+        return (loss_grad(f) if grad else f), (*_qkv(1, n, h, hk, d, dtype), *extra)
 
     return build
 
@@ -304,12 +308,13 @@ def cases() -> list[Case]:
                  "deviceless compile has none"),
         Case("dilated cudnn bf16 d=60", "dilated", _dilated("cudnn", n=4096, d=60),
              expect="refused", why="cuDNN needs head_dim % 8 == 0"),
-        # dilax.registry: the kernels have no band mask, so an explicit 'pallas' with a
-        # window raises (implementation=None runs that branch on XLA, the others on Pallas;
-        # this check's process runs on the CPU backend, where None means 'xla')
+        # the flash kernels take the band, lengths and per-key validity: every branch is a
+        # kernel call (issue 29), no XLA attention loop left in the program
         Case("dilated pallas bf16 local_window", "dilated",
-             _dilated("pallas", n=4096, window=128), expect="refused",
-             why="the Pallas flash kernel has no band mask (local_window)"),
+             _dilated("pallas", n=4096, window=128)),
+        Case("padded + windowed dilated, implementation='pallas', fwd+bwd, bf16 GQA 8/2 "
+             "causal", "dilated",
+             _dilated("pallas", hk=2, causal=True, window=128, padded=True)),
     ]
     # Block-sparse: every block size 16..512 (the kernel tile is independent of it), dtypes,
     # causal, per-head patterns, GQA; the XLA gather path.

@@ -97,11 +97,10 @@ def gpu_choice(*, kind: str = "dilated", dtype=None, head_dim: int | None = None
     :func:`create_attention <dilax.factory.create_attention>`).
 
     :mod:`dilax.registry`'s choice (the Pallas kernels: forward *and* backward kernels, any
-    dtype; the XLA core for what they have no mask for, e.g. ``window=True``, the
-    local-window branch), except that a bf16/fp16 dilated branch with a head dim cuDNN
-    supports on every GPU (``% 8 == 0``, ``<= 128``) takes cuDNN's fused forward when the
-    caller says so by passing ``dtype`` and ``head_dim`` (inference-style use, where only
-    cuDNN's forward runs; its backward is the XLA core)."""
+    dtype, the local-window branch included), except that a bf16/fp16 dilated branch with a
+    head dim cuDNN supports on every GPU (``% 8 == 0``, ``<= 128``) takes cuDNN's fused
+    forward when the caller says so by passing ``dtype`` and ``head_dim`` (inference-style
+    use, where only cuDNN's forward runs; its backward is the XLA core)."""
     if kind != "dilated":
         name, why = registry.choose(None, registry.CoreRequest("block_sparse", platform="gpu"))
         return name, f"{kind}: cuDNN has no such attention; {why}"

@@ -125,13 +125,13 @@ def dilated_attention(
       local_window: optional int ``W >= 0`` (``mode="mixture"`` only): one more branch in
         which query ``p`` attends keys ``|p - t| <= W`` (``t <= p`` when causal), merged into
         the same softmax. It gives every query its immediate neighbours, which no dilated
-        branch does at segment starts; cost ``O(n * W)``. The Pallas and cuDNN kernels have
-        no band mask: ``implementation=None`` runs this branch on the XLA core (the others on
-        the best core, :mod:`dilax.registry`), an explicit ``"pallas"``/``"cudnn"`` raises.
+        branch does at segment starts; cost ``O(n * W)`` (XLA and Pallas visit only the blocks
+        that meet the band). cuDNN has no band mask: ``implementation=None`` runs this branch
+        on the best core that has (:mod:`dilax.registry`), an explicit ``"cudnn"`` raises.
       key_padding_mask: optional bool ``(b, n)``, True where a key is valid: an arbitrary
         per-key validity (``flax.nnx.make_attention_mask`` style padding), combined with
         ``key_value_seq_lengths``. Key blocks past the last valid key are skipped; runs on the
-        XLA core (``implementation=None`` or ``"xla"``; the kernels have no per-key mask).
+        XLA core or the Pallas kernels (cuDNN has no per-key mask).
       settings: a :class:`dilax.DilatedSettings` holding the whole configuration (then
         ``segment_lengths`` ... ``local_window`` must be left out).
       mask: a :class:`dilax.AttentionMask` (then ``query_seq_lengths``,

@@ -34,7 +34,7 @@ class Choice:
     multihead: bool
     reason: str
     # (branch, implementation, why) per kind of core call, from dilax.registry: e.g.
-    # ("dilated branches", "pallas", ...), ("local-window branch", "xla", ...).
+    # ("dilated branches", "pallas", ...), ("local-window branch", "pallas", ...).
     branches: tuple[tuple[str, str, str], ...] = ()
 
     def __str__(self) -> str:
@@ -122,8 +122,8 @@ def create_attention(
         ``rngs`` is required); otherwise a parameter-free module over ``(b, n, h, d)``.
       mode, is_causal: as in :func:`dilax.dilated_attention`.
       implementation: ``None`` = the best core for ``backend`` per branch
-        (:mod:`dilax.registry`: ``"xla"`` off GPU; on GPU ``"pallas"``, ``"xla"`` for a
-        ``local_window`` branch and the rings, or ``"cudnn"`` for a multi-head dilated module
+        (:mod:`dilax.registry`: ``"xla"`` off GPU; on GPU ``"pallas"``, ``"xla"`` for the
+        rings, or ``"cudnn"`` for a multi-head dilated module
         without a window with a bf16/fp16 ``dtype`` and a head dim cuDNN supports,
         :func:`dilax.backend.gpu_choice`), or one of ``"reference"``, ``"xla"``,
         ``"pallas"``, ``"cudnn"``, which must serve every branch. ``.choice.branches`` lists

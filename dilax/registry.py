@@ -115,10 +115,8 @@ def _pallas(r: CoreRequest) -> str | None:
     # the ring's key bounds as kv_len; the masks below decide like for a dilated branch.
     if r.op == "decode":
         return _pallas_decode(r)
-    if r.has_window:
-        return "the Pallas flash kernel has no band mask (local_window)"
-    if r.has_key_padding:
-        return "the Pallas flash kernel has no per-key mask (key_padding_mask)"
+    # the flash kernels take the band (local_window), per-key validity (key_padding_mask) and
+    # query/key lengths: dilated and window branches run on them whole
     if r.op == "block_sparse" and (reason := _pallas_block_sparse(r)) is not None:
         return reason
     if r.platform is not None and r.platform not in GPU_PLATFORMS and not r.interpret:
@@ -249,8 +247,8 @@ def choose_branch_cores(implementation: str | None, requests: Sequence[CoreReque
     """One core per branch request, and why: ``(cores, reasons)``.
 
     An explicit name runs every branch or raises (naming the branch it cannot serve);
-    ``None`` picks per branch (e.g. ``"pallas"`` for the dilated branches and ``"xla"`` for
-    the local-window branch on GPU)."""
+    ``None`` picks per branch: each request gets the first core of :data:`AUTO_ORDER` that
+    serves it."""
     picked = [choose(implementation, r) for r in requests]
     return (tuple(core(name, r.interpret) for (name, _), r in zip(picked, requests)),
             tuple(why for _, why in picked))

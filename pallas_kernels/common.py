@@ -7,6 +7,8 @@ over a kv head's query heads) and the host-side helpers around every ``pallas_ca
 
 from __future__ import annotations
 
+import operator
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -56,18 +58,40 @@ def floordiv_clamped(a, b: int):
     return lax.div(jnp.maximum(a, 0), jnp.int32(b))
 
 
-def key_mask(q_pos, k_idx, kv_len, k_offset, is_causal: bool):
-    """``(bq, bk)`` visibility of keys ``k_idx`` (local indices) for queries at global ``q_pos``."""
+def key_mask(q_pos, k_idx, kv_len, k_offset, is_causal: bool, window=None, k_valid=None):
+    """``(bq, bk)`` visibility of keys ``k_idx`` (local indices) for queries at global ``q_pos``.
+
+    ``window``: static ``(left, right)`` band ``-left <= (k_offset + t) - p <= right`` or
+    ``None``; ``k_valid``: ``(bk,)`` bool per-key validity or ``None``."""
     mask = (k_idx < kv_len)[None, :]
+    if k_valid is not None:
+        mask = mask & k_valid[None, :]
+    if window is not None:  # causality is the band's right edge at 0
+        left, right = window[0], min(window[1], 0) if is_causal else window[1]
+        if left + right < 0:  # an empty band
+            return mask & jnp.zeros((q_pos.shape[0], 1), bool)
+        # -left <= t - p <= right as one unsigned compare (fewer registers per element)
+        shifted = (k_offset + left + k_idx)[None, :] - q_pos[:, None]
+        return mask & (shifted.astype(jnp.uint32) <= jnp.uint32(left + right))
     if is_causal:
         mask = mask & ((k_offset + k_idx)[None, :] <= q_pos[:, None])
     return mask
 
 
+def _keys_ok(k_idx, kv_len, kv_valid_ref, start, block_k):
+    """``(bk,)`` validity of the key tile at ``start``: below ``kv_len`` and, with a per-key
+    table (int8 ``(Lk_pad,)``), set there; also the tile's ``k_valid`` (or ``None``)."""
+    if kv_valid_ref is None:
+        return k_idx < kv_len, None
+    k_valid = kv_valid_ref[pl.ds(start, block_k)] != 0
+    return (k_idx < kv_len) & k_valid, k_valid
+
+
 # A loop over tiles is given as segments ``(num_steps, block_index, masked)``: ``num_steps``
 # (traced int) tiles at ``block_index(step)`` (in tile units), visited in order. Only tiles
-# that straddle ``kv_len`` or the causal diagonal need the element mask; the callers put the
-# others in ``masked=False`` segments, whose body has no mask, no ``where`` on K/V.
+# that straddle ``kv_len``, the causal diagonal or a band edge (and every tile under a per-key
+# mask) need the element mask; the callers put the others in ``masked=False`` segments, whose
+# body has no mask, no ``where`` on K/V.
 
 
 def _run_segments(segments, body_of, carry):
@@ -78,11 +102,12 @@ def _run_segments(segments, body_of, carry):
 
 
 def online_softmax(q, q_pos, k_ref, v_ref, *, segments, kv_len, k_offset, scale, is_causal,
-                   block_k):
+                   block_k, window=None, kv_valid_ref=None):
     """Forward key loop over the key tiles of ``segments``.
 
-    Returns ``(out (bq, dp) float32, lse (bq,) float32)`` with ``out = 0, lse = -inf`` for rows
-    without a visible key.
+    ``window`` and ``kv_valid_ref`` (optional): the band and the per-key table of
+    :func:`key_mask`, applied on the masked segments. Returns ``(out (bq, dp) float32,
+    lse (bq,) float32)`` with ``out = 0, lse = -inf`` for rows without a visible key.
     """
     block_q, dp = q.shape
 
@@ -95,9 +120,11 @@ def online_softmax(q, q_pos, k_ref, v_ref, *, segments, kv_len, k_offset, scale,
             s = _dot(q, k, 1, 1) * scale
             if masked:
                 k_idx = start + arange_i32(block_k)
-                s = jnp.where(key_mask(q_pos, k_idx, kv_len, k_offset, is_causal), s, _NEG_INF)
-                # Zero keys beyond kv_len so NaN/inf there can never leak through 0 * x.
-                v = jnp.where((k_idx < kv_len)[:, None], v, jnp.zeros((), v.dtype))
+                ok, k_valid = _keys_ok(k_idx, kv_len, kv_valid_ref, start, block_k)
+                s = jnp.where(key_mask(q_pos, k_idx, kv_len, k_offset, is_causal, window,
+                                       k_valid), s, _NEG_INF)
+                # Zero invalid keys so NaN/inf there can never leak through 0 * x.
+                v = jnp.where(ok[:, None], v, jnp.zeros((), v.dtype))
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
             p = jnp.exp(s - m_safe[:, None])
@@ -122,8 +149,9 @@ def online_softmax(q, q_pos, k_ref, v_ref, *, segments, kv_len, k_offset, scale,
 
 
 def dq_loop(q, do, lse, delta, q_pos, k_ref, v_ref, *, segments, kv_len, k_offset, scale,
-            is_causal, block_k):
-    """dq of one query tile: ``sum_j ds_j @ k_j * scale`` over the key tiles of ``segments``.
+            is_causal, block_k, window=None, kv_valid_ref=None):
+    """dq of one query tile: ``sum_j ds_j @ k_j * scale`` over the key tiles of ``segments``
+    (``window``, ``kv_valid_ref``: as in :func:`online_softmax`).
 
     ``lse`` must be ``+inf`` (not ``-inf``) on rows without a key so that ``p = 0`` there."""
     block_q, dp = q.shape
@@ -135,12 +163,13 @@ def dq_loop(q, do, lse, delta, q_pos, k_ref, v_ref, *, segments, kv_len, k_offse
             v = v_ref[pl.ds(start, block_k), :]
             if masked:
                 k_idx = start + arange_i32(block_k)
-                valid = (k_idx < kv_len)[:, None]
-                k = jnp.where(valid, k, jnp.zeros((), k.dtype))
-                v = jnp.where(valid, v, jnp.zeros((), v.dtype))
+                ok, k_valid = _keys_ok(k_idx, kv_len, kv_valid_ref, start, block_k)
+                k = jnp.where(ok[:, None], k, jnp.zeros((), k.dtype))
+                v = jnp.where(ok[:, None], v, jnp.zeros((), v.dtype))
             s = _dot(q, k, 1, 1) * scale
             if masked:
-                s = jnp.where(key_mask(q_pos, k_idx, kv_len, k_offset, is_causal), s, _NEG_INF)
+                s = jnp.where(key_mask(q_pos, k_idx, kv_len, k_offset, is_causal, window,
+                                       k_valid), s, _NEG_INF)
             p = jnp.exp(s - lse[:, None])
             ds = p * (_dot(do, v, 1, 1) - delta[:, None])
             return dq + _dot(ds.astype(k.dtype), k, 1, 0)
@@ -152,9 +181,9 @@ def dq_loop(q, do, lse, delta, q_pos, k_ref, v_ref, *, segments, kv_len, k_offse
 
 
 def dkdv_loop(carry, g, k, v, k_idx, kv_len, q_ref, do_ref, lse_ref, delta_ref, *, segments,
-              q_offset, k_offset, scale, is_causal, block_q):
+              q_offset, k_offset, scale, is_causal, block_q, window=None, k_valid=None):
     """Accumulates ``(dk, dv)`` of one key tile over query head ``g``'s query tiles of
-    ``segments``.
+    ``segments`` (``window``, ``k_valid (bk,)``: as in :func:`key_mask`).
 
     ``q_ref, do_ref``: ``(Lq_pad, G, dp)``; ``lse_ref, delta_ref``: ``(G, Lq_pad)``; ``k, v``
     are the (already kv_len-zeroed) key tile. ``dk`` is returned unscaled.
@@ -171,7 +200,8 @@ def dkdv_loop(carry, g, k, v, k_idx, kv_len, q_ref, do_ref, lse_ref, delta_ref, 
             s = _dot(q, k, 1, 1) * scale
             if masked:
                 q_pos = q_offset + start + arange_i32(block_q)
-                s = jnp.where(key_mask(q_pos, k_idx, kv_len, k_offset, is_causal), s, _NEG_INF)
+                s = jnp.where(key_mask(q_pos, k_idx, kv_len, k_offset, is_causal, window,
+                                       k_valid), s, _NEG_INF)
             p = jnp.exp(s - lse[:, None])
             dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
             ds = p * (_dot(do, v, 1, 1) - delta[:, None])
@@ -181,6 +211,34 @@ def dkdv_loop(carry, g, k, v, k_idx, kv_len, q_ref, do_ref, lse_ref, delta_ref, 
         return body
 
     return _run_segments(segments, body_of, carry)
+
+
+def band(window) -> tuple[int, int] | None:
+    """A static band as ``(left, right)``: ``W -> (W, W)`` (``|t - p| <= W``), a pair as is
+    (``-left <= t - p <= right``), ``None`` as is."""
+    if window is None:
+        return None
+    pair = tuple(window) if isinstance(window, (tuple, list)) else (window, window)
+    try:
+        if len(pair) != 2 or any(isinstance(w, bool) for w in pair):
+            raise TypeError
+        return tuple(operator.index(w) for w in pair)
+    except TypeError:
+        raise TypeError(f"window must be an int or a (left, right) pair of ints, got "
+                        f"{window!r}") from None
+
+
+def mask_tables(q_len, kv_valid, len_pad: int, table_spec, key_spec):
+    """The optional tables (``q_len``, ``kv_valid``) as kernel operands with their specs and
+    static flags: each is passed only when given, so unmasked calls compile as before."""
+    args, specs = [], []
+    if q_len is not None:
+        args.append(q_len)
+        specs.append(table_spec)
+    if kv_valid is not None:  # int8: Triton loads no i1 tiles
+        args.append(pad_to(kv_valid.astype(jnp.int8), {2: len_pad}))
+        specs.append(key_spec)
+    return args, specs, dict(has_q_len=q_len is not None, has_kv_valid=kv_valid is not None)
 
 
 def for_each_group(num_groups: int, fn, carry):
@@ -212,12 +270,16 @@ def output_delta(out, dout, dlse):
     return jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1) - dlse.astype(_F32)
 
 
-def backward_rows(lse, delta, len_pad: int):
+def backward_rows(lse, delta, len_pad: int, q_len=None):
     """``(lse, delta)`` rows for the backward kernels, laid out ``(B, Hk, G, len_pad)``.
 
-    ``lse`` is ``+inf`` on rows without a key and on padding, so recomputed ``p`` is 0 there.
+    ``lse`` is ``+inf`` on rows without a key, on padding and on rows at or past ``q_len``
+    (int ``(B, Hk)``, optional), so recomputed ``p`` is 0 there (zero gradient).
     """
     empty = lse == _NEG_INF
+    if q_len is not None:
+        rows = jnp.arange(lse.shape[1], dtype=jnp.int32)[None, :, None, None]
+        empty = empty | (rows >= q_len[:, None, :, None])
     # p = 0 on these rows; keep a NaN dlse out of 0 * x
     delta = jnp.where(empty, 0.0, delta.astype(_F32))
     lse = jnp.where(empty, _POS_INF, lse)

@@ -89,7 +89,8 @@ class KernelConfig:
         return 4 if head_dim <= 64 else 8
 
 
-def default_config(len_q: int, len_k: int, head_dim: int, dtype=jnp.bfloat16) -> KernelConfig:
+def default_config(len_q: int, len_k: int, head_dim: int, dtype=jnp.bfloat16, *,
+                   masked: bool = False) -> KernelConfig:
     """Per-shape defaults, chosen from what the H100 (sm_90) and A100 (sm_80) compiles report
     (``make gpu-check``, ``benchmarks/results/gpu-compile.md``).
 
@@ -99,8 +100,10 @@ def default_config(len_q: int, len_k: int, head_dim: int, dtype=jnp.bfloat16) ->
     ``(block_q, head_dim)`` float32 accumulator). Backward: dk/dv 64 x 64 (32 query rows x 64
     keys above head_dim 64: 64 x 64 spills on sm_80) and dq 64 x 32, at least the
     reference's 32 x 32; float32 inputs halve the key tiles (twice the shared
-    memory per element). No register spills in bf16/fp16 for ``head_dim <= 128`` on either
-    target. These are compile-checked starting points, not timings: use
+    memory per element); ``masked`` (a band, per-key or query-length mask, whose element masks
+    take registers): dk/dv 32 query rows at every head dim (64 x 64 spills on sm_80). No
+    register spills in bf16/fp16 for ``head_dim <= 128`` on either target. These are
+    compile-checked starting points, not timings: use
     :func:`pallas_kernels.autotune.autotune` on the target device.
     """
     wide = jnp.dtype(dtype).itemsize >= 4
@@ -113,7 +116,7 @@ def default_config(len_q: int, len_k: int, head_dim: int, dtype=jnp.bfloat16) ->
     if wide:
         bk = max(MIN_BLOCK, bk // 2)
     return KernelConfig(
-        block_q=bq, block_k=bk, block_q_dkv=64 if head_dim <= 64 else 32,
+        block_q=bq, block_k=bk, block_q_dkv=64 if head_dim <= 64 and not masked else 32,
         block_k_dkv=64 if not wide else 32,
         block_q_dq=64, block_k_dq=32, num_warps=warps, num_stages=stages,
     )

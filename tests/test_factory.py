@@ -95,7 +95,7 @@ def test_ring_kind_with_a_pattern_runs_the_block_sparse_ring():
     (dict(segment_lengths=(8,), dilation_rates=(1,), embed_dim=32), "needs embed_dim, num_heads"),
     (dict(pattern=patterns.local_window(32, 8, 8), implementation="cudnn"), "cuDNN has no"),
     # dilax.registry: an explicit implementation that cannot serve a branch names the reason
-    (dict(segment_lengths=(8,), dilation_rates=(1,), local_window=2, implementation="pallas"),
+    (dict(segment_lengths=(8,), dilation_rates=(1,), local_window=2, implementation="cudnn"),
      "has no band mask (local_window); use implementation=None to run that branch on 'xla'"),
     (dict(pattern=patterns.local_window(32, 16, 16), embed_dim=32, num_heads=4,
           rngs=nnx.Rngs(0), implementation="pallas"),

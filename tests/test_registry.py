@@ -19,6 +19,7 @@ import dataclasses
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -122,8 +123,8 @@ PATTERN = patterns.from_mask(np.array([[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0],
 CASES = [
     Case("dilated", "dilated"),
     Case("dilated-causal-lengths", "dilated", causal=True, lengths=True),
-    Case("dilated-window-lengths", "dilated", causal=True, lengths=True, window=WINDOW),
-    Case("dilated-key-padding", "dilated", key_padding=True),
+    Case("dilated-window-lengths-key-padding", "dilated", causal=True, lengths=True,
+         window=WINDOW, key_padding=True),
     Case("block-sparse-causal", "block_sparse", causal=True),
     Case("block-sparse-lengths", "block_sparse", lengths=True),
 ]
@@ -202,37 +203,53 @@ def test_decode_and_rings_raise_for_kernels_the_registry_does_not_list():
 def test_none_chooses_per_branch_and_create_attention_reports_it():
     plans = (*dilated_branches(N, H, HK, WS, RS, "mixture"), window_plan(N, H, HK, WINDOW))
     kw = dict(dtype=jnp.float32, head_dim=D, is_causal=True)
-    # GPU: the kernels for the dilated branches, the XLA core for the band they have no mask for
-    cores = registry.branch_cores(registry.Auto(False, "gpu"), plans, **kw)
-    assert [type(c) for c in cores] == [PallasCore, PallasCore, XlaCore]
+    # GPU: the kernels for every branch, the band, key padding and lengths included (#29)
+    cores = registry.branch_cores(registry.Auto(False, "gpu"), plans, **kw, key_padding=True,
+                                  lengths=True)
+    assert [type(c) for c in cores] == [PallasCore, PallasCore, PallasCore]
     # CPU: the interpreter only when asked for (interpret=True), as before the registry
     assert all(c.name == "xla" for c in registry.branch_cores(registry.Auto(False, "cpu"),
                                                               plans, **kw))
     cores = registry.branch_cores(registry.Auto(True, "cpu"), plans, **kw, key_padding=True)
-    assert all(c.name == "xla" for c in cores)  # no kernel has a per-key mask
+    assert all(c.name == "pallas" for c in cores)
+    # requests that differ get their own core each, with the reason
+    cores, why = registry.choose_branch_cores(None, [
+        registry.CoreRequest("dilated_branch", platform="gpu"),
+        registry.CoreRequest("window", platform="cpu")])
+    assert [type(c) for c in cores] == [PallasCore, XlaCore] and "GPU targets" in why[1]
     attn = dilax.create_attention(segment_lengths=WS, dilation_rates=RS, local_window=WINDOW,
                                   backend="gpu")
-    assert attn.choice.implementation == "pallas+xla"
+    assert attn.choice.implementation == "pallas"
     assert [(b, i) for b, i, _ in attn.choice.branches] == [
-        ("dilated branches", "pallas"), ("local-window branch", "xla")]
-    assert "no band mask (local_window)" in attn.choice.branches[1][2]
-    assert "local-window branch: 'xla'" in str(attn.choice)
-    assert attn.inner.implementation is None  # the module makes the same per-branch choice
+        ("dilated branches", "pallas"), ("local-window branch", "pallas")]
+    assert "local-window branch: 'pallas'" in str(attn.choice)
     cpu = dilax.create_attention(segment_lengths=WS, dilation_rates=RS, local_window=WINDOW)
     assert cpu.choice.implementation == "xla" and cpu.inner.implementation == "xla"
 
 
-def test_issue_25_pallas_with_window_and_lengths_no_longer_runs_xla_silently():
-    """The measured case of issue 25: implementation='pallas' + local_window + lengths ran
-    the window branch on the XLA loops. Now it raises naming the reason; None runs the
-    kernels for the dilated branches (pallas_call in the program) and XLA for the band."""
+def test_issue_25_pallas_with_window_and_lengths_runs_wholly_on_the_kernels():
+    """The measured case of issues 25/29: implementation='pallas' + local_window + lengths
+    ran the window branch on the XLA loops. Now every branch is a kernel call (the values:
+    the contract test above, case dilated-window-lengths-key-padding)."""
     q, k, v, _ = _inputs()
-    q_len, kv_len, _ = _aux()
+    q_len, kv_len, key_valid = _aux()
     kw = dict(is_causal=True, local_window=WINDOW, query_seq_lengths=q_len,
-              key_value_seq_lengths=kv_len, interpret=True)
-    with pytest.raises(ValueError, match=r"no band mask \(local_window\); use "
-                                         r"implementation=None to run that branch on 'xla'"):
-        dilax.dilated_attention(q, k, v, WS, RS, implementation="pallas", **kw)
-    jaxpr = str(jax.make_jaxpr(lambda q, k, v: dilax.dilated_attention(q, k, v, WS, RS, **kw))(
-        q, k, v))
-    assert "pallas_call" in jaxpr
+              key_value_seq_lengths=kv_len, key_padding_mask=key_valid, interpret=True)
+    for impl in ("pallas", None):
+        loss = lambda q, k, v: dilax.dilated_attention(  # noqa: E731
+            q, k, v, WS, RS, implementation=impl, **kw).sum()  # noqa: B023
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        # forward, dq and dk/dv kernels per branch (2 dilated + the window), no XLA matmul
+        assert _outside_kernels(jaxpr.jaxpr) == {"pallas_call": 9}
+
+
+def _outside_kernels(jaxpr, counts=None) -> dict[str, int]:
+    """Kernel calls and matmuls of a jaxpr, sub-jaxprs included, kernels' bodies not."""
+    counts = {} if counts is None else counts
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("pallas_call", "dot_general"):
+            counts[eqn.primitive.name] = counts.get(eqn.primitive.name, 0) + 1
+            continue
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            _outside_kernels(sub, counts)
+    return counts

@@ -93,14 +93,15 @@ class XlaCore:
 
 
 def pallas_config(block_sizes: BlockSizes | None, len_q: int, len_k: int, head_dim: int,
-                  dtype):
+                  dtype, *, masked: bool = False):
     """The Pallas kernels' launch config for ``block_sizes``: ``None`` gives the kernels'
-    per-shape defaults; a :class:`BlockSizes` keeps its forward tiles (powers of two, as
-    Triton requires) with default warps and stages."""
+    per-shape defaults (``masked``: for calls with a band, per-key or query-length mask); a
+    :class:`BlockSizes` keeps its forward tiles (powers of two, as Triton requires) with
+    default warps and stages."""
     from pallas_kernels.config import KernelConfig, default_config  # lazy: optional kernels
 
     if block_sizes is None:
-        return default_config(len_q, len_k, head_dim, dtype)
+        return default_config(len_q, len_k, head_dim, dtype, masked=masked)
     try:
         return KernelConfig(block_q=block_sizes.block_q, block_k=block_sizes.block_k)
     except ValueError as e:
@@ -124,13 +125,14 @@ def _drop_invalid_rows(out, lse, view, mask, len_q):
             jnp.where(valid, lse, -jnp.inf))
 
 
-def _refuse_masks(name: str, mask: Mask) -> None:
+def _refuse_masks(name: str, mask: Mask, *, band_and_keys: bool = False) -> None:
     """A kernel core given a mask it has no form for raises (:mod:`dilax.registry` keeps such
     calls away from it; reaching here is a caller's bug, never a reason to run another core).
-    No registry lookup here: the registry builds cores, so the core does not import it."""
+    ``band_and_keys``: the kernel takes ``window`` and ``kv_valid``. No registry lookup here:
+    the registry builds cores, so the core does not import it."""
     missing = [what for what, given in (
-        ("a band mask (local_window)", mask.window is not None),
-        ("a per-key mask (key padding)", mask.kv_valid is not None),
+        ("a band mask (local_window)", mask.window is not None and not band_and_keys),
+        ("a per-key mask (key padding)", mask.kv_valid is not None and not band_and_keys),
         ("bias or (B, N, T, S) boolean mask", mask.bias is not None or mask.mask is not None),
         ("per-row key ranges (segment_ids)", mask.key_range is not None),
     ) if given]
@@ -144,39 +146,41 @@ def _refuse_masks(name: str, mask: Mask) -> None:
 class PallasCore:
     """The Pallas flash kernels (:mod:`pallas_kernels.flash_attention`) on gathered inputs.
 
-    ``interpret``: run the kernels in the Pallas interpreter (CPU tests). Query lengths are
-    applied to the kernels' results (rows past them: ``out = 0``, ``lse = -inf``, so the
-    backward kernels recompute ``p = 0`` there). A local ``window`` (a band the flash kernels
-    have no mask for) or a per-key ``kv_valid`` raises: :mod:`dilax.registry` gives such
-    calls to the XLA core (``implementation=None``) or refuses them, never silently."""
+    ``interpret``: run the kernels in the Pallas interpreter (CPU tests). Every field of the
+    :class:`Mask` but ``bias``/``mask`` is the kernels' own: key and query lengths, offsets,
+    causality, the band ``window`` (only the tiles that meet it are visited) and the per-key
+    ``kv_valid``. A dense bias or mask raises (:mod:`dilax.registry` never sends one here)."""
 
     interpret: bool = False
     name: ClassVar[str] = "pallas"
 
     def _args(self, q, k, view, mask, block_sizes):
+        _refuse_masks(self.name, mask, band_and_keys=True)
         B, Lq, Lk, d = q.shape[0], q.shape[1], k.shape[1], q.shape[-1]
         U = len(view.kv_index)
-        mask = mask.resolve(B, U, Lk)
+        mask = mask.resolve(B, U, Lk, Lq)
         kv_len = mask.kv_len if mask.kv_len is not None else jnp.full((B, U), Lk, jnp.int32)
-        return dict(kv_len=kv_len, offsets=jnp.stack([mask.q_offset, mask.k_offset]),
+        q_len = None if mask.q_len is None else jnp.maximum(mask.q_len, 0)
+        masked = mask.window is not None or q_len is not None or mask.kv_valid is not None
+        return dict(kv_len=jnp.maximum(kv_len, 0),
+                    offsets=jnp.stack([mask.q_offset, mask.k_offset]),
                     is_causal=mask.is_causal, interpret=self.interpret,
-                    config=pallas_config(block_sizes, Lq, Lk, d, q.dtype))
+                    config=pallas_config(block_sizes, Lq, Lk, d, q.dtype, masked=masked),
+                    window=mask.window,
+                    q_len=q_len, kv_valid=mask.kv_valid)
 
     def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):
         from pallas_kernels.flash_attention import flash_forward
 
-        _refuse_masks(self.name, mask)
         out, lse = flash_forward(view.gather_q(q), view.gather_kv(k), view.gather_kv(v),
                                  scale=float(scale), **self._args(q, k, view, mask, block_sizes))
         out, lse = view.ungather_out(out), view.ungather_out(lse)
-        out, lse = _drop_invalid_rows(out, lse, view, mask, q.shape[1])
         return out.astype(out_dtype or q.dtype), lse
 
     def backward(self, q, k, v, *, view, mask, scale, lse, dout, delta, block_sizes=None,
                  grad_dtype=None, acc=None):
         from pallas_kernels.flash_attention import flash_backward
 
-        _refuse_masks(self.name, mask)
         out_view = view.output_view()
         dq, dk, dv = flash_backward(
             view.gather_q(q), view.gather_kv(k), view.gather_kv(v), lse=out_view.gather_q(lse),
@@ -195,7 +199,7 @@ class CudnnCore:
     carries a cotangent (the mixture merge of dilated branches). Offsets are not supported
     (cuDNN's causal mask is aligned at 0). Per-head key lengths are served by folding the kv
     heads into the batch; query lengths are applied to the result (as for Pallas); a local
-    ``window`` or a per-key ``kv_valid`` raises (see :class:`PallasCore`)."""
+    ``window`` or a per-key ``kv_valid`` raises (:mod:`dilax.registry` never sends one)."""
 
     name: ClassVar[str] = "cudnn"
 
