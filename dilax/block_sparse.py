@@ -37,10 +37,12 @@ import numpy as np
 
 from dilax import _validation as V
 from dilax import registry
+from dilax.attention_mask import check_segment_ids
 from dilax.batch_dims import fold_batch_dims
 from dilax.block_sparse_tables import check_pattern, head_layout, sparse_attention_tables
 from dilax.core import Mask, attention, identity_view
 from dilax.core.block_sparse import BlockSparsePallasCore
+from dilax.documents import document_bounds
 from dilax.patterns import BlockSparsePattern, mask_tables
 from dilax.reference import length_mask, masked_attention
 from dilax.sp.block_sparse_ring import check_sharded_block_sparse, sharded_block_sparse
@@ -133,12 +135,12 @@ def table_lengths(idx, kv_len, diag_len, block_size: int, nq: int,
 
 def attend_tables(q, k, v, idx, kv_len, diag_len, *, block_size: int, U: int, G: int,
                   kvmap: tuple[int, ...], scale: float, block_k: int | None = None,
-                  query_seq_lengths=None, key_value_seq_lengths=None):
+                  query_seq_lengths=None, key_value_seq_lengths=None, segment_ids=None):
     """:func:`sparse_attention_tables` on unpadded ``(b, n, ., d)`` inputs.
 
     Pads the sequence to whole blocks, runs the tables, crops. Optional valid lengths
-    ``(b,)`` (:func:`table_lengths`). Returns ``out (b, n, h, d)`` in ``q.dtype`` and
-    ``lse (b, n, h)`` float32.
+    ``(b,)`` (:func:`table_lengths`) and packed documents ``segment_ids (b, n)``. Returns
+    ``out (b, n, h, d)`` in ``q.dtype`` and ``lse (b, n, h)`` float32.
     """
     n = q.shape[1]
     size = cdiv(n, block_size) * block_size
@@ -148,7 +150,9 @@ def attend_tables(q, k, v, idx, kv_len, diag_len, *, block_size: int, U: int, G:
     out, lse = sparse_attention_tables(
         pad_seq(q, size), pad_seq(k, size), pad_seq(v, size), idx, kv_len, diag_len,
         block_size=block_size, U=U, G=G, kvmap=kvmap, scale=scale, block_k=block_k,
-        q_len=q_len,
+        q_len=q_len, doc=None if segment_ids is None else tuple(
+            jnp.pad(x, ((0, 0), (0, size - n)), constant_values=n)
+            for x in document_bounds(segment_ids)),
     )
     return out[:, :n].astype(q.dtype), lse[:, :n]
 
@@ -156,7 +160,7 @@ def attend_tables(q, k, v, idx, kv_len, diag_len, *, block_size: int, U: int, G:
 def block_sparse_attention_xla(q, k, v, pattern: BlockSparsePattern, *, is_causal: bool,
                                scale: float, block_k: int | None = None,
                                return_lse: bool = False, query_seq_lengths=None,
-                               key_value_seq_lengths=None):
+                               key_value_seq_lengths=None, segment_ids=None):
     """XLA path. Arguments must be validated (see :func:`block_sparse_attention`)."""
     b, n, h, d = q.shape
     plan = plan_pattern(pattern, n, h, k.shape[2], is_causal)
@@ -170,19 +174,25 @@ def block_sparse_attention_xla(q, k, v, pattern: BlockSparsePattern, *, is_causa
         plan.diag_len if use_diag else None, block_size=pattern.block_size, U=plan.U,
         G=plan.G, kvmap=plan.kvmap, scale=scale, block_k=block_k,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        segment_ids=segment_ids,
     )
     return (out, lse) if return_lse else out
 
 
 def block_sparse_attention_reference(q, k, v, pattern: BlockSparsePattern, *, is_causal: bool,
                                      scale: float, query_seq_lengths=None,
-                                     key_value_seq_lengths=None) -> jax.Array:
+                                     key_value_seq_lengths=None,
+                                     segment_ids=None) -> jax.Array:
     """Dense attention with the expanded token mask (small ``n`` only; the test oracle)."""
     n = q.shape[1]
     mask = jnp.asarray(pattern.expanded_mask(n, is_causal).astype(np.float32))
     valid = length_mask(n, query_seq_lengths, key_value_seq_lengths)
     if valid is not None:
         mask = mask[None] * valid
+    if segment_ids is not None:  # AND same document (a document is a run of equal ids)
+        start, _ = document_bounds(segment_ids)
+        same = (start[:, :, None] == start[:, None, :])[:, None].astype(jnp.float32)
+        mask = (mask if mask.ndim == 4 else mask[None]) * same
     return masked_attention(q, k, v, mask, scale)
 
 
@@ -199,6 +209,7 @@ def block_sparse_attention(
     query_seq_lengths: jax.Array | None = None,
     key_value_seq_lengths: jax.Array | None = None,
     sequence_parallel: SequenceParallel | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Exact block-sparse attention (docs/semantics.md, "Block-sparse attention").
 
@@ -225,6 +236,11 @@ def block_sparse_attention(
         weight, query rows ``p >= q_len[i]`` output 0 with zero gradient; static values
         outside ``[0, n]`` raise, traced ones are clipped. Both the XLA path and the Pallas
         kernel skip key blocks past the length.
+      segment_ids: optional int ``(b, n)``: packed documents (a document is a maximal run of
+        equal ids). The pattern is on row positions AND same document: query ``p`` attends
+        key ``t`` iff the pattern allows it and both lie in one document. XLA core (the
+        gathered keys of a row are in position order, so a document's keys are one run of
+        them) and the reference; not with ``sequence_parallel``.
       sequence_parallel: a :class:`dilax.SequenceParallel` (``layout="contiguous"``): run as
         ring block-sparse attention with the sequence split over ``sequence_parallel.mesh``
         (XLA core; ``n / P`` a multiple of ``pattern.block_size``; see
@@ -244,8 +260,9 @@ def block_sparse_attention(
         ``interpret=True``; the message names the reason); a non-positive ``scale``.
     """
     q, k, v, rows, unfold = fold_batch_dims(q, k, v, query_seq_lengths=query_seq_lengths,
-                                            key_value_seq_lengths=key_value_seq_lengths)
-    query_seq_lengths, key_value_seq_lengths = rows.values()
+                                            key_value_seq_lengths=key_value_seq_lengths,
+                                            segment_ids=segment_ids)
+    query_seq_lengths, key_value_seq_lengths, segment_ids = rows.values()
     q, k, v = V.check_qkv(q, k, v, empty_batch=True)
     pattern = check_pattern(pattern, q)
     is_causal = V.check_bool(is_causal, "is_causal")
@@ -254,7 +271,11 @@ def block_sparse_attention(
     b, n = q.shape[:2]
     q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n)
     kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)
+    segment_ids = check_segment_ids(segment_ids, b, n)
     if sequence_parallel is not None:
+        if segment_ids is not None:
+            raise ValueError("segment_ids are not supported by block-sparse attention with "
+                             "sequence_parallel (dilated_attention takes both)")
         check_sequence_parallel(sequence_parallel, implementation, interpret=interpret)
         check_sharded_block_sparse(q, pattern, sequence_parallel)
         return unfold(sharded_block_sparse(q, k, v, pattern, is_causal, scale,
@@ -262,21 +283,22 @@ def block_sparse_attention(
     implementation, _ = registry.choose(implementation, registry.CoreRequest(
         "block_sparse", q.dtype, q.shape[3], is_causal,
         has_lengths=q_len is not None or kv_len is not None, interpret=interpret,
-        block_size=pattern.block_size),
+        block_size=pattern.block_size, has_documents=segment_ids is not None),
         IMPLEMENTATIONS)
     V.check_memory(q, k, dense=implementation == "reference", op="block_sparse_attention")
     if b == 0:  # the blockwise cores need a row; the result is empty anyway
         return unfold(V.empty_batch(q, v))
     return unfold(_block_sparse_dispatch(q, k, v, q_len, kv_len, pattern, is_causal, scale,
-                                         implementation, interpret))
+                                         implementation, interpret, segment_ids))
 
 
 # One compiled program per static configuration: an eager call runs exactly the program a
 # jitted caller gets, so results are bitwise identical with and without jax.jit.
 @functools.partial(jax.jit, static_argnums=(5, 6, 7, 8, 9))
 def _block_sparse_dispatch(q, k, v, q_len, kv_len, pattern, is_causal, scale, implementation,
-                           interpret):
-    lengths = dict(query_seq_lengths=q_len, key_value_seq_lengths=kv_len)
+                           interpret, segment_ids=None):
+    lengths = dict(query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+                   **({} if segment_ids is None else dict(segment_ids=segment_ids)))
     if implementation == "reference":
         return block_sparse_attention_reference(q, k, v, pattern, is_causal=is_causal,
                                                 scale=scale, **lengths)

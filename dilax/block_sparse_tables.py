@@ -119,8 +119,42 @@ def _head_take(x: jax.Array, kvmap: tuple[int, ...]) -> jax.Array:
     return jnp.take(x, jnp.asarray(np.asarray(kvmap, np.int32)), axis=2)
 
 
-def _attend_rows(q, k, v, kd, vd, idx, kv_len, diag_len, q_len=None, *, bs, U, G, kvmap,
-                 shared, scale, block_k):
+def _document_ranges(doc, idx, kv_len, b, U, bs):
+    """Packed documents on one group of ``R`` query blocks: ``doc = (start, end)``, the
+    documents' bounds ``(b, R*B)`` of the query rows and ``(b, nk*B)`` of every key. Returns
+    the key/query ranges ``(b*R, U, B)`` of the gathered call (the gathered keys are in
+    position order, so a document's keys are one run of them) and of the diagonal call."""
+    start, end, key_start, key_end = doc
+    R = start.shape[1] // bs
+    first = (jnp.arange(R, dtype=jnp.int32) * bs)[None, :, None]  # (1, R, 1)
+    rows = lambda x: jnp.clip(x.reshape(b, R, bs) - first, 0, bs)  # noqa: E731
+    to_rows = lambda x: jnp.broadcast_to(x, (b, U, R, bs)).transpose(0, 2, 1, 3).reshape(  # noqa: E731
+        b * R, U, bs)
+    diag = (to_rows(rows(start)[:, None]), to_rows(rows(end)[:, None]))
+    if idx is None:
+        return None, diag
+    idx = jnp.asarray(idx, jnp.int32)  # (Bi, Ui, R, A)
+    A = idx.shape[-1]
+    used = (jnp.arange(A, dtype=jnp.int32) * bs)[None, None, None] < jnp.asarray(
+        kv_len, jnp.int32)[..., None]  # (Bi, Ui, R, A)
+    block0 = idx * bs  # first position of each gathered block
+
+    def count(x):  # gathered keys before position x (b, R, bs), per head: (b, U, R, bs)
+        per = jnp.clip(x.reshape(b, 1, R, bs, 1) - block0[:, :, :, None, :], 0, bs)
+        return jnp.sum(jnp.where(used[:, :, :, None, :], per, 0), axis=-1)
+
+    keys = (to_rows(count(start)), to_rows(count(end)))
+    key_pos = block0[..., None] + jnp.arange(bs, dtype=jnp.int32)  # (Bi, Ui, R, A, B)
+    key_pos = jnp.broadcast_to(key_pos, (b, U, R, A, bs)).reshape(b, U, R, A * bs)
+    take = lambda x: jnp.take_along_axis(  # noqa: E731 - the keys' documents, as query rows
+        x[:, None, None], jnp.clip(key_pos, 0, x.shape[1] - 1), axis=-1)
+    qrng = tuple(jnp.clip(take(x) - first[:, None], 0, bs).transpose(0, 2, 1, 3).reshape(
+        b * R, U, A * bs) for x in (key_start, key_end))
+    return (keys, qrng), diag
+
+
+def _attend_rows(q, k, v, kd, vd, idx, kv_len, diag_len, q_len=None, doc=None, *, bs, U, G,
+                 kvmap, shared, scale, block_k):
     """One group of ``R`` query blocks.
 
     q: ``(b, R*B, h, d)``; k, v: all key blocks as laid out by :func:`_gather_source`;
@@ -132,19 +166,25 @@ def _attend_rows(q, k, v, kd, vd, idx, kv_len, diag_len, q_len=None, *, bs, U, G
     R = RB // bs
     qr = q.reshape(b * R, bs, U, G, d)
     q_len = None if q_len is None else _rows_kv_len(q_len, b, U)
+    gathered = diag = None
+    if doc is not None:
+        gathered, diag = _document_ranges(doc, idx, kv_len, b, U, bs)
     out = lse = None
     if idx is not None:
         kg = _gather_blocks(k, idx, kvmap, shared, bs)
         vg = _gather_blocks(v, idx, kvmap, shared, bs)
         bk = min(block_k, kg.shape[1])
         out, lse = attention_core(qr, kg, vg, scale=scale, kv_len=_rows_kv_len(kv_len, b, U),
-                                  block_sizes=BlockSizes(block_q=bs, block_k=bk), q_len=q_len)
+                                  block_sizes=BlockSizes(block_q=bs, block_k=bk), q_len=q_len,
+                                  key_range=gathered and gathered[0],
+                                  query_range=gathered and gathered[1])
     if diag_len is not None:
         kr = _head_take(kd, kvmap).reshape(b * R, bs, U, d)
         vr = _head_take(vd, kvmap).reshape(b * R, bs, U, d)
         o2, l2 = attention_core(qr, kr, vr, scale=scale, is_causal=True,
                                 kv_len=_rows_kv_len(diag_len, b, U),
-                                block_sizes=BlockSizes(block_q=bs, block_k=bs), q_len=q_len)
+                                block_sizes=BlockSizes(block_q=bs, block_k=bs), q_len=q_len,
+                                key_range=diag, query_range=diag)
         if out is None:
             out, lse = o2.astype(jnp.float32), l2
         else:
@@ -182,6 +222,7 @@ def sparse_attention_tables(
     scale: float,
     block_k: int | None = None,
     q_len: jax.Array | None = None,
+    doc: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of every query block over table-selected key blocks (internal building block).
 
@@ -192,6 +233,8 @@ def sparse_attention_tables(
       diag_len: ``(Bi, Ui, nq)`` causal diagonal-block keys (``B`` or 0), or None (no diagonal
         call). Requires ``nq == nk``.
       q_len: ``(Bi, 1, nq)`` valid query rows of each query block, or None (all valid).
+      doc: packed documents, ``(start, end)`` int32 ``(b, nq*B)`` (:mod:`dilax.documents`),
+        or None: a query attends only keys of its own document.
     Returns:
       ``out (b, nq*B, h, d)`` float32 and ``lse (b, nq*B, h)`` float32.
     """
@@ -209,7 +252,7 @@ def sparse_attention_tables(
     causal = diag_len is not None
     if step == nq:
         return fn(q, ks, vs, k if causal else None, v if causal else None, idx, kv_len,
-                  diag_len, q_len)
+                  diag_len, q_len, None if doc is None else (*doc, *doc))
     steps = nq // step
 
     def split_rows(x, axis):  # (..., nq*stuff ...) -> (steps, ..., step*stuff, ...)
@@ -222,11 +265,12 @@ def sparse_attention_tables(
 
     xs = (split_rows(q, 1), split_rows(k, 1) if causal else None,
           split_rows(v, 1) if causal else None, split_rows(idx, 2), split_rows(kv_len, 2),
-          split_rows(diag_len, 2), split_rows(q_len, 2))
+          split_rows(diag_len, 2), split_rows(q_len, 2),
+          None if doc is None else tuple(split_rows(x, 1) for x in doc))
 
     def body(args):
-        qc, kc, vc, ic, lc, dc, qlc = args
-        return fn(qc, ks, vs, kc, vc, ic, lc, dc, qlc)
+        qc, kc, vc, ic, lc, dc, qlc, docc = args
+        return fn(qc, ks, vs, kc, vc, ic, lc, dc, qlc, None if doc is None else (*docc, *doc))
 
     out, lse = lax.map(body, xs)
     out = jnp.moveaxis(out, 0, 1).reshape(b, nqb, h, d)

@@ -177,3 +177,28 @@ def test_dot_product_attention_documents():
     want = jax.grad(loss("reference"), (0, 1, 2))(q, k, v)
     for a, b in zip(got, want):
         assert_scaled_close(a, b, FP32)
+
+
+def test_block_sparse_documents_are_pattern_and_same_document():
+    """``block_sparse_attention(segment_ids=...)``: the pattern on row positions AND same
+    document, by the float64 oracle (causal, GQA, a random per-head pattern), forward and
+    gradients."""
+    from dilax import patterns
+
+    pattern = patterns.random(N, 8, 0.5, seed=3, num_heads=H)
+    q, k, v, g = _data(6)
+    ids = _ids()
+    doc = np.cumsum(np.concatenate([np.zeros((2, 1), bool), ids[:, 1:] != ids[:, :-1]], 1), 1)
+    weights = (np.asarray(pattern.expanded_mask(N, True))[None]
+               * (doc[:, None, :, None] == doc[:, None, None, :]))
+
+    def loss(q, k, v):
+        out = dilax.block_sparse_attention(q, k, v, pattern, is_causal=True,
+                                           segment_ids=jnp.asarray(ids), implementation="xla")
+        return jnp.sum(out * g), out
+
+    (_, out), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+    want = oracle.attention(q, k, v, weights, 1 / np.sqrt(D), g)
+    for got, exp, name in zip((out, *grads), (want.out, want.dq, want.dk, want.dv),
+                              ("out", "dq", "dk", "dv")):
+        assert_scaled_close(got, exp, FP32, err_msg=name)

@@ -325,6 +325,8 @@ def attention_core(
     k_offset: jax.Array | int = 0,
     block_sizes: BlockSizes | None = None,
     q_len: jax.Array | None = None,
+    key_range: tuple[jax.Array, jax.Array] | None = None,
+    query_range: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Blockwise exact attention in the grouped layout, returning ``(out, lse)``.
 
@@ -342,6 +344,8 @@ def attention_core(
       block_sizes: static block sizes; default :func:`dilax.core.default_block_sizes`.
       q_len: int, broadcastable to ``(B, Hk)``, or None: query rows at index ``>= q_len``
         see no key (``out = 0``, ``lse = -inf``).
+      key_range, query_range: per-row key ranges ``(lo, hi)`` ``(B, Hk, Lq)`` and the
+        queries' superset ranges per key ``(B, Hk, Lk)`` (:class:`Mask`), or None.
 
     Returns:
       ``out: (B, Lq, Hk, G, d)`` in ``q.dtype`` and ``lse: (B, Lq, Hk, G)`` float32. A query
@@ -349,6 +353,7 @@ def attention_core(
     """
     B, Lq, Hk, G, d = q.shape
     out, lse = attention(q.reshape(B, Lq, Hk * G, d), k, v, view=identity_view(Hk, G),
-                         scale=scale, mask=Mask(kv_len, q_offset, k_offset, bool(is_causal), q_len),
+                         scale=scale, mask=Mask(kv_len, q_offset, k_offset, bool(is_causal), q_len,
+                                                key_range=key_range, query_range=query_range),
                          block_sizes=block_sizes)
     return out.reshape(B, Lq, Hk, G, d), lse.reshape(B, Lq, Hk, G)
