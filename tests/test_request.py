@@ -239,9 +239,9 @@ def test_sequence_parallel_errors():
     sp = SequenceParallel(_mesh())
     with pytest.raises(ValueError, match="implementation must be None or 'xla'"):
         dilax.dilated_attention(q, k, v, **CFG, implementation="reference", sequence_parallel=sp)
-    with pytest.raises(ValueError, match="no band mask"):  # the window's core: no kernel
-        dilax.dilated_attention(q, k, v, **CFG, implementation="pallas", interpret=True,
-                                local_window=4, sequence_parallel=sp)
+    with pytest.raises(ValueError, match="cuDNN's fused attention takes no query/key"):
+        dilax.dilated_attention(q, k, v, **CFG, implementation="cudnn", local_window=4,
+                                sequence_parallel=sp)
     with pytest.raises(ValueError, match="key_padding_mask is not supported with sequence"):
         dilax.dilated_attention(q, k, v, **CFG, key_padding_mask=jnp.ones((2, 64), bool),
                                 sequence_parallel=sp)

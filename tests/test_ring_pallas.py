@@ -121,17 +121,16 @@ def test_full_attention():
 
 def test_cores_follow_the_registry_and_kernels_refuse_check_vma(monkeypatch):
     """``implementation=None``: XLA on CPU (the default programs), the kernels with
-    ``interpret=True`` and on GPU, the local window on XLA (no band mask in the kernel); an
-    explicit ``"pallas"`` raises for the window. Inside a user's ``shard_map`` with
-    ``check_vma=True`` the kernels raise (their outputs carry no device-varying type)."""
+    ``interpret=True`` and on GPU, the local window included (the flash kernels take the
+    band). Inside a user's ``shard_map`` with ``check_vma=True`` the kernels raise (their
+    outputs carry no device-varying type)."""
     settings = DilatedSettings((8, 32), (1, 2), local_window=4)
     names = lambda s: tuple(c.name for c in ring_cores(s, AttentionMask(), "float32", 8))  # noqa: E731
     assert names(settings) == ("xla", "xla", "xla")
-    assert names(dataclasses.replace(settings, interpret=True)) == ("pallas", "pallas", "xla")
-    with pytest.raises(ValueError, match=r"no band mask \(local_window\)"):
-        names(dataclasses.replace(settings, implementation="pallas"))
+    assert names(dataclasses.replace(settings, interpret=True)) == ("pallas",) * 3
+    assert names(dataclasses.replace(settings, implementation="pallas")) == ("pallas",) * 3
     monkeypatch.setattr(registry, "current_platform", lambda: "gpu")
-    assert names(settings) == ("pallas", "pallas", "xla")
+    assert names(settings) == ("pallas",) * 3
     q, k, v, _ = ring_inputs(1, N, 4, 2, 8)
     pallas = dataclasses.replace(settings, local_window=None, implementation="pallas",
                                  interpret=True)
