@@ -82,7 +82,10 @@ def _make_row_fn(row: str, cfg: dict[str, Any]) -> Callable[..., jax.Array]:
         return padded
     if row == "mixture-packed":  # the same n as packed documents of mixed lengths
         def packed(q, k, v):
-            ids = packed_segment_ids(q.shape[0], q.shape[1])  # a constant of the program
+            # ids as a training step has them, computed at run time: a constant would have
+            # XLA fold the document tables into the program (slow compiles, untimed work)
+            zero = (q[0, 0, 0, 0] * 0).astype(jnp.int32)  # x * 0 is not folded for floats
+            ids = packed_segment_ids(q.shape[0], q.shape[1]) + zero
             return dilax.dilated_attention(q, k, v, ws, rs, is_causal=causal,
                                            implementation=impl, segment_ids=ids)
         return packed
