@@ -58,10 +58,10 @@ def split_text(text: str, separator: str = DEFAULT_DOC_SEPARATOR) -> list[str]:
 
 def read_documents(path: str | None, separator: str = DEFAULT_DOC_SEPARATOR,
                    flag: str = "--data") -> list[str]:
-    """The documents at ``path``: every regular, non-hidden file of a directory (sorted by
-    name, not recursive; each file one document), or a text file split by :func:`split_text`
-    (``None``: the shipped corpus). Raises ``ValueError`` naming ``flag`` when there is no
-    document."""
+    """The documents at ``path``: every regular, non-hidden, non-blank file of a directory
+    (sorted by name, not recursive; each file one document), or a text file split by
+    :func:`split_text` (``None``: the shipped corpus). Raises ``ValueError`` naming ``flag``
+    when there is no document."""
     if path is None:
         from dilax.data import load_corpus
 
@@ -69,7 +69,8 @@ def read_documents(path: str | None, separator: str = DEFAULT_DOC_SEPARATOR,
     elif Path(path).is_dir():
         files = sorted(p for p in Path(path).iterdir()
                        if p.is_file() and not p.name.startswith("."))
-        docs = [t for t in (read_text_file(p, flag) for p in files) if t.strip()]
+        # blank files are empty documents (skipped); others must be UTF-8 text
+        docs = [read_text_file(p, flag) for p in files if p.read_bytes().strip()]
     else:
         docs = split_text(read_text_file(path, flag), separator)
     if not docs:
