@@ -85,3 +85,15 @@ def test_packed_run_resumes_exactly(tmp_path, capsys):
     for x, y in zip(jax.tree.leaves(nnx.state(a.model, nnx.Param)),
                     jax.tree.leaves(nnx.state(b.model, nnx.Param)), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_benchmark_packed_documents_cover_n_with_a_fixed_draw():
+    from benchmarks.rows import packed_document_lengths, packed_segment_ids
+
+    for n in (100, 16384):
+        lengths = packed_document_lengths(n)
+        assert lengths.sum() == n and (lengths[:-1] >= 256).all() and (lengths <= 8192).all()
+        np.testing.assert_array_equal(lengths, packed_document_lengths(n))  # drawn once
+    ids = np.asarray(packed_segment_ids(2, 16384))
+    assert ids.shape == (2, 16384) and (ids[0] == ids[1]).all()
+    assert np.count_nonzero(np.diff(ids[0])) == len(packed_document_lengths(16384)) - 1
