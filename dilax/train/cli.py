@@ -284,7 +284,8 @@ def configs_from_argv(argv: Sequence[str] | None = None, text: str | None = None
                       ) -> tuple[TrainConfig, ModelConfig]:
     """Parses and validates the command line (nothing is built or trained).
 
-    ``text`` overrides the ``--data`` file (default: that file, else the shipped corpus). With
+    ``text`` overrides the ``--data`` file (default: that file, else the shipped corpus; with
+    ``--pack`` the documents are always read from ``--data``). With
     ``--resume`` the configs start from the checkpoint's (its meta is read).
 
     Raises:
