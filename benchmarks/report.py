@@ -69,6 +69,12 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{_fmt(r.get('memory_over_floor'), '.2f')} | "
                 f"{_fmt(r.get('tokens_per_s'), ',.0f')} |"
             )
+    packed = [r for r in rows if "time_vs_unpacked" in r or "memory_vs_unpacked" in r]
+    if packed:  # the mixture-packed row against the mixture row of the same n and pass
+        lines += ["", "Packed vs unpacked (mixture-packed / mixture, same n and pass): "
+                  + "; ".join(
+            f"n={r['n']:,} {r['pass_']}: time {_fmt(r.get('time_vs_unpacked'), '.2f')}x, "
+            f"memory {_fmt(r.get('memory_vs_unpacked'), '.2f')}x" for r in packed)]
     summary = result.get("summary")
     if summary:
         lines += ["", "Summary: `" + json.dumps(summary) + "`"]

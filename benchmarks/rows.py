@@ -24,7 +24,35 @@ FWD_FLOPS_PER_PAIR = 4  # x head_dim: QK^T and PV, 2 FLOPs per multiply-add
 FWD_BWD_FLOPS_PER_PAIR = 14
 
 DEFAULT_ROWS = ("dense", "mixture", "grouped")
-EXTRA_ROWS = ("mixture-padded", "mixture-window")  # opt-in: --rows mixture,mixture-padded
+# opt-in: --rows mixture,mixture-packed
+EXTRA_ROWS = ("mixture-padded", "mixture-window", "mixture-packed")
+# mixture-packed: documents of log-uniform lengths in this range, drawn once per n (fixed seed)
+PACKED_DOC_LENGTHS = (256, 8192)
+PACKED_SEED = 0
+
+
+def packed_document_lengths(n: int, lo: int = PACKED_DOC_LENGTHS[0],
+                            hi: int = PACKED_DOC_LENGTHS[1], seed: int = PACKED_SEED
+                            ) -> np.ndarray:
+    """Lengths of the documents of the ``mixture-packed`` row at ``n``: log-uniform integers
+    in ``[lo, hi]`` drawn from ``default_rng([seed, n])`` until they cover ``n``; the last one
+    is cut to fit (so it may be shorter than ``lo``). Sums to ``n``."""
+    rng = np.random.default_rng([seed, n])
+    lengths, total = [], 0
+    while total < n:
+        length = int(round(float(np.exp(rng.uniform(np.log(lo), np.log(hi))))))
+        length = min(length, n - total)
+        lengths.append(length)
+        total += length
+    return np.asarray(lengths, np.int64)
+
+
+def packed_segment_ids(batch: int, n: int) -> jax.Array:
+    """int32 ``(batch, n)``: document ids of :func:`packed_document_lengths` (the same packing
+    in every row)."""
+    lengths = packed_document_lengths(n)
+    ids = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
+    return jnp.asarray(np.broadcast_to(ids, (batch, n)))
 
 
 def config_of(args) -> dict[str, Any]:
@@ -52,6 +80,15 @@ def _make_row_fn(row: str, cfg: dict[str, Any]) -> Callable[..., jax.Array]:
                                            implementation=impl, query_seq_lengths=half,
                                            key_value_seq_lengths=half)
         return padded
+    if row == "mixture-packed":  # the same n as packed documents of mixed lengths
+        def packed(q, k, v):
+            # ids as a training step has them, computed at run time: a constant would have
+            # XLA fold the document tables into the program (slow compiles, untimed work)
+            zero = (q[0, 0, 0, 0] * 0).astype(jnp.int32)  # x * 0 is not folded for floats
+            ids = packed_segment_ids(q.shape[0], q.shape[1]) + zero
+            return dilax.dilated_attention(q, k, v, ws, rs, is_causal=causal,
+                                           implementation=impl, segment_ids=ids)
+        return packed
     if row == "mixture-window":
         return lambda q, k, v: dilax.dilated_attention(
             q, k, v, ws, rs, is_causal=causal, implementation=impl,
@@ -64,8 +101,11 @@ def _pairs(row: str, n: int, cfg: dict[str, Any]) -> int:
     if row == "dense":
         return h * (n * (n + 1) // 2 if cfg["causal"] else n * n)
     mode = "grouped" if row in ("grouped", "torch-grouped") else "mixture"
-    return attended_pairs(n, h, tuple(cfg["segment_lengths"]), tuple(cfg["dilation_rates"]),
-                          mode, cfg["causal"])
+    ws, rs = tuple(cfg["segment_lengths"]), tuple(cfg["dilation_rates"])
+    if row == "mixture-packed":  # each document's own pairs
+        return sum(attended_pairs(int(m), h, ws, rs, mode, cfg["causal"])
+                   for m in packed_document_lengths(n))
+    return attended_pairs(n, h, ws, rs, mode, cfg["causal"])
 
 
 def measure_rows(rows: Sequence[str], ns: Sequence[int], cfg: dict[str, Any], *,
@@ -161,6 +201,12 @@ def _add_ratios(results: list[dict[str, Any]]) -> None:
         torch_row = by_key.get(("torch-grouped", r["n"], r["pass_"]))
         if r["row"] == "grouped" and torch_row and "ms_median" in torch_row and "ms_median" in r:
             r["vs_torch"] = r["ms_median"] / torch_row["ms_median"]
+        flat = by_key.get(("mixture", r["n"], r["pass_"]))
+        if r["row"] == "mixture-packed" and flat:  # packed vs unpacked, same n and pass
+            if "ms_median" in flat and "ms_median" in r:
+                r["time_vs_unpacked"] = r["ms_median"] / flat["ms_median"]
+            if flat.get("memory_bytes") and r.get("memory_bytes"):
+                r["memory_vs_unpacked"] = r["memory_bytes"] / flat["memory_bytes"]
         dense = by_key.get(("dense", r["n"], r["pass_"]))
         if r["row"] != "dense" and dense and "ms_median" in dense and "ms_median" in r:
             r["vs_dense"] = r["ms_median"] / dense["ms_median"]

@@ -108,7 +108,40 @@ def corpus(seed: int = 0, num_bytes: int = 300_000) -> str:
     return "\n".join(parts)
 
 
-def main() -> None:
+def documents(seed: int = 1, count: int = 60) -> list[str]:
+    """``count`` documents of mixed lengths for packed training (``--pack``): each holds one
+    to four fables (about 0.7k to 4k characters)."""
+    rng = random.Random(seed)
+    return ["\n".join(story(rng) for _ in range(rng.randint(1, 4))) for _ in range(count)]
+
+
+def write_documents(directory: str | Path, seed: int = 1, count: int = 60) -> list[Path]:
+    """Writes :func:`documents` into ``directory``, one file each (``doc-000.txt``, ...)."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, doc in enumerate(documents(seed, count)):
+        paths.append(out / f"doc-{i:03d}.txt")
+        paths[-1].write_text(doc, encoding="ascii")
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m dilax.data.make_corpus",
+                                description="Rewrite dilax/data/fables.txt, or (--documents) "
+                                            "write a directory of documents for --pack.")
+    p.add_argument("--documents", metavar="DIR", default=None,
+                   help="write documents of mixed lengths (1 to 4 fables each) into DIR, one "
+                        "file per document, instead of rewriting fables.txt")
+    p.add_argument("--count", type=int, default=60, help="documents to write (--documents)")
+    args = p.parse_args(argv)
+    if args.documents is not None:
+        paths = write_documents(args.documents, count=args.count)
+        size = sum(q.stat().st_size for q in paths)
+        print(f"wrote {len(paths)} documents into {args.documents} ({size} bytes)")
+        return
     path = Path(__file__).with_name("fables.txt")
     path.write_text(corpus(), encoding="ascii")
     print(f"wrote {path} ({path.stat().st_size} bytes)")

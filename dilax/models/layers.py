@@ -24,6 +24,7 @@ from flax import nnx
 
 from dilax import _validation as V
 from dilax.decode import KVCache
+from dilax.documents import document_positions
 from dilax.models.config import Branches, LongNetConfig, LongNetOptions, resolve_config
 from dilax.models.positions import check_positions, check_xpos_length, rotary_qk
 from dilax.nn._heads import layer_norm, linear_factory, output_projection, project_qkv
@@ -79,12 +80,17 @@ class _SelfAttention(MultiheadDilatedAttention):
     def __call__(self, query: jax.Array, *, positions: jax.Array | None = None,
                  is_causal: bool = False, deterministic: bool | None = None,
                  rngs: nnx.Rngs | None = None, query_seq_lengths: jax.Array | None = None,
-                 key_value_seq_lengths: jax.Array | None = None) -> jax.Array:
-        """``query (b, n, E)``, ``positions`` int ``(b, n)`` (default ``0 .. n - 1``)."""
+                 key_value_seq_lengths: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """``query (b, n, E)``, ``positions`` int ``(b, n)`` (default ``0 .. n - 1``, or with
+        ``segment_ids (b, n)`` the position inside each document: restarting at 0)."""
+        if positions is None and segment_ids is not None:
+            positions = document_positions(segment_ids)
         q, k, v = project_qkv(self, query, None, None)
         q, k = self._rotary(q, k, positions, query.shape[1], "sequence length")
         x = self.attention(q, k, v, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
-                           key_value_seq_lengths=key_value_seq_lengths).reshape(query.shape)
+                           key_value_seq_lengths=key_value_seq_lengths,
+                           segment_ids=segment_ids).reshape(query.shape)
         return output_projection(self, self.dropout(x, deterministic=deterministic, rngs=rngs))
 
     def decode(self, query: jax.Array, cache: KVCache,
@@ -158,10 +164,11 @@ class _Layer(nnx.Module):
 
     def _self_attention_block(self, x: jax.Array, is_causal: bool, kw: dict,
                               seq_lengths: jax.Array | None = None,
-                              positions: jax.Array | None = None) -> jax.Array:
+                              positions: jax.Array | None = None,
+                              segment_ids: jax.Array | None = None) -> jax.Array:
         y = self.self_attn(self.norm1(x), positions=positions, is_causal=is_causal,
                            query_seq_lengths=seq_lengths, key_value_seq_lengths=seq_lengths,
-                           **kw)
+                           segment_ids=segment_ids, **kw)
         return self._residual(x, y, kw)
 
     def _feed_forward_block(self, x: jax.Array, norm: nnx.LayerNorm, kw: dict) -> jax.Array:
@@ -196,10 +203,13 @@ class DilatedTransformerEncoderLayer(_Layer):
         ``param_dtype``, ``keep_rngs``, ``local_window``, ``position_scheme``,
         ``xpos_scale_base``, ``rope_theta``.
 
-    ``__call__(x (b, n, d_model), *, is_causal=False, seq_lengths=None, positions=None) ->
-    (b, n, d_model)``; ``seq_lengths``: optional int ``(b,)`` valid tokens per row (padding):
-    the attention's query and key-value lengths; ``positions``: optional int ``(b, n)``
-    position of every token for the self-attention's rotary code (default ``0 .. n - 1``).
+    ``__call__(x (b, n, d_model), *, is_causal=False, seq_lengths=None, positions=None,
+    segment_ids=None) -> (b, n, d_model)``; ``seq_lengths``: optional int ``(b,)`` valid
+    tokens per row (padding): the attention's query and key-value lengths; ``positions``:
+    optional int ``(b, n)`` position of every token for the self-attention's rotary code
+    (default ``0 .. n - 1``, or the position inside the document with ``segment_ids``);
+    ``segment_ids``: optional int ``(b, n)``, packed documents (a maximal run of equal ids is
+    a document: attention never crosses documents, positions restart at each).
     """
 
     def __init__(
@@ -232,9 +242,10 @@ class DilatedTransformerEncoderLayer(_Layer):
         rngs: nnx.Rngs | None = None,
         seq_lengths: jax.Array | None = None,
         positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
     ) -> jax.Array:
         kw = dict(deterministic=deterministic, rngs=rngs)
-        x = self._self_attention_block(x, is_causal, kw, seq_lengths, positions)
+        x = self._self_attention_block(x, is_causal, kw, seq_lengths, positions, segment_ids)
         return self._feed_forward_block(x, self.norm2, kw)
 
     def decode(self, x: jax.Array, cache: KVCache,
@@ -258,9 +269,10 @@ class DilatedTransformerDecoderLayer(_Layer):
     Other arguments as in :class:`DilatedTransformerEncoderLayer`.
 
     ``__call__(x, memory=None, *, is_causal=False, memory_is_causal=False, seq_lengths=None,
-    positions=None) -> (b, n, d_model)``; ``seq_lengths``: optional int ``(b,)`` valid tokens
-    per row of ``x`` and ``memory`` (padding); ``positions``: as in the encoder layer (the
-    self-attention only).
+    positions=None, segment_ids=None) -> (b, n, d_model)``; ``seq_lengths``: optional int
+    ``(b,)`` valid tokens per row of ``x`` and ``memory`` (padding); ``positions``: as in the
+    encoder layer (the self-attention only); ``segment_ids``: as in the encoder layer, for the
+    rows of ``x`` and ``memory`` (the cross-attention does not cross documents either).
     """
 
     def __init__(
@@ -304,15 +316,17 @@ class DilatedTransformerDecoderLayer(_Layer):
         rngs: nnx.Rngs | None = None,
         seq_lengths: jax.Array | None = None,
         positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
     ) -> jax.Array:
         kw = dict(deterministic=deterministic, rngs=rngs)
-        x = self._self_attention_block(x, is_causal, kw, seq_lengths, positions)
+        x = self._self_attention_block(x, is_causal, kw, seq_lengths, positions, segment_ids)
         if self.cross_attn is not None:
             if memory is None:
                 raise ValueError("memory must be given to a decoder layer with cross_attention")
             y = self.cross_attn(self.norm2(x), memory, is_causal=memory_is_causal,
                                 query_seq_lengths=seq_lengths,
-                                key_value_seq_lengths=seq_lengths, **kw)
+                                key_value_seq_lengths=seq_lengths, segment_ids=segment_ids,
+                                **kw)
             x = self._residual(x, y, kw)
         elif memory is not None:
             raise ValueError("memory was given to a decoder layer built with "

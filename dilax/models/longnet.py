@@ -14,7 +14,9 @@ import jax
 from flax import nnx
 
 from dilax import _validation as V
+from dilax.attention_mask import check_segment_ids
 from dilax.decode import KVCache
+from dilax.documents import document_positions
 from dilax.models.config import (
     DEFAULT_DILATION_RATES,
     PAPER_SEGMENT_LENGTHS,
@@ -65,13 +67,17 @@ class LongNet(nnx.Module):
         ``dtype`` (e.g. ``jnp.bfloat16``; ``param_dtype`` stays float32 by default), ...), as in
         :class:`DilatedTransformerEncoderLayer`.
 
-    ``__call__(x (b, n, d_model), *, is_causal=True, seq_lengths=None, positions=None) ->
-    (b, n, d_model)``; ``seq_lengths``: optional int ``(b,)`` valid tokens per row (padding at
-    the end): every attention uses it as query and key-value lengths (as in
-    :func:`dilax.dilated_attention`), so the valid prefix equals the unpadded sequence's
-    result; rows past it are finite values to be ignored (mask them out of the loss).
-    ``positions``: optional int ``(b, n)`` token positions for the self-attentions' rotary
-    code (``config.position_scheme``; default ``0 .. n - 1``).
+    ``__call__(x (b, n, d_model), *, is_causal=True, seq_lengths=None, positions=None,
+    segment_ids=None) -> (b, n, d_model)``; ``seq_lengths``: optional int ``(b,)`` valid
+    tokens per row (padding at the end): every attention uses it as query and key-value
+    lengths (as in :func:`dilax.dilated_attention`), so the valid prefix equals the unpadded
+    sequence's result; rows past it are finite values to be ignored (mask them out of the
+    loss). ``positions``: optional int ``(b, n)`` token positions for the self-attentions'
+    rotary code (``config.position_scheme``; default ``0 .. n - 1``). ``segment_ids``:
+    optional int ``(b, n)``, packed documents (docs/semantics.md, "Packed documents"): a
+    maximal run of equal ids is a document, no attention crosses documents and the positions
+    restart at 0 at each (:func:`dilax.documents.document_positions`, unless ``positions``
+    are given), so every document's rows equal the model applied to that document alone.
     """
 
     def __init__(
@@ -132,10 +138,15 @@ class LongNet(nnx.Module):
         rngs: nnx.Rngs | None = None,
         seq_lengths: jax.Array | None = None,
         positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
     ) -> jax.Array:
         is_causal = V.check_bool(is_causal, "is_causal")
         tgt = x
         extra = {} if seq_lengths is None else dict(seq_lengths=seq_lengths)
+        if segment_ids is not None:  # positions restart at each document unless given
+            extra["segment_ids"] = check_segment_ids(segment_ids, *x.shape[:2])
+            if positions is None:
+                positions = document_positions(extra["segment_ids"])
         if positions is not None:
             extra["positions"] = check_positions(positions, *x.shape[:2])
         for layer in self.encoder:
@@ -229,11 +240,13 @@ class LongNetLM(nnx.Module):
       ``LongNetLM(256, config=LongNetConfig(64, 4, 128, (16, 32), (1, 2)),
       num_encoder_layers=0, num_decoder_layers=2, rngs=nnx.Rngs(0))``.
 
-    ``__call__(tokens (b, n) int, *, is_causal=True, seq_lengths=None, positions=None) ->
-    logits (b, n, num_tokens)`` in the compute dtype; ``seq_lengths``: optional int ``(b,)``
-    valid tokens per row (padding at the end, see :class:`LongNet`); ``positions``: optional
-    int ``(b, n)`` position of every token (default ``0 .. n - 1``; e.g. restarting at every
-    document of a packed row).
+    ``__call__(tokens (b, n) int, *, is_causal=True, seq_lengths=None, positions=None,
+    segment_ids=None) -> logits (b, n, num_tokens)`` in the compute dtype; ``seq_lengths``:
+    optional int ``(b,)`` valid tokens per row (padding at the end, see :class:`LongNet`);
+    ``positions``: optional int ``(b, n)`` position of every token (default ``0 .. n - 1``,
+    with ``segment_ids`` the position inside each document); ``segment_ids``: optional int
+    ``(b, n)``, documents packed in a row (see :class:`LongNet`): each document's logits equal
+    those of the document alone. Decoding (:meth:`decode`) is one document per row.
     Token ids outside ``[0, num_tokens)`` raise when concrete and are clipped under ``jit``
     (:func:`dilax.models.check_token_ids`).
     """
@@ -287,11 +300,12 @@ class LongNetLM(nnx.Module):
         rngs: nnx.Rngs | None = None,
         seq_lengths: jax.Array | None = None,
         positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
     ) -> jax.Array:
         tokens = check_token_ids(tokens, self.num_tokens)  # ids outside: see tokens.py
         x = self.token_embedding(tokens)
         x = self.long_net(x, is_causal=is_causal, deterministic=deterministic, rngs=rngs,
-                          positions=positions,
+                          positions=positions, segment_ids=segment_ids,
                           **({} if seq_lengths is None else dict(seq_lengths=seq_lengths)))
         return self.out(self.norm(x))
 

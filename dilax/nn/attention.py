@@ -57,9 +57,11 @@ class DilatedAttention(nnx.Module):
         (``segment_lengths`` ... ``local_window`` then left out).
 
     ``__call__(q, k, v, *, is_causal=None, query_seq_lengths=None,
-    key_value_seq_lengths=None, mask=None)`` takes ``q (b, n, h, d)``, ``k``/``v (b, n, hk,
-    d)`` with ``h % hk == 0`` and optional int ``(b,)`` valid lengths (padding, as in
-    :func:`dilax.dilated_attention`) or a :class:`dilax.AttentionMask` and returns
+    key_value_seq_lengths=None, mask=None, segment_ids=None)`` takes ``q (b, n, h, d)``,
+    ``k``/``v (b, n, hk, d)`` with ``h % hk == 0`` and optional int ``(b,)`` valid lengths
+    (padding, as in :func:`dilax.dilated_attention`) or a :class:`dilax.AttentionMask`, and
+    optional int ``segment_ids (b, n)`` (packed documents: each maximal run of equal ids is
+    computed as a sequence of its own, see :func:`dilax.dilated_attention`); returns
     ``(b, n, h, d)`` in ``q.dtype``.
     """
 
@@ -99,6 +101,7 @@ class DilatedAttention(nnx.Module):
         query_seq_lengths: jax.Array | None = None,
         key_value_seq_lengths: jax.Array | None = None,
         mask: AttentionMask | None = None,
+        segment_ids: jax.Array | None = None,
     ) -> jax.Array:
         settings = self.settings
         if is_causal is not None and V.check_bool(is_causal, "is_causal") != settings.is_causal:
@@ -106,7 +109,7 @@ class DilatedAttention(nnx.Module):
         return dilated_attention(
             q, k, v, settings=settings, query_seq_lengths=query_seq_lengths,
             key_value_seq_lengths=key_value_seq_lengths, mask=mask,
-            sequence_parallel=self.sequence_parallel)
+            sequence_parallel=self.sequence_parallel, segment_ids=segment_ids)
 
     # --- KV-cache decoding -------------------------------------------------------------
 
@@ -204,19 +207,22 @@ class MultiheadDilatedAttention(nnx.Module):
         query_seq_lengths: jax.Array | None = None,
         key_value_seq_lengths: jax.Array | None = None,
         mask: AttentionMask | None = None,
+        segment_ids: jax.Array | None = None,
     ) -> jax.Array:
         """``query (b, n, E)``, ``key``/``value (b, n, E)`` (default: ``query``, and ``value``
         defaults to ``key``) -> ``(b, n, E)``. ``query_seq_lengths``,
         ``key_value_seq_lengths``: optional int ``(b,)`` (padding; see
         :func:`dilax.dilated_attention`): the attention output is 0 on query rows past their
         length (the output projection's bias still applies there). ``mask``: a
-        :class:`dilax.AttentionMask` instead of the lengths."""
+        :class:`dilax.AttentionMask` instead of the lengths. ``segment_ids``: optional int
+        ``(b, n)``, packed documents (no query attends a key of another document; see
+        :func:`dilax.dilated_attention`)."""
         q, k, v = project_qkv(self, query, key, value)
         # False (the default) leaves the flag of the module's settings as it is
         causal = None if is_causal is False else is_causal
         x = self.attention(q, k, v, is_causal=causal, query_seq_lengths=query_seq_lengths,
                            key_value_seq_lengths=key_value_seq_lengths,
-                           mask=mask).reshape(query.shape)
+                           mask=mask, segment_ids=segment_ids).reshape(query.shape)
         return output_projection(self, self.dropout(x, deterministic=deterministic, rngs=rngs))
 
     # --- KV-cache decoding -------------------------------------------------------------

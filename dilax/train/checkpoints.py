@@ -178,7 +178,7 @@ def _check_model_config(meta: dict, model_cfg: ModelConfig, where: str | Path,
 # ``steps`` is not one of them: it may grow (train longer) or shrink; the learning-rate
 # schedule is then recomputed for the new length, which is logged.
 _TRAJECTORY_FIELDS = ("batch_size", "seq_len", "lr", "warmup", "weight_decay", "clip_norm",
-                      "seed")
+                      "seed", "pack", "doc_separator")
 
 
 def _check_train_config_unchanged(meta: dict, cfg: TrainConfig,

@@ -33,6 +33,7 @@ from dilax.train.config import (
     validate,
 )
 from dilax.train.loop import train
+from dilax.train.packing import check_doc_separator, read_documents
 
 EPILOG = """\
 examples:
@@ -77,9 +78,21 @@ def build_parser() -> argparse.ArgumentParser:
                 epilog=EPILOG, formatter_class=HelpFormatter)
     g = p.add_argument_group("data and checkpoints")
     g.add_argument("--data", default=None, metavar="FILE",
-                   help="UTF-8 text file to train on; the character vocabulary (the tokenizer) "
+                   help="UTF-8 text file to train on (with --pack also a directory: one "
+                        "document per file); the character vocabulary (the tokenizer) "
                         "is built from it and saved in the checkpoint (default: the shipped "
                         "corpus, dilax/data/fables.txt)")
+    g.add_argument("--pack", action="store_true",
+                   help="train on packed documents: the files of the --data directory (sorted "
+                        "by name), or the --data file split on --doc-separator lines, packed "
+                        "greedily in order into --seq-len rows (a document that does not fit "
+                        "in a row's rest starts the next row; one longer than a row is cut "
+                        "into --seq-len pieces); every document is computed as if alone "
+                        "(attention and rotary positions restart), no target crosses "
+                        "documents")
+    g.add_argument("--doc-separator", default=t.doc_separator, metavar="LINE",
+                   help="with --pack and a --data file: a line that is exactly LINE ends a "
+                        "document (the line is dropped)")
     g.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="where checkpoints go (default: checkpoints/<date>-<time>, a new "
                         "folder per run)")
@@ -235,7 +248,7 @@ def _fmt(v) -> str:
 
 
 def _prepare(argv: Sequence[str] | None, text: str | None
-             ) -> tuple[TrainConfig, ModelConfig, str, argparse.Namespace]:
+             ) -> tuple[TrainConfig, ModelConfig, str | list[str], argparse.Namespace]:
     args, given = _parse(argv)
     if args.resume:
         if not args.checkpoint_dir:
@@ -243,7 +256,11 @@ def _prepare(argv: Sequence[str] | None, text: str | None
         tcfg, mcfg = _resumed_configs(args, given)
     else:
         tcfg, mcfg = configs_from_args(args, vocab="")
-    if text is None:
+    docs = None
+    if tcfg.pack:  # a directory of documents, or a file split on separator lines
+        docs = read_documents(tcfg.data, check_doc_separator(tcfg.doc_separator))
+        text = "".join(docs)
+    elif text is None:
         text = read_text_file(tcfg.data) if tcfg.data else load_corpus()
     where = f"--data {tcfg.data}" if tcfg.data else "the corpus"
     if tcfg.data:  # recorded in the checkpoint: a resume from another directory finds it
@@ -260,14 +277,15 @@ def _prepare(argv: Sequence[str] | None, text: str | None
     check_text_length(text, tcfg.seq_len, where)
     train_data, val_data = split_corpus(np.zeros(len(text), np.int8))
     validate(tcfg, mcfg, len(train_data), len(val_data))
-    return tcfg, mcfg, text, args
+    return tcfg, mcfg, text if docs is None else docs, args
 
 
 def configs_from_argv(argv: Sequence[str] | None = None, text: str | None = None
                       ) -> tuple[TrainConfig, ModelConfig]:
     """Parses and validates the command line (nothing is built or trained).
 
-    ``text`` overrides the ``--data`` file (default: that file, else the shipped corpus). With
+    ``text`` overrides the ``--data`` file (default: that file, else the shipped corpus; with
+    ``--pack`` the documents are always read from ``--data``). With
     ``--resume`` the configs start from the checkpoint's (its meta is read).
 
     Raises:
@@ -298,8 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tcfg, checkpoint_dir=os.path.join("checkpoints", time.strftime("%Y%m%d-%H%M%S")))
             print(f"checkpoints go to {tcfg.checkpoint_dir} (--checkpoint-dir)")
         try:
-            result = train(tcfg, mcfg, text=text, progress=not args.no_progress,
-                           interrupt="exit")
+            data = dict(documents=text) if tcfg.pack else dict(text=text)
+            result = train(tcfg, mcfg, progress=not args.no_progress, interrupt="exit", **data)
         except CheckpointError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

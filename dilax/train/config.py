@@ -55,6 +55,10 @@ class ModelConfig:
         return cls(**d)
 
 
+# --pack: a line that is exactly this separates two documents of a --data file
+DEFAULT_DOC_SEPARATOR = "<|endoftext|>"
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """How to train (the CLI flags of the "training" group, same names with dashes).
@@ -64,10 +68,13 @@ class TrainConfig:
     ``resume`` continues from the latest checkpoint in ``checkpoint_dir``. ``eval_every=0``
     disables evaluation, ``sample_tokens=0`` the final sample. ``data`` is the path of the
     UTF-8 training text (``None``: the shipped corpus); it is recorded in the checkpoint, so a
-    resume reads the same file.
+    resume reads the same file. ``pack``: train on packed documents (:mod:`dilax.train.packing`:
+    ``data`` a directory of documents or a file split on ``doc_separator`` lines).
     """
 
     data: str | None = None
+    pack: bool = False
+    doc_separator: str = DEFAULT_DOC_SEPARATOR
     steps: int = 500
     batch_size: int = 16
     seq_len: int = 128
@@ -199,6 +206,12 @@ def check_train_config(cfg: TrainConfig, model_cfg: ModelConfig, n_train: int,
     if cfg.seq_len + 1 >= min(n_train, n_val):
         raise ValueError(f"{_flag('seq_len')}={cfg.seq_len} is too long for the corpus splits "
                          f"({n_train} train, {n_val} eval characters)")
+    if not isinstance(cfg.pack, bool):
+        raise TypeError(f"{_flag('pack')} must be a bool, got {cfg.pack!r}")
+    if cfg.pack and (not isinstance(cfg.doc_separator, str) or not cfg.doc_separator
+                     or any(c in cfg.doc_separator for c in "\r\n")):
+        raise ValueError(f"{_flag('doc_separator')} must be a non-empty line without line "
+                         f"breaks, got {cfg.doc_separator!r}")
     if cfg.resume and not cfg.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir")
     if cfg.stop_after is not None and (

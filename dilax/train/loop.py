@@ -32,6 +32,15 @@ from dilax.train.config import (
     unigram_entropy,
     validate,
 )
+from dilax.train.packing import (
+    PackedRows,
+    documents_sha256,
+    pack_documents,
+    packed_batch,
+    packed_eval_batches,
+    read_documents,
+    split_documents,
+)
 from dilax.train.sampling import sample
 from dilax.train.steps import (
     count_params,
@@ -154,15 +163,15 @@ class _Run:
     model_cfg: ModelConfig
     model: LongNetLM
     optimizer: nnx.Optimizer
-    train_data: np.ndarray
-    evals: list
+    train_data: np.ndarray | PackedRows  # the token stream, or packed rows (--pack)
+    evals: list  # batches (x, y), or (x, y, segment_ids, lengths) packed
     start: int
     end: int
     data_sha256: str | None = None
 
 
 def _evaluate(run: _Run) -> float:
-    total = sum(eval_step(run.model, jnp.asarray(x), jnp.asarray(y)) for x, y in run.evals)
+    total = sum(eval_step(run.model, *map(jnp.asarray, batch)) for batch in run.evals)
     return float(total) / len(run.evals)
 
 
@@ -201,9 +210,13 @@ def _run_steps(run: _Run, progress: bool, log: Callable[[str], None],
     try:
         for step in range(start + 1, end + 1):
             t_step = _clock()
-            x, y = train_batch(run.train_data, cfg.seed, step, cfg.batch_size, cfg.seq_len)
-            loss = train_step(run.model, run.optimizer, jnp.asarray(x), jnp.asarray(y),
-                              jax.random.fold_in(base_key, step))
+            if isinstance(run.train_data, PackedRows):  # (x, y, segment_ids, lengths)
+                batch = packed_batch(run.train_data, cfg.seed, step, cfg.batch_size)
+            else:
+                batch = train_batch(run.train_data, cfg.seed, step, cfg.batch_size, cfg.seq_len)
+            x, y, *packed = map(jnp.asarray, batch)
+            loss = train_step(run.model, run.optimizer, x, y, jax.random.fold_in(base_key, step),
+                              *packed)
             losses[step] = float(loss)
             if step > start + 1:  # the first step includes compilation
                 timed, step_s = timed + 1, step_s + (_clock() - t_step)
@@ -300,7 +313,7 @@ def _nats_and_bits(nats: float) -> str:
 
 def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, *, text: str | None = None,
           progress: bool = True, log: Callable[[str], None] = print,
-          interrupt: str = "stop") -> TrainResult:
+          interrupt: str = "stop", documents: list[str] | None = None) -> TrainResult:
     """Trains (or resumes) a character LM; see the :mod:`dilax.train` docstring.
 
     Args:
@@ -316,6 +329,8 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, *, text: str |
         ``result.interrupted`` set; a second raises ``KeyboardInterrupt``. ``"exit"``: the
         same, but a second signal terminates the process at once (the CLI). ``"off"``: the
         handlers are left alone.
+      documents: with ``cfg.pack``, the documents (default :func:`read_documents` of
+        ``cfg.data`` and ``cfg.doc_separator``); ``text`` is then not used.
 
     Returns:
       :class:`TrainResult` with the per-step losses of this invocation, eval losses, the
@@ -331,7 +346,12 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, *, text: str |
     """
     if interrupt not in ("stop", "exit", "off"):
         raise ValueError(f"interrupt must be 'stop', 'exit' or 'off', got {interrupt!r}")
-    if text is None:
+    docs = None
+    if cfg.pack:  # documents packed into rows (dilax.train.packing)
+        docs = (documents if documents is not None
+                else read_documents(cfg.data, cfg.doc_separator))
+        text = "".join(docs)
+    elif text is None:
         text = read_text_file(cfg.data) if cfg.data else load_corpus()
     where = f"--data {cfg.data}" if cfg.data else "the training text"
     model_cfg = (ModelConfig(vocab=CharTokenizer.from_text(text).vocab) if model_cfg is None
@@ -344,10 +364,16 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, *, text: str |
     tok = CharTokenizer(model_cfg.vocab)
     tokens = tok.encode(text)
     check_text_length(text, cfg.seq_len, where)
-    train_data, val_data = split_corpus(tokens)
-    validate(cfg, model_cfg, len(train_data), len(val_data))
+    if docs is not None:
+        train_docs, val_docs = split_documents([tok.encode(d) for d in docs])
+        sizes = sum(map(len, train_docs)), sum(map(len, val_docs))
+        data_sha256 = documents_sha256(docs)
+    else:
+        train_data, val_data = split_corpus(tokens)
+        sizes = len(train_data), len(val_data)
+        data_sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    validate(cfg, model_cfg, *sizes)
     entropy = unigram_entropy(tokens)
-    data_sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
     # missing, unreadable, other config: before building
     check_before_run(cfg, model_cfg, data_sha256)
 
@@ -360,13 +386,21 @@ def train(cfg: TrainConfig, model_cfg: ModelConfig | None = None, *, text: str |
         f"{len(tok.vocab)}; unigram entropy {_nats_and_bits(entropy)}")
 
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
-    run = _Run(cfg, model_cfg, model, optimizer, train_data,
-               eval_batches(val_data, cfg.eval_batches, cfg.batch_size, cfg.seq_len), start, end,
-               data_sha256)
+    if docs is not None:
+        train_data = pack_documents(train_docs, cfg.seq_len)
+        evals = packed_eval_batches(pack_documents(val_docs, cfg.seq_len), cfg.eval_batches,
+                                    cfg.batch_size)
+        log(f"packed {len(docs):,} documents into {len(train_data):,} training rows of "
+            f"{cfg.seq_len} ({train_data.lengths.sum() / train_data.tokens.size:.0%} tokens, "
+            "the rest padding)")
+    else:
+        evals = eval_batches(val_data, cfg.eval_batches, cfg.batch_size, cfg.seq_len)
+    run = _Run(cfg, model_cfg, model, optimizer, train_data, evals, start, end, data_sha256)
     with _StopRequest(interrupt != "off", hard=interrupt == "exit") as stop:
         r = _run_steps(run, progress, log, stop)
+    # the per-position report reads window positions: not those of packed rows
     pos_losses = (_report_positions(run, log)
-                  if cfg.eval_every > 0 and r.interrupted is None else None)
+                  if cfg.eval_every > 0 and r.interrupted is None and not cfg.pack else None)
     text_out = None
     if cfg.sample_tokens > 0 and r.last_step == cfg.steps and r.interrupted is None:
         text_out = sample(model, tok, cfg.prompt, cfg.sample_tokens, cfg.seq_len,

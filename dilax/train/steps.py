@@ -56,34 +56,63 @@ def make_optimizer(model: LongNetLM, cfg: TrainConfig) -> nnx.Optimizer:
 
 
 def lm_loss(model: LongNetLM, x: jax.Array, y: jax.Array, rngs: nnx.Rngs | None,
-            deterministic: bool, lengths: jax.Array | None = None) -> jax.Array:
+            deterministic: bool, lengths: jax.Array | None = None,
+            segment_ids: jax.Array | None = None) -> jax.Array:
     """Mean next-character cross-entropy (nats), logits in float32.
 
+    ``x, y (b, n)``: ``y[:, t]`` is the target of ``x[:, t]``.
     ``lengths``: optional int ``(b,)`` valid tokens per row of a padded batch: the model gets
-    them as ``seq_lengths`` and the mean runs over the valid positions only."""
-    if lengths is None:
-        logits = model(x, deterministic=deterministic, rngs=rngs).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    logits = model(x, deterministic=deterministic, rngs=rngs,
-                   seq_lengths=lengths).astype(jnp.float32)
-    valid = jnp.arange(x.shape[1])[None, :] < lengths[:, None]
+    them as ``seq_lengths`` and the mean runs over the valid positions only.
+    ``segment_ids``: optional int ``(b, n)``, documents packed in the rows (a maximal run of
+    equal ids is a document; :class:`dilax.models.LongNetLM` computes each as if alone). Then
+    ``y`` is ``x`` shifted left by one inside the row, and a target counts only where it is
+    the next token of the same document: the target at the last token of every document is
+    dropped, and the row's end (and, with ``lengths``, its valid end) ends a document too.
+    The loss is the mean over the targets kept, so on a packed batch it is the token-weighted
+    mean of the documents' own losses."""
+    kw = {}
+    if lengths is not None:
+        kw["seq_lengths"] = lengths
+    if segment_ids is not None:
+        kw["segment_ids"] = segment_ids
+    logits = model(x, deterministic=deterministic, rngs=rngs, **kw).astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-    return jnp.sum(jnp.where(valid, losses, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
+    if not kw:
+        return losses.mean()
+    pos = jnp.arange(x.shape[1])[None, :]
+    keep = jnp.ones(x.shape, bool)
+    if segment_ids is not None:  # the next token is in the row and in the same document
+        ids = jnp.asarray(segment_ids)
+        same = ids[:, 1:] == ids[:, :-1]
+        keep = jnp.concatenate([same, jnp.zeros_like(same[:, :1])], axis=1)
+    if lengths is not None:
+        # without documents the target of the last valid token counts (it is given in y);
+        # with them the next token must be valid too
+        last = lengths[:, None] - (0 if segment_ids is None else 1)
+        keep = keep & (pos < last)
+    return jnp.sum(jnp.where(keep, losses, 0.0)) / jnp.maximum(jnp.sum(keep), 1)
 
 
 @nnx.jit(donate_argnums=(0, 1))
 def train_step(model: LongNetLM, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array,
-               dropout_key: jax.Array) -> jax.Array:
-    """One update on int32 ``x, y (b, n)``; returns the loss. Donates model and optimizer."""
-    loss, grads = nnx.value_and_grad(lm_loss)(model, x, y, nnx.Rngs(dropout=dropout_key), False)
+               dropout_key: jax.Array, segment_ids: jax.Array | None = None,
+               lengths: jax.Array | None = None) -> jax.Array:
+    """One update on int32 ``x, y (b, n)`` (optionally packed: ``segment_ids (b, n)`` and
+    valid ``lengths (b,)``, see :func:`lm_loss`); returns the loss. Donates model and
+    optimizer."""
+    loss, grads = nnx.value_and_grad(lm_loss)(model, x, y, nnx.Rngs(dropout=dropout_key), False,
+                                              lengths, segment_ids)
     optimizer.update(model, grads)
     return loss
 
 
 @nnx.jit
-def eval_step(model: LongNetLM, x: jax.Array, y: jax.Array) -> jax.Array:
-    """Mean loss on ``x, y (b, n)`` without dropout."""
-    return lm_loss(model, x, y, None, True)
+def eval_step(model: LongNetLM, x: jax.Array, y: jax.Array,
+              segment_ids: jax.Array | None = None,
+              lengths: jax.Array | None = None) -> jax.Array:
+    """Mean loss on ``x, y (b, n)`` without dropout (``segment_ids``, ``lengths``: as in
+    :func:`train_step`)."""
+    return lm_loss(model, x, y, None, True, lengths, segment_ids)
 
 
 @nnx.jit
