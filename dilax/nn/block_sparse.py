@@ -35,9 +35,10 @@ def _check_pattern_type(pattern) -> BlockSparsePattern:
 
 
 def _attend(q, k, v, pattern, sp: SequenceParallel | None, *, is_causal, scale=None,
-            implementation=None):
+            implementation=None, segment_ids=None):
     return block_sparse_attention(q, k, v, pattern, is_causal=is_causal, scale=scale,
-                                  implementation=implementation, sequence_parallel=sp)
+                                  implementation=implementation, sequence_parallel=sp,
+                                  segment_ids=segment_ids)
 
 
 class BlockSparseAttention(nnx.Module):
@@ -75,11 +76,14 @@ class BlockSparseAttention(nnx.Module):
             sequence_parallel, self.implementation, layouts=("contiguous",))
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *,
-                 is_causal: bool | None = None, scale: float | None = None) -> jax.Array:
-        """Returns ``(b, n, h, d)`` (see :func:`dilax.block_sparse_attention`)."""
+                 is_causal: bool | None = None, scale: float | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """Returns ``(b, n, h, d)`` (see :func:`dilax.block_sparse_attention`; optional
+        ``segment_ids (b, n)``: packed documents, the pattern AND same document)."""
         return _attend(q, k, v, self.pattern, self.sequence_parallel,
                        is_causal=self.is_causal if is_causal is None else is_causal,
-                       scale=scale, implementation=self.implementation)
+                       scale=scale, implementation=self.implementation,
+                       segment_ids=segment_ids)
 
 
 class BlockSparseMultiheadAttention(nnx.Module):
@@ -158,11 +162,14 @@ class BlockSparseMultiheadAttention(nnx.Module):
         *,
         is_causal: bool = False,
         deterministic: bool | None = None,
+        segment_ids: jax.Array | None = None,
     ) -> jax.Array:
         """``query``, ``key``, ``value``: ``(b, n, embed_dim)`` (key defaults to query, value to
-        key). Returns ``(b, n, embed_dim)``."""
+        key); optional ``segment_ids (b, n)`` (packed documents). Returns
+        ``(b, n, embed_dim)``."""
         q, k, v = project_qkv(self, query, key, value)
-        x = _attend(q, k, v, self.pattern, self.sequence_parallel, is_causal=is_causal)
+        x = _attend(q, k, v, self.pattern, self.sequence_parallel, is_causal=is_causal,
+                    segment_ids=segment_ids)
         x = x.reshape(query.shape)
         if self.dropout is not None:
             x = self.dropout(x, deterministic=deterministic)
