@@ -27,16 +27,18 @@ import jax
 import numpy as np
 
 IMPLEMENTATIONS = ("reference", "xla", "pallas", "cudnn")
-OPS = ("dilated_branch", "window", "block_sparse", "ring_hop", "decode")
+OPS = ("dilated_branch", "window", "block_sparse", "ring_hop", "decode", "dense")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 # implementation=None: the first of these that serves a request. cuDNN only when a caller
 # asks for an inference-style forward (create_attention with dtype and head_dim); the
 # reference is a dense whole op, never a default.
 AUTO_ORDER = ("pallas", "xla")
+# dot_product_attention's None is jax's default, the XLA path (dilax's blockwise core)
+_AUTO_ORDER_OF = {"dense": ("xla",)}
 
 _WHAT = {"dilated_branch": "a dilated branch", "window": "the local-window branch",
          "block_sparse": "block-sparse attention", "ring_hop": "a ring hop",
-         "decode": "a decode step"}
+         "decode": "a decode step", "dense": "dense attention (dot_product_attention)"}
 _HALF = ("bfloat16", "float16")
 
 
@@ -50,6 +52,7 @@ class CoreRequest:
     (``key_padding_mask``). ``has_lengths``: ``query_seq_lengths``/``key_value_seq_lengths``.
     ``platform``: the platform the program is compiled for when known (``"cpu"``, ``"gpu"``...),
     ``None`` when decided at lowering. ``interpret``: the Pallas kernels run in the interpreter.
+    ``has_pairwise``: a ``bias`` or ``mask`` operand ``(B, N, T, S)`` (``op="dense"``).
     """
 
     op: str
@@ -61,6 +64,7 @@ class CoreRequest:
     has_lengths: bool = False
     platform: str | None = None
     interpret: bool = False
+    has_pairwise: bool = False
 
     def __post_init__(self):
         if self.op not in OPS:
@@ -97,6 +101,8 @@ def _pallas(r: CoreRequest) -> str | None:
     if r.op == "decode":
         return ("no Pallas decode kernel: a decode step gathers at most w / r cached keys per "
                 "branch, which the XLA core serves")
+    if r.has_pairwise:
+        return "the Pallas flash kernel has no bias or mask operand"
     if r.has_window:
         return "the Pallas flash kernel has no band mask (local_window)"
     if r.has_key_padding:
@@ -111,6 +117,8 @@ def _pallas(r: CoreRequest) -> str | None:
 
 
 def _cudnn(r: CoreRequest) -> str | None:
+    if r.op == "dense":  # jax.nn.dot_product_attention(implementation="cudnn"), which checks
+        return None  # its own arguments (bias, mask, window, dtype, platform)
     if r.op == "block_sparse":
         return "cuDNN has no block-sparse attention"
     if r.op in ("ring_hop", "decode"):
@@ -184,7 +192,7 @@ def choose(implementation: str | None, request: CoreRequest,
     if request.platform is None:
         request = dataclasses.replace(request, platform=current_platform())
     refused = []
-    for name in AUTO_ORDER:
+    for name in _AUTO_ORDER_OF.get(request.op, AUTO_ORDER):
         reason = supports(name, request) if name in allowed else "not offered by this op"
         if reason is None:
             why = "; ".join([f"platform {request.platform!r}"] + refused)
