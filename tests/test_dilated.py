@@ -124,13 +124,24 @@ EDGE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", EDGE_CASES)
-@pytest.mark.parametrize("block_sizes", [None, BlockSizes(4, 8)])
+# Each edge case with the default blocks and with BlockSizes(4, 8), except where the two are
+# one program: cases 5, 8 (n = 1) and 9 (w / r <= 2 rows per segment) clamp both to the same
+# blocks, and their lowered StableHLO is identical (checked when this list was made), so the
+# second run would repeat the first.
+_SAME_PROGRAM_FOR_BOTH_BLOCKS = (5, 8, 9)
+EDGE_RUNS = [pytest.param(case, bs, id=f"case{i}-{'default' if bs is None else 'bs4x8'}")
+             for i, case in enumerate(EDGE_CASES) for bs in (None, BlockSizes(4, 8))
+             if bs is None or i not in _SAME_PROGRAM_FOR_BOTH_BLOCKS]
+
+
+@pytest.mark.parametrize("case, block_sizes", EDGE_RUNS)
 def test_edge_cases_match_reference(case, block_sizes):
     _check_case(DilatedCase(*case), block_sizes, seed=case[1])
 
 
-@pytest.mark.parametrize("case", [EDGE_CASES[i] for i in (0, 1, 2, 9)])
+# (EDGE_CASES[2], grouped mode, lowers to the very program of its BlockSizes(4, 8) run in
+# test_edge_cases_match_reference, same inputs: not repeated here.)
+@pytest.mark.parametrize("case", [EDGE_CASES[i] for i in (0, 1, 9)])
 def test_head_groups_match_reference(case):
     """Forward steps over head groups (2 query heads each; a kv head's query heads stay
     together, so MQA groups hold all of them) give the reference, forward and gradients."""
