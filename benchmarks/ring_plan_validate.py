@@ -1,4 +1,4 @@
-"""Checks the ring plan's model (:mod:`benchmarks.ring_plan`) against compiled programs.
+"""Checks the ring plan's model (:mod:`dilax.sp.plan`) against compiled programs.
 
 Compiles the forward and the training step (grad of ``sum(out)`` w.r.t. q, k, v, as
 :mod:`benchmarks.ring` does) of ``sharded_dilated_attention`` on 8..64 fake host devices (one
@@ -139,7 +139,7 @@ def compile_cases(todo: list[dict[str, Any]], timeout: int = 3600,
     return done
 
 
-# XLA:CPU computes (and sends) bfloat16 work in float32: see ring_plan.Config.work_s.
+# XLA:CPU computes (and sends) bfloat16 work in float32: see dilax.sp.plan.Config.work_s.
 CPU_WORK_ITEMSIZE = 4
 
 

@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dilax import _validation as V
+from dilax import registry
 from dilax.attention_mask import check_segment_ids
-from dilax.core import XLA, Core, Mask, attention, core_for, identity_view
+from dilax.core import Core, Mask, attention, identity_view
 from dilax.documents import document_bounds
 from dilax.settings import DilatedSettings
 
 _F32 = jnp.float32
-IMPLEMENTATIONS = (None, "xla", "pallas", "cudnn", "reference")
 
 
 def _ensure_4d(x: jax.Array) -> jax.Array:
@@ -48,6 +48,17 @@ def _check_pairwise(t, full, name: str) -> None:
     if t is not None and any(n not in (1, f) for n, f in zip(t.shape, full)):
         raise ValueError(f"{name} of shape {t.shape} must be broadcastable to (B, N, T, S) = "
                          f"{full}: each dim 1 or the full size")
+
+
+def _implementation(implementation: Any) -> str | None:
+    """A name the registry knows (:func:`dilax.registry.check_name`); any other raises with
+    jax's message for the names it rejects."""
+    try:
+        return registry.check_name(implementation)
+    except ValueError:
+        raise ValueError(f"Unsupported implementation option: {implementation}; "
+                         f"dilax.dot_product_attention serves "
+                         f"{(None,) + registry.IMPLEMENTATIONS}") from None
 
 
 def _window(local_window_size: Any) -> tuple[int, int] | None:
@@ -160,17 +171,11 @@ def dot_product_attention(
         if T != S:
             raise ValueError(f"segment_ids need self-attention (T == S), got T={T}, S={S}")
         segment_ids = check_segment_ids(segment_ids, B, T)
-        if implementation in ("pallas", "cudnn"):
-            raise ValueError(f"implementation={implementation!r} cannot serve segment_ids: "
-                             "the kernels have no per-row key ranges; use implementation=None "
-                             "or 'xla'")
     user_scale = scale
     scale = 1.0 / float(np.sqrt(H)) if scale is None else V.check_real(scale, "scale")
     is_causal = V.check_bool(is_causal, "is_causal")
     return_residual = V.check_bool(return_residual, "return_residual")
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"Unsupported implementation option: {implementation!r}; "
-                         f"dilax.dot_product_attention serves {IMPLEMENTATIONS}")
+    implementation = _implementation(implementation)
 
     if settings is not None:
         if (segment_lengths, dilation_rates, user_scale, implementation) != (None,) * 4:
@@ -183,19 +188,19 @@ def dot_product_attention(
                        segment_lengths, dilation_rates, mode, is_causal, scale, implementation,
                        settings, segment_ids)
         return out.reshape(output_shape)
-    if implementation == "cudnn":  # jax's own cuDNN path, arguments as given
+    request = registry.CoreRequest(
+        "dense", k.dtype, H, is_causal, has_window=window is not None,
+        has_lengths=q_len is not None or kv_len is not None,
+        has_pairwise=bias is not None or mask is not None,
+        has_documents=segment_ids is not None)
+    name, _ = registry.choose(implementation, request)  # ValueError: what cannot serve it
+    if name == "cudnn":  # jax's own cuDNN path, arguments as given
         return jax.nn.dot_product_attention(
             query, key, value, bias, mask, scale=scale, is_causal=is_causal,
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
             local_window_size=local_window_size, implementation="cudnn",
             return_residual=return_residual)
-    core = None if implementation == "reference" else XLA
-    if implementation == "pallas":
-        if bias is not None or mask is not None or window is not None:
-            raise ValueError("implementation='pallas' has no bias, mask or local_window_size "
-                             "(the flash kernels take lengths and causality only); use "
-                             "implementation='xla'")
-        core = core_for("pallas")
+    core = registry.core(name)  # None: the dense mask-based reference
     out, lse = _dense(q, k, v, bias, mask, q_len, kv_len, segment_ids, scale=scale,
                       is_causal=is_causal, window=window, core=core)
     out = out.reshape(output_shape)

@@ -27,16 +27,18 @@ import jax
 import numpy as np
 
 IMPLEMENTATIONS = ("reference", "xla", "pallas", "cudnn")
-OPS = ("dilated_branch", "window", "block_sparse", "ring_hop", "decode")
+OPS = ("dilated_branch", "window", "block_sparse", "ring_hop", "decode", "dense")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 # implementation=None: the first of these that serves a request. cuDNN only when a caller
 # asks for an inference-style forward (create_attention with dtype and head_dim); the
 # reference is a dense whole op, never a default.
 AUTO_ORDER = ("pallas", "xla")
+# dot_product_attention's None is jax's default, the XLA path (dilax's blockwise core)
+_AUTO_ORDER_OF = {"dense": ("xla",)}
 
 _WHAT = {"dilated_branch": "a dilated branch", "window": "the local-window branch",
          "block_sparse": "block-sparse attention", "ring_hop": "a ring hop",
-         "decode": "a decode step"}
+         "decode": "a decode step", "dense": "dense attention (dot_product_attention)"}
 _HALF = ("bfloat16", "float16")
 
 
@@ -52,6 +54,7 @@ class CoreRequest:
     ``None`` when decided at lowering. ``interpret``: the Pallas kernels run in the interpreter.
     ``has_documents``: packed documents (``segment_ids``; per-row key ranges in the core).
     ``block_size``: a block-sparse pattern's block size, or ``None``.
+    ``has_pairwise``: a ``bias`` or ``mask`` operand ``(B, N, T, S)`` (``op="dense"``).
     """
 
     op: str
@@ -65,6 +68,7 @@ class CoreRequest:
     interpret: bool = False
     has_documents: bool = False
     block_size: int | None = None
+    has_pairwise: bool = False
 
     def __post_init__(self):
         if self.op not in OPS:
@@ -115,6 +119,8 @@ def _pallas(r: CoreRequest) -> str | None:
     # the ring's key bounds as kv_len; the masks below decide like for a dilated branch.
     if r.op == "decode":
         return _pallas_decode(r)
+    if r.has_pairwise:
+        return "the Pallas flash kernel has no bias or mask operand"
     # the flash kernels take the band (local_window), per-key validity (key_padding_mask) and
     # query/key lengths: dilated and window branches run on them whole
     if r.op == "block_sparse" and (reason := _pallas_block_sparse(r)) is not None:
@@ -218,7 +224,7 @@ def choose(implementation: str | None, request: CoreRequest,
     if request.platform is None:
         request = dataclasses.replace(request, platform=current_platform())
     refused = []
-    for name in AUTO_ORDER:
+    for name in _AUTO_ORDER_OF.get(request.op, AUTO_ORDER):
         reason = supports(name, request) if name in allowed else "not offered by this op"
         if reason is None:
             why = "; ".join([f"platform {request.platform!r}"] + refused)

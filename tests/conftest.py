@@ -53,16 +53,20 @@ else:
     _count = 8
 os.environ["XLA_FLAGS"] = xla_flags(_count)
 
-# Test modules by CPU cost, largest first (per-test CPU seconds summed per module, 2026-11):
+# Test modules by cost, largest first (per-test seconds summed per module, 2026-11; the modules
+# added since, e.g. test_strict_modes, test_request, test_positions, test_registry, placed by
+# their cost too: left to collection order they started last and kept one worker busy alone):
 # `make test` runs `--dist loadfile --no-loadscope-reorder`, so whole modules go to the two
-# workers in collection order; longest first keeps their finishing times close. Modules not
-# listed follow in their usual order.
+# workers in this order; longest first keeps their finishing times close. Modules not listed
+# (each a few seconds) follow in their usual order.
 _COSTLIEST_MODULES = (
-    "test_ring.py", "test_dilated.py", "test_notebooks.py", "test_pallas.py", "test_readme.py",
-    "test_block_sparse.py", "test_numerics.py", "test_lengths.py", "test_sequence_parallel.py",
-    "test_train_cli.py", "test_train_resume.py", "test_block_sparse_ring.py", "test_models.py",
-    "test_ring_lengths.py", "test_decode.py", "test_train.py", "test_nn.py",
-    "test_ring_multiprocess.py",
+    "test_ring.py", "test_dilated.py", "test_notebooks.py", "test_strict_modes.py",
+    "test_pallas.py", "test_readme.py", "test_positions.py", "test_block_sparse.py",
+    "test_numerics.py", "test_lengths.py", "test_request.py", "test_sequence_parallel.py",
+    "test_dot_product.py", "test_decode.py", "test_registry.py", "test_train_cli.py",
+    "test_train_resume.py", "test_block_sparse_ring.py", "test_models.py",
+    "test_ring_lengths.py", "test_train.py", "test_nn.py", "test_ring_multiprocess.py",
+    "test_train_interrupts.py", "test_batch_dims.py", "test_ring_plan.py",
 )
 
 

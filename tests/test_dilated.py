@@ -124,13 +124,24 @@ EDGE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", EDGE_CASES)
-@pytest.mark.parametrize("block_sizes", [None, BlockSizes(4, 8)])
+# Each edge case with the default blocks and with BlockSizes(4, 8), except where the two are
+# one program: cases 5, 8 (n = 1) and 9 (w / r <= 2 rows per segment) clamp both to the same
+# blocks, and their lowered StableHLO is identical (checked when this list was made), so the
+# second run would repeat the first.
+_SAME_PROGRAM_FOR_BOTH_BLOCKS = (5, 8, 9)
+EDGE_RUNS = [pytest.param(case, bs, id=f"case{i}-{'default' if bs is None else 'bs4x8'}")
+             for i, case in enumerate(EDGE_CASES) for bs in (None, BlockSizes(4, 8))
+             if bs is None or i not in _SAME_PROGRAM_FOR_BOTH_BLOCKS]
+
+
+@pytest.mark.parametrize("case, block_sizes", EDGE_RUNS)
 def test_edge_cases_match_reference(case, block_sizes):
     _check_case(DilatedCase(*case), block_sizes, seed=case[1])
 
 
-@pytest.mark.parametrize("case", [EDGE_CASES[i] for i in (0, 1, 2, 9)])
+# (EDGE_CASES[2], grouped mode, lowers to the very program of its BlockSizes(4, 8) run in
+# test_edge_cases_match_reference, same inputs: not repeated here.)
+@pytest.mark.parametrize("case", [EDGE_CASES[i] for i in (0, 1, 9)])
 def test_head_groups_match_reference(case):
     """Forward steps over head groups (2 query heads each; a kv head's query heads stay
     together, so MQA groups hold all of them) give the reference, forward and gradients."""
@@ -142,12 +153,6 @@ def test_head_groups_match_reference(case):
 def test_block_sizes_rejects_non_positive_ints(field, value):
     with pytest.raises(ValueError, match=f"BlockSizes.{field} must be a positive int"):
         BlockSizes(**{field: value})
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_half_precision_keeps_dtype_and_matches(dtype):
-    case = DilatedCase(1, 48, 4, 2, 16, (8, 16), (1, 2), "mixture", True, jnp.dtype(dtype).name)
-    _check_case(case, BlockSizes(8, 8), seed=0)
 
 
 def _numpy_pytorch_grouped(q, k, v, ws, rs, causal):
@@ -328,7 +333,8 @@ def test_attended_pairs_equals_reference_mask_count(mode, causal):
 def test_half_precision_backward_bits_and_widened_reads_match(dtype, monkeypatch):
     """The backward reads half-precision inputs as uint16 bits when float32 copies of them
     would be large (``dilax.core.xla._WIDEN_LIMIT``; a million-token step) and lets XLA widen
-    them otherwise: both reads against the oracle. Last in this file: it clears jit caches."""
+    them otherwise: both reads against the oracle, in the input dtype (the widened one is what
+    this case runs at the default limit). Last in this file: it clears jit caches."""
     from dilax.core import xla as core_xla
 
     case = DilatedCase(1, 48, 4, 2, 16, (8, 16), (1, 2), "mixture", True, dtype)

@@ -9,6 +9,8 @@
   ring with its backward ring, the branch kinds, the public functions).
 - :mod:`dilax.sp.block_sparse_ring`: ring block-sparse attention.
 - :mod:`dilax.sp.config`: :class:`SequenceParallel`, the module option.
+- :mod:`dilax.sp.plan`: the ring's cost plan (per-device memory, bytes sent, hops) on paper,
+  from the ring's own geometry (``python -m benchmarks ring --plan``).
 """
 
 from dilax.sp.block_sparse_ring import ring_block_sparse_attention, sharded_block_sparse_attention
