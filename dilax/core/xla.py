@@ -271,11 +271,20 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
             hi = jnp.minimum(hi, _block_floor(q_first + block_q - 1 + right - k_offset,
                                               block_k, nk - 1) + 1)
             lo = full = jnp.minimum(_block_floor(q_first - left - k_offset, block_k, nk), hi)
-        rows = None
-        if ranged:  # only the key blocks the rows' ranges meet, all masked
+        rows, pre = None, None
+        if ranged:  # only the key blocks the rows' ranges meet; masked at the ranges' edges
             rows = _range_rows(key_range, bi, u0, u1, qi * block_q, block_q)
             hi = jnp.minimum(hi, cdiv(jnp.max(rows[1]), block_k))
-            lo = full = jnp.minimum(_block_floor(jnp.min(rows[0]), block_k, nk), hi)
+            first = jnp.minimum(_block_floor(jnp.min(rows[0]), block_k, nk), hi)
+            # key blocks inside every row's range need no range mask (nor a causal one
+            # before ``full``); not with a band, whose edges are elsewhere
+            some = rows[0] < rows[1]
+            inner_lo = jnp.clip(cdiv(jnp.max(jnp.where(some, rows[0], 0)), block_k), first, hi)
+            inner_hi = jnp.min(jnp.where(some, rows[1], jnp.iinfo(jnp.int32).max)) // block_k
+            if is_causal:
+                inner_hi = jnp.minimum(inner_hi, full)
+            inner_hi = jnp.clip(inner_hi, inner_lo, hi) if window is None else inner_lo
+            pre, lo, full = (first, inner_lo), inner_lo, inner_hi
 
         def make_body(causal_block):
             def body(j, carry):
@@ -316,6 +325,8 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
             jnp.zeros((U, G, block_q), _F32),
             jnp.zeros((U, G, block_q, d), _F32),
         )
+        if pre is not None:
+            carry = lax.fori_loop(*pre, make_body(True), carry)
         carry = lax.fori_loop(lo, full, make_body(False), carry)
         if is_causal or window is not None or ranged:
             carry = lax.fori_loop(full, hi, make_body(True), carry)
