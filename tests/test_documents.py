@@ -66,6 +66,8 @@ def _program(mode, causal, window, lengths):
         out = dilax.dilated_attention(
             q, k, v, WS, RS, mode=mode, is_causal=causal, local_window=window,
             segment_ids=ids, implementation="xla",
+            # small tiles: blocks inside, across and at the edges of the key runs
+            block_sizes=dilax.core.BlockSizes(8, 16, 16, 8) if lengths else None,
             query_seq_lengths=q_len if lengths else None,
             key_value_seq_lengths=kv_len if lengths else None)
         return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32)), out

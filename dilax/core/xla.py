@@ -278,9 +278,9 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
             first = jnp.minimum(_block_floor(jnp.min(rows[0]), block_k, nk), hi)
             # key blocks inside every row's range need no range mask (nor a causal one
             # before ``full``); not with a band, whose edges are elsewhere
-            some = rows[0] < rows[1]
-            inner_lo = jnp.clip(cdiv(jnp.max(jnp.where(some, rows[0], 0)), block_k), first, hi)
-            inner_hi = jnp.min(jnp.where(some, rows[1], jnp.iinfo(jnp.int32).max)) // block_k
+            # (a row with an empty range, lo > hi, leaves no block inside: all masked)
+            inner_lo = jnp.clip(cdiv(jnp.max(rows[0]), block_k), first, hi)
+            inner_hi = jnp.min(rows[1]) // block_k
             if is_causal:
                 inner_hi = jnp.minimum(inner_hi, full)
             inner_hi = jnp.clip(inner_hi, inner_lo, hi) if window is None else inner_lo
