@@ -252,8 +252,7 @@ def markdown(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         t = (f"{r['ms_median']:.2f} ({r['ms_min']:.2f}–{r['ms_max']:.2f})"
              if "ms_median" in r else "")
-        status = r["status"] if r["status"] == "ok" else (
-            f"{r['status']}: {r.get('reason', '').replace('|', '/')[:160]}")
+        status = _status(r)
         lines.append(f"| {r['kernel']} | {r['head_dim']} | {r['n']:,} | {r['pass_']} | {t} | "
                      f"{_fmt(r.get('tflops'), '.1f')} | {_fmt(r.get('pct_peak'), '.1f')} | "
                      f"{_fmt(r.get('compile_s'), '.1f')} | {status} |")
@@ -264,8 +263,7 @@ def markdown(result: dict[str, Any]) -> str:
         for r in result["decode"]:
             t = (f"{r['ms_median']:.3f} ({r['ms_min']:.3f}–{r['ms_max']:.3f})"
                  if "ms_median" in r else "")
-            status = r["status"] if r["status"] == "ok" else (
-                f"{r['status']}: {r.get('reason', '').replace('|', '/')[:160]}")
+            status = _status(r)
             lines.append(f"| {r['implementation']} | {r['batch']} | {r['n']:,} | {t} | "
                          f"{_fmt(r.get('tokens_per_s'), ',.0f')} | {status} |")
     return "\n".join(lines) + "\n"
@@ -334,3 +332,10 @@ def write_outputs(result: dict[str, Any], out_dir: str) -> dict[str, str]:
             paths[f"plot{i}"] = p
     paths["markdown_text"] = text
     return paths
+
+
+def _status(row) -> str:
+    """A table cell: ``ok``, or the status with its reason (pipes escaped, cut at 160)."""
+    if row["status"] == "ok":
+        return "ok"
+    return f"{row['status']}: {row.get('reason', '').replace('|', '/')[:160]}"

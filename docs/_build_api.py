@@ -27,7 +27,7 @@ SECTIONS = (
     ("dilax.train", ("train", "TrainConfig", "ModelConfig", "TrainResult", "CheckpointError",
                      "CharTokenizer", "make_model", "make_optimizer", "sample",
                      "save_checkpoint", "restore_checkpoint", "read_checkpoint_meta", "main",
-                     "load_model", "LoadedModel", "sample_text")),
+                     "load_model", "LoadedModel", "sample_text", "lm_loss")),
 )
 
 

@@ -125,13 +125,7 @@ def online_softmax(q, q_pos, k_ref, v_ref, *, segments, kv_len, k_offset, scale,
                                        k_valid), s, _NEG_INF)
                 # Zero invalid keys so NaN/inf there can never leak through 0 * x.
                 v = jnp.where(ok[:, None], v, jnp.zeros((), v.dtype))
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-            p = jnp.exp(s - m_safe[:, None])
-            corr = jnp.exp(m - m_safe)
-            denom = denom * corr + jnp.sum(p, axis=1)
-            acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v, 1, 0)
-            return m_new, denom, acc
+            return online_softmax_step(m, denom, acc, s, v)
 
         return body
 
@@ -330,3 +324,14 @@ def dkdv_call(kernel, *, grid, table_specs, len_pad: int, groups: int, dp: int, 
         out_shape=[jax.ShapeDtypeStruct(kv_shape, k_dtype),
                    jax.ShapeDtypeStruct(kv_shape, v_dtype)],
         compiler_params=compiler_params, interpret=interpret, debug=debug, name=name)
+
+
+def online_softmax_step(m, denom, acc, s, v):
+    """One key tile folded into the float32 online-softmax state ``(m, denom, acc)`` of a
+    query tile: logits ``s (bq, bk)`` (``-inf`` = masked), values ``v (bk, d)``."""
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+    p = jnp.exp(s - m_safe[:, None])
+    corr = jnp.exp(m - m_safe)
+    denom = denom * corr + jnp.sum(p, axis=1)
+    return m_new, denom, acc * corr[:, None] + _dot(p.astype(v.dtype), v, 1, 0)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import arange_i32, cdiv_nonneg, gpu_only
+from pallas_kernels.common import arange_i32, cdiv_nonneg, gpu_only, online_softmax_step
 from pallas_kernels.config import MIN_BLOCK, KernelConfig, next_power_of_2, triton_compiler_params
 
 __all__ = ["DecodeBranch", "DecodeConfig", "decode_attention", "decode_reference",
@@ -154,13 +154,7 @@ def _decode_kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, branches, ch
             v = jnp.where(valid[:, None], v_ref[idx, :], jnp.zeros((), v_ref.dtype))
             logits = _dot(q, k, 1, 1) * scale
             logits = jnp.where(sel[:, None] & valid[None, :], logits, _NEG_INF)
-            m_new = jnp.maximum(m, jnp.max(logits, axis=1))
-            m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-            prob = jnp.exp(logits - m_safe[:, None])
-            corr = jnp.exp(m - m_safe)
-            denom = denom * corr + jnp.sum(prob, axis=1)
-            acc = acc * corr[:, None] + _dot(prob.astype(v.dtype), v, 1, 0)
-            return m_new, denom, acc
+            return online_softmax_step(m, denom, acc, logits, v)
 
         m, denom, acc = lax.fori_loop(0, n_tiles, body, (m, denom, acc))
     has_key = denom > 0.0
