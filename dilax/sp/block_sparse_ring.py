@@ -10,24 +10,20 @@ blocks, or a right and a left cyclic shift (a local window needs one hop each wa
 zigzag: causal work is unbalanced across devices).
 
 At each hop every device gathers, per local query block, the active key blocks of the visiting
-chunk (:func:`dilax.block_sparse_tables.gather_key_blocks`, tables looked up by the pair
-(device, chunk owner)) and runs one :class:`dilax.core.Core` call on them
-(``core.forward(q, k, v, view=..., mask=Mask(kv_len, ...))``, the XLA core today); the causal
-diagonal blocks of the own chunk are a second, causal call read in place. The partial results
-are merged into a float32 online-softmax state (:func:`dilax.core.merge_attention_states`). A
-device with no block in the visiting chunk skips it with ``lax.cond``.
+chunk (:func:`dilax.block_sparse_tables.gather_key_blocks`) and runs one
+:class:`dilax.core.Core` call on them (the XLA core today); the causal diagonal blocks of the
+own chunk are a second, causal call read in place; results merge into a float32 online-softmax
+state. A device with no block in the visiting chunk skips it with ``lax.cond``.
 
 The ring is one branch of the one branch runner (:func:`dilax.branches.attend_branches`),
 differentiated by hand like the dilated ring: the backward is a second ring
 (:func:`dilax.sp.ring_vjp.backward_streams`) in which K, V and their float32 dK/dV
 accumulators travel together and every device adds ``core.backward`` of its queries into
-them. Per-device memory is O(n / P): one chunk in use and one in flight per stream, plus the
-gathered blocks of a few query blocks at a time. Every loop carry and ``cond`` is typed as
-device-varying: the ring runs inside a user's ``jax.shard_map`` with its default checks.
+them. Per-device memory is O(n / P). Every loop carry and ``cond`` is typed as device-varying:
+the ring runs inside a user's ``jax.shard_map`` with its default checks.
 
 Validation happens once, at the public entry (:func:`dilax.block_sparse_attention` with
-``sequence_parallel=``, or the aliases below); :func:`sharded_block_sparse` and
-:func:`ring_block_sparse_core` take validated arguments.
+``sequence_parallel=``, or the aliases below).
 """
 
 from __future__ import annotations
@@ -433,14 +429,19 @@ def check_sharded_block_sparse(q: jax.Array, pattern: BlockSparsePattern,
 def sharded_block_sparse(q, k, v, pattern: BlockSparsePattern, is_causal: bool, scale: float,
                          sp: SequenceParallel, query_seq_lengths=None,
                          key_value_seq_lengths=None) -> jax.Array:
-    """The sequence-parallel program on validated arguments: the shard_map of
-    :func:`ring_block_sparse_core` over ``sp.mesh`` (lengths int32 ``(b,)`` or None)."""
-    body = lambda q, k, v, q_len=None, kv_len=None: ring_block_sparse_core(
-        q, k, v, pattern, is_causal, scale, sp.seq_axis, q_len, kv_len)
+    """The shard_map of :func:`ring_block_sparse_core` over ``sp.mesh`` (validated arguments;
+    lengths int32 ``(b,)`` or None), compiled once per static configuration."""
     if q.shape[0] == 0:  # nothing to shard: an empty result (and empty gradients)
         return V.empty_batch(q, v)
-    return shard_sequence(body, sp.mesh, sp.seq_axis, sp.batch_axis, q, k, v,
-                          query_seq_lengths, key_value_seq_lengths)
+    return _sharded_jit(q, k, v, query_seq_lengths, key_value_seq_lengths, pattern=pattern,
+                        is_causal=bool(is_causal), scale=float(scale), sp=sp)
+
+
+@functools.partial(jax.jit, static_argnames=("pattern", "is_causal", "scale", "sp"))
+def _sharded_jit(q, k, v, q_len, kv_len, *, pattern, is_causal, scale, sp):
+    body = lambda q, k, v, q_len=None, kv_len=None: ring_block_sparse_core(  # noqa: E731
+        q, k, v, pattern, is_causal, scale, sp.seq_axis, q_len, kv_len)
+    return shard_sequence(body, sp.mesh, sp.seq_axis, sp.batch_axis, q, k, v, q_len, kv_len)
 
 
 def sharded_block_sparse_attention(
