@@ -30,7 +30,7 @@ _F32 = jnp.float32
 EMPTY_RANGE = np.iinfo(np.int32).max // 2  # the lower end of an empty key range
 
 __all__ = ["EMPTY_RANGE", "DocumentBranch", "OffsetTable", "document_bounds", "document_positions",
-           "document_tables", "heads_into"]
+           "document_tables", "heads_into", "offset_table"]
 
 
 def document_bounds(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -85,7 +85,6 @@ def document_tables(start: jax.Array, end: jax.Array, w: int, r: int, offset: in
         sel = jnp.ones((b, n), bool)
         lo = jnp.maximum(start, pos - window)
         hi = jnp.minimum(end, pos + window + 1)
-        rows = back = jnp.broadcast_to(pos, (b, n))
         count = jnp.broadcast_to(jnp.concatenate([jnp.zeros((1, 1), jnp.int32), pos + 1], 1),
                                  (b, n + 1))
     else:
@@ -98,12 +97,6 @@ def document_tables(start: jax.Array, end: jax.Array, w: int, r: int, offset: in
         seg_end = jnp.minimum(seg_start + w, end)
         lo = jnp.take_along_axis(count, seg_start, axis=1)
         hi = jnp.take_along_axis(count, seg_end, axis=1)
-        if r == 1:
-            rows = back = jnp.broadcast_to(pos, (b, n))
-        else:
-            back = jnp.where(sel, before, n)
-            rows = jnp.full((b, n + 1), n, jnp.int32).at[
-                jnp.arange(b)[:, None], back].set(jnp.broadcast_to(pos, (b, n)))[:, :n]
     query_lo, query_hi = lo, hi  # symmetric runs: the queries that may see key t
     if kv_len is not None:  # valid keys are a prefix of the sequence (it is in row order)
         kv = jnp.clip(jnp.asarray(kv_len, jnp.int32), 0, n)
@@ -112,12 +105,30 @@ def document_tables(start: jax.Array, end: jax.Array, w: int, r: int, offset: in
     if q_len is not None:
         ok = ok & (pos < jnp.asarray(q_len, jnp.int32)[:, None])
     lo, hi = jnp.where(ok, lo, EMPTY_RANGE), jnp.where(ok, hi, 0)
-    pad = lambda x, fill: jnp.pad(x, ((0, 0), (0, 1)), constant_values=fill)  # noqa: E731
-    gather = (lambda x, fill: x) if window is not None or r == 1 else (
-        lambda x, fill: jnp.take_along_axis(pad(x, fill), rows, axis=1))
-    kvalid = None if key_valid is None else gather(jnp.asarray(key_valid, bool), False)
-    return OffsetTable(rows, back, gather(lo, EMPTY_RANGE), gather(hi, 0),
-                       gather(query_lo, EMPTY_RANGE), gather(query_hi, 0), kvalid)
+    return offset_table(sel, None if window is not None or r == 1 else before, lo, hi,
+                        query_lo, query_hi,
+                        None if key_valid is None else jnp.asarray(key_valid, bool))
+
+
+def offset_table(sel, before, lo, hi, query_lo, query_hi, key_valid) -> OffsetTable:
+    """The :class:`OffsetTable` of selected positions ``sel (b, m)``: ``before`` counts the
+    selected positions before each (its row when selected), or is ``None`` when every
+    position is a row in place (``r = 1``, the window); the per-position ranges and key
+    validity are gathered into row order (rows past the sequence: empty, invalid)."""
+    b, m = sel.shape
+    pos = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32)[None], (b, m))
+    if before is None:
+        rows = back = pos
+        take = lambda x, fill: x  # noqa: E731
+    else:
+        back = jnp.where(sel, before, m)
+        rows = jnp.full((b, m + 1), m, jnp.int32).at[jnp.arange(b)[:, None], back].set(
+            pos)[:, :m]
+        take = lambda x, fill: jnp.take_along_axis(  # noqa: E731
+            jnp.pad(x, ((0, 0), (0, 1)), constant_values=fill), rows, axis=1)
+    return OffsetTable(rows, back, take(lo, EMPTY_RANGE), take(hi, 0),
+                       take(query_lo, EMPTY_RANGE), take(query_hi, 0),
+                       None if key_valid is None else take(key_valid, False))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,9 +31,9 @@ from dilax.core import Mask, merge_attention_states
 from dilax.documents import (
     EMPTY_RANGE,
     DocumentBranch,
-    OffsetTable,
     document_bounds,
     heads_into,
+    offset_table,
 )
 from dilax.layout import dilated_branches, window_plan
 from dilax.registry import CoreRequest, select
@@ -111,17 +111,8 @@ def _ring_tables(start, end, axis_name, w: int, r: int, offset: int, window, is_
     ok = sel if q_len is None else sel & (pos < q_len[:, None])
     lo, hi = jnp.where(ok, lo, EMPTY_RANGE), jnp.where(ok, hi, 0)
     key_ok = sel if kv_len is None else sel & (pos < kv_len[:, None])
-    if window is not None or r == 1:
-        rows = back = jnp.broadcast_to(jnp.arange(m, dtype=_I32)[None], (b, m))
-        take = lambda x, fill: x  # noqa: E731
-    else:
-        back = jnp.where(sel, before, m)
-        rows = jnp.full((b, m + 1), m, _I32).at[jnp.arange(b)[:, None], back].set(
-            jnp.broadcast_to(jnp.arange(m, dtype=_I32)[None], (b, m)))[:, :m]
-        take = lambda x, fill: jnp.take_along_axis(  # noqa: E731
-            jnp.pad(x, ((0, 0), (0, 1)), constant_values=fill), rows, axis=1)
-    table = OffsetTable(rows, back, take(lo, EMPTY_RANGE), take(hi, 0), take(query_lo, EMPTY_RANGE),
-                    take(query_hi, 0), take(key_ok, False))
+    table = offset_table(sel, None if window is not None or r == 1 else before, lo, hi,
+                         query_lo, query_hi, key_ok)
     return table, c
 
 
