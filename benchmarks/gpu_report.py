@@ -182,7 +182,8 @@ def markdown(result: dict) -> str:
             f"{t['target']}: {sum(c['outcome'] == 'ok' for c in t['cases'])} compiled, "
             f"{sum(c['outcome'] == 'refused' for c in t['cases'])} refused (as expected: "
             f"{sum(c['outcome'] == 'refused' and c['passed'] for c in t['cases'])}), "
-            f"{sum(not c['passed'] for c in t['cases'])} failed" for t in result["targets"])
+            f"{sum(not c['passed'] for c in t['cases'])} failed, "
+            f"{_zero_matmul_summary(t['cases'])}" for t in result["targets"])
         + f"; CPU time {result.get('cpu_seconds', 0):.0f} s (user+sys of the compiling "
         "processes).",
         "",
@@ -236,6 +237,13 @@ def markdown(result: dict) -> str:
                          f"{c['outcome']}{mark} | {calls} | {matmuls} | {c['seconds']:.1f} | "
                          f"{note.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
+
+
+def _zero_matmul_summary(rows: list[dict]) -> str:
+    """How many compiled Pallas attention programs (``no_xla_matmul``) have no XLA matmul."""
+    checked = [c for c in rows if c.get("no_xla_matmul") and "xla_matmuls" in c]
+    clean = sum(c["xla_matmuls"] == 0 and c["kernel_calls"] > 0 for c in checked)
+    return f"{clean} of {len(checked)} Pallas attention programs with 0 XLA matmuls"
 
 
 def _count_cells(c: dict) -> tuple[str, str]:

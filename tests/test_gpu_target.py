@@ -4,7 +4,8 @@
 platform the kernels do not support raises a ``ValueError`` that says what to do instead
 (``interpret=True``, ``implementation="xla"``). The GPU side (that the same programs compile
 for CUDA targets) is ``make gpu-check`` (benchmarks/gpu_compile.py), which needs jax's CUDA
-plugin; this CPU suite checks the refusal side only.
+plugin; this CPU suite checks the refusal side, and the counter that check runs on each
+compiled program's HLO (kernel calls, XLA matmuls) on canned HLO text.
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def test_program_counts_on_canned_hlo():
 def test_pallas_attention_cases_require_no_xla_matmul():
     from benchmarks.gpu_cases import cases
     from benchmarks.gpu_compile import program_problem
-    from benchmarks.gpu_report import _count_cells
+    from benchmarks.gpu_report import _count_cells, _zero_matmul_summary
 
     by_name = {c.name: c for c in cases()}
     # every Pallas attention program is checked; XLA/cuDNN attention and the model step not
@@ -192,3 +193,5 @@ def test_pallas_attention_cases_require_no_xla_matmul():
     assert _count_cells(dict(ok, xla_matmuls=2, cudnn_calls=1)) == ("3 Pallas + 1 cuDNN",
                                                                       "**2** (must be 0)")
     assert _count_cells(dict(outcome="refused")) == ("—", "—")
+    rows = [ok, dict(ok, xla_matmuls=1), dict(ok, no_xla_matmul=False), dict(outcome="error")]
+    assert _zero_matmul_summary(rows) == "1 of 2 Pallas attention programs with 0 XLA matmuls"
