@@ -51,6 +51,7 @@ $(GPU_STAMP): pyproject.toml $(STAMP)
 
 ## make gpu-check: compile every public op for an H100 and an A100 without a GPU
 ## (benchmarks/gpu_compile.py); fails if a supported configuration does not compile
+## or a Pallas attention program has an XLA matmul (or no kernel call)
 gpu-check: $(GPU_STAMP)
 	$(GPU_PY) -m benchmarks gpu-compile --out $(GPU_OUT)
 

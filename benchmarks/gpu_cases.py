@@ -64,7 +64,13 @@ class Case:
     ``expect``: ``"ok"`` or ``"refused"`` (the op raises ``ValueError`` at trace/lowering,
     ``why`` says which rule). ``report``: dump the kernels for the resource report, with the
     ``model`` dict that :func:`roofline` needs. ``devices``: 1, or 8 for the ring (sharded
-    over the sequence)."""
+    over the sequence). ``no_xla_matmul``: the compiled program is attention on Pallas
+    kernels only, so it must call at least one kernel and contain no XLA matmul (see
+    ``benchmarks.hlo.program_counts``); the run fails otherwise. Left ``None``, it is derived:
+    true for every ``ok`` case of an attention op (:data:`ATTENTION_OPS`) whose name says
+    ``pallas``, and for the kernel-level programs (``flash``, ``reference``, ``report:``
+    cases); a whole model step (``train``: its projections are XLA matmuls) is reported,
+    never required."""
 
     name: str
     op: str
@@ -74,6 +80,17 @@ class Case:
     targets: tuple[str, ...] = ("h100", "a100")
     report: dict | None = None
     devices: int = 1
+    no_xla_matmul: bool | None = None
+
+    def __post_init__(self):
+        if self.no_xla_matmul is None:
+            self.no_xla_matmul = self.expect == "ok" and (
+                self.op in ("flash", "reference") or self.name.startswith("report: ")
+                or (self.op in ATTENTION_OPS and "pallas" in self.name.lower()))
+
+
+# Ops whose cases compile an attention program and nothing else (see Case.no_xla_matmul).
+ATTENTION_OPS = ("dilated", "block_sparse", "ring", "decode", "flash", "reference")
 
 
 def _sds(shape, dtype):

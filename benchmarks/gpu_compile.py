@@ -17,6 +17,10 @@ Two things come out of one run (``python -m benchmarks gpu-compile``, or ``make 
 * **the check**: a covering list of configurations (:func:`cases`), each with its expected
   outcome: ``ok`` (must compile) or ``refused`` (the op itself must raise ``ValueError``
   naming the rule, never leave it to the compiler). Any other outcome fails the run (exit 1).
+* **the program check**: in the optimized HLO of every compiled program, its kernel calls
+  (Pallas, cuDNN fused attention) and its XLA matmuls (``dot``s, fused or not, and cuBLAS
+  GEMMs), :func:`benchmarks.hlo.program_counts`. A case marked ``no_xla_matmul`` (every
+  Pallas attention program) fails unless it calls a kernel and has no XLA matmul at all.
 * **the resource report** of every Pallas kernel (dilax's and jax's reference Triton
   attention, compiled in the same run): from XLA's dump (``xla_dump_to``) the launch grid,
   threads and shared memory of each kernel (``*.thunk_sequence.txt``), and its PTX, which
@@ -52,6 +56,7 @@ from benchmarks.gpu_cases import (  # noqa: F401 - Target, Case, report_cases re
     report_cases,
 )
 from benchmarks.gpu_report import kernel_resources, markdown, ptxas_path, roofline
+from benchmarks.hlo import program_counts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPEC_DIR = os.path.join(HERE, "gpu_targets")
@@ -75,6 +80,18 @@ def work_items(targets: list[str], only: str | None = None) -> list[tuple[str, i
     all_cases = cases()
     return [(key, i) for key in targets for i, c in enumerate(all_cases)
             if key in c.targets and (not only or only in c.name)]
+
+
+def program_problem(row: dict) -> str | None:
+    """Why a compiled program fails its case's expectation on kernel calls and XLA matmuls
+    (``row``: :func:`benchmarks.hlo.program_counts` plus the case's ``no_xla_matmul``);
+    ``None`` when it meets it. A Pallas attention program must call a kernel and have no
+    XLA matmul: one would be attention (or part of it) left to XLA."""
+    if row.get("no_xla_matmul") and (row["xla_matmuls"] or not row["kernel_calls"]):
+        return (f"a Pallas attention program with {row['kernel_calls']} kernel calls and "
+                f"{row['xla_matmuls']} XLA matmuls {row['matmul_ops']} (required: at least "
+                "one kernel call, no XLA matmul)")
+    return None
 
 
 def compile_items(items: list[tuple[str, int]]) -> list[dict]:
@@ -115,8 +132,9 @@ def compile_items(items: list[tuple[str, int]]) -> list[dict]:
                 fn, args = built
                 args = _place(args, NamedSharding(mesh_of(key, 1, "x"), P()))
             opts = {"xla_dump_to": dump} if dump else {}
-            jax.jit(fn).lower(*args).compile(compiler_options=opts)
+            compiled = jax.jit(fn).lower(*args).compile(compiler_options=opts)
             row["outcome"] = "ok"
+            row.update(program_counts(compiled.as_text()))
         except ValueError as e:
             row["outcome"], row["error"] = "refused", f"ValueError: {e}"
         except Exception as e:  # noqa: BLE001 - the compiler's or jax's failure, reported
@@ -124,7 +142,11 @@ def compile_items(items: list[tuple[str, int]]) -> list[dict]:
             row["error"] = f"{type(e).__name__}: {e}"[:2000]
             row["traceback"] = traceback.format_exc()[-3000:]
         row["seconds"] = round(time.time() - t0, 2)
+        row["no_xla_matmul"] = case.no_xla_matmul
         row["passed"] = row["outcome"] == case.expect
+        problem = program_problem(row) if row["outcome"] == "ok" else None
+        if problem:
+            row["passed"], row["error"] = False, problem
         if dump:
             if row["outcome"] == "ok":
                 row["kernels"] = kernel_resources(dump, target, ptxas)
@@ -134,7 +156,10 @@ def compile_items(items: list[tuple[str, int]]) -> list[dict]:
             shutil.rmtree(dump, ignore_errors=True)
         results.append(row)
         status = "PASS" if row["passed"] else "FAIL"
+        counts = (f"  [{row['kernel_calls']} kernel + {row['cudnn_calls']} cuDNN calls, "
+                  f"{row['xla_matmuls']} XLA matmuls]" if row["outcome"] == "ok" else "")
         print(f"[{key}] {status} {row['outcome']:8s} {row['seconds']:6.1f}s  {case.name}"
+              + counts
               + ("" if row["passed"] else f"\n    {row.get('error', '')[:600]}"), flush=True)
     return results
 
@@ -194,7 +219,7 @@ def run(targets: list[str], out_dir: str, only: str | None = None, jobs: int = 2
     for r in rows:
         if not r["passed"]:
             print(f"  FAILED [{r['target']}] {r['name']}: {r['outcome']} (expected "
-                  f"{r['expect']})")
+                  f"{r['expect']})" + (f": {r['error']}" if r["outcome"] == r["expect"] else ""))
     return 0 if passed else 1
 
 

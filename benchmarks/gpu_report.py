@@ -182,7 +182,8 @@ def markdown(result: dict) -> str:
             f"{t['target']}: {sum(c['outcome'] == 'ok' for c in t['cases'])} compiled, "
             f"{sum(c['outcome'] == 'refused' for c in t['cases'])} refused (as expected: "
             f"{sum(c['outcome'] == 'refused' and c['passed'] for c in t['cases'])}), "
-            f"{sum(not c['passed'] for c in t['cases'])} failed" for t in result["targets"])
+            f"{sum(not c['passed'] for c in t['cases'])} failed, "
+            f"{_zero_matmul_summary(t['cases'])}" for t in result["targets"])
         + f"; CPU time {result.get('cpu_seconds', 0):.0f} s (user+sys of the compiling "
         "processes).",
         "",
@@ -207,17 +208,51 @@ def markdown(result: dict) -> str:
     lines += ["", "† **Estimate**, not a measurement (no GPU ran): "
               + " ".join(roofline.__doc__.split("\n\n", 1)[1].split()), ""]
     lines += ["## Configurations", "",
-              "| target | configuration | expected | outcome | compile s | note |",
-              "|---|---|---|---|---:|---|"]
+              "Kernel calls and XLA matmuls: call sites in the compiled program's optimized HLO "
+              "(`benchmarks.hlo.program_counts`; a loop body counted once, every branch of a "
+              "conditional). Kernel calls: Pallas kernels (Triton custom-calls), and cuDNN "
+              "fused-attention custom-calls. XLA matmuls: every HLO `dot`/`convolution`, alone "
+              "or inside a fusion (XLA's own Triton/cuDNN GEMM fusions), and cuBLAS GEMM "
+              "custom-calls; a Pallas kernel's own dots are in its Triton IR, not counted. "
+              "*must be 0*: a Pallas attention program (`Case.no_xla_matmul`), which fails "
+              "the run with any XLA matmul or without a kernel call; the train step's model "
+              "projections are XLA matmuls by design. Kernel-level programs (`report:` rows "
+              "above) are checked the same way.",
+              "",
+              "| target | configuration | expected | outcome | kernel calls | XLA matmuls | "
+              "compile s | note |",
+              "|---|---|---|---|---:|---:|---:|---|"]
     for t in result["targets"]:
         for c in t["cases"]:
-            if c["name"].startswith("report: "):
+            if c["name"].startswith("report: ") and c["passed"]:
                 continue
             note = c.get("why", "") if c["outcome"] == c["expect"] else c.get("error", "")
             if c["outcome"] == "refused" and c.get("error"):
                 note = (note + ": " if note else "") + c["error"].split("\n")[0][:160]
+            elif not c["passed"] and c.get("error"):
+                note = c["error"].split("\n")[0][:300]
             mark = "" if c["passed"] else " **FAIL**"
+            calls, matmuls = _count_cells(c)
             lines.append(f"| {t['target']} | {c['name']} | {c['expect']} | "
-                         f"{c['outcome']}{mark} | {c['seconds']:.1f} | "
+                         f"{c['outcome']}{mark} | {calls} | {matmuls} | {c['seconds']:.1f} | "
                          f"{note.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
+
+
+def _zero_matmul_summary(rows: list[dict]) -> str:
+    """How many compiled Pallas attention programs (``no_xla_matmul``) have no XLA matmul."""
+    checked = [c for c in rows if c.get("no_xla_matmul") and "xla_matmuls" in c]
+    clean = sum(c["xla_matmuls"] == 0 and c["kernel_calls"] > 0 for c in checked)
+    return f"{clean} of {len(checked)} Pallas attention programs with 0 XLA matmuls"
+
+
+def _count_cells(c: dict) -> tuple[str, str]:
+    """The "kernel calls" and "XLA matmuls" cells of one configuration row."""
+    if "xla_matmuls" not in c:  # refused or failed: nothing compiled
+        return "—", "—"
+    calls = " + ".join([f"{c['kernel_calls']} Pallas"] * bool(c["kernel_calls"])
+                       + [f"{c['cudnn_calls']} cuDNN"] * bool(c["cudnn_calls"])) or "0"
+    matmuls = str(c["xla_matmuls"])
+    if c.get("no_xla_matmul"):
+        matmuls = (matmuls if c["xla_matmuls"] == 0 else f"**{matmuls}**") + " (must be 0)"
+    return calls, matmuls
