@@ -279,7 +279,8 @@ def block_sparse_attention(
         if segment_ids is not None:
             raise ValueError("segment_ids are not supported by block-sparse attention with "
                              "sequence_parallel (dilated_attention takes both)")
-        check_sequence_parallel(sequence_parallel, implementation, interpret=interpret)
+        check_sequence_parallel(sequence_parallel, implementation, interpret=interpret,
+                                block_size=pattern.block_size)
         check_sharded_block_sparse(q, pattern, sequence_parallel)
         return unfold(sharded_block_sparse(q, k, v, pattern, is_causal, scale,
                                            sequence_parallel, q_len, kv_len, implementation,

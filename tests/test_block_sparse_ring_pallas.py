@@ -114,7 +114,8 @@ def test_full_strict_interpreter():
 def test_hops_follow_the_registry(monkeypatch):
     """``implementation=None``: XLA on CPU, the kernel with ``interpret`` and on GPU where
     the block-sparse kernel's rules hold (block size >= 16 there); an explicit ``"pallas"``
-    it cannot serve raises the registry's reason; the kernel inside a user's ``shard_map``
+    it cannot serve raises the registry's reason (the op at the call, a module when it is
+    built); the kernel inside a user's ``shard_map``
     with its default checks raises (no device-varying type on its outputs)."""
     q = jax.ShapeDtypeStruct((1, N, 4, D), jnp.float32)
     small, large = patterns.local_window(N, B, B), patterns.local_window(N, 16, 16)
@@ -128,8 +129,10 @@ def test_hops_follow_the_registry(monkeypatch):
     with pytest.raises(ValueError, match=re.escape(why)):
         dilax.block_sparse_attention(x, x, x, small, implementation="pallas",
                                      sequence_parallel=_sp())
+    with pytest.raises(ValueError, match=re.escape(why)):  # a module: at construction
+        dilax.nn.BlockSparseAttention(small, implementation="pallas", sequence_parallel=_sp())
     with pytest.raises(ValueError, match="implementation must be None or 'xla' or 'pallas'"):
-        dilax.block_sparse_attention(x, x, x, small, implementation="reference",
+        dilax.block_sparse_attention(x, x, x, large, implementation="reference",
                                      sequence_parallel=_sp())
     spec = Ps(None, "sp")
     user = jax.shard_map(

@@ -74,7 +74,8 @@ class BlockSparseAttention(nnx.Module):
         self.is_causal = V.check_bool(is_causal, "is_causal")
         self.implementation = V.check_implementation(implementation, IMPLEMENTATIONS)
         self.sequence_parallel = check_sequence_parallel(
-            sequence_parallel, self.implementation, layouts=("contiguous",))
+            sequence_parallel, self.implementation, layouts=("contiguous",),
+            block_size=self.pattern.block_size)
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *,
                  is_causal: bool | None = None, scale: float | None = None,

@@ -475,9 +475,10 @@ def sharded_block_sparse_attention(
     """
     sp = SequenceParallel(mesh, seq_axis, batch_axis)
     interpret = V.check_bool(interpret, "interpret")
-    check_sequence_parallel(sp, implementation, interpret=interpret)
     q, k, v = V.check_qkv(q, k, v)
     pattern = check_pattern(pattern, q)
+    check_sequence_parallel(sp, implementation, interpret=interpret,
+                            block_size=pattern.block_size)
     is_causal = V.check_bool(is_causal, "is_causal")
     scale = V.check_scale(scale, q.shape[3])
     b, n = q.shape[:2]
