@@ -201,7 +201,7 @@ def _ring(kind, *, n=16384, h=8, hk=2, d=64, dtype="bfloat16", grad=True, impl=N
         from dilax import patterns
 
         def f(q, k, v, mesh):
-            if impl is not None:  # the dilated ring with an explicit core for its calls
+            if kind == "dilated" and impl is not None:  # an explicit core for its calls
                 return dilax.dilated_attention(
                     q, k, v, (2048, 4096, 16384), (1, 2, 4), is_causal=True,
                     implementation=impl, sequence_parallel=dilax.SequenceParallel(mesh, "sp"))
@@ -211,7 +211,7 @@ def _ring(kind, *, n=16384, h=8, hk=2, d=64, dtype="bfloat16", grad=True, impl=N
                                                        is_causal=True)
             return dilax.sharded_block_sparse_attention(
                 q, k, v, patterns.local_window(n, 128, 256), mesh=mesh, seq_axis="sp",
-                is_causal=True)
+                is_causal=True, implementation=impl)
 
         return f, _qkv(1, n, h, hk, d, dtype), grad
 
@@ -371,6 +371,9 @@ def cases() -> list[Case]:
              _ring("block_sparse"), targets=("h100",), devices=8),
         Case("ring dilated on 8 GPUs, fwd+bwd, implementation='pallas' (P=8) bf16 GQA causal",
              "ring", _ring("dilated", impl="pallas"), targets=("h100",), devices=8),
+        Case("ring block-sparse pallas on 8 GPUs, fwd+bwd (P=8) bf16 GQA causal d=128",
+             "ring", _ring("block_sparse", impl="pallas", d=128), targets=("h100",),
+             devices=8),
     ]
     # Decode steps on the Pallas decode kernel (split-K over the gathered windows).
     for b in (1, 64):

@@ -243,8 +243,11 @@ def block_sparse_attention(
         them) and the reference; not with ``sequence_parallel``.
       sequence_parallel: a :class:`dilax.SequenceParallel` (``layout="contiguous"``): run as
         ring block-sparse attention with the sequence split over ``sequence_parallel.mesh``
-        (XLA core; ``n / P`` a multiple of ``pattern.block_size``; see
+        (``n / P`` a multiple of ``pattern.block_size``; see
         :func:`dilax.sp.ring_block_sparse_attention`). Same result, forward and backward.
+        Its hops run on the core ``implementation`` names (``"pallas"``: the block-sparse
+        kernel on each visiting chunk, same rules as on one device; ``"reference"`` has no
+        ring form) or, with None, the one the registry picks (Pallas on GPU where it serves).
 
     Returns:
       ``(b, n, h, d)`` in ``q.dtype``. Queries with no attended key get 0 (and 0 gradient).
@@ -276,10 +279,12 @@ def block_sparse_attention(
         if segment_ids is not None:
             raise ValueError("segment_ids are not supported by block-sparse attention with "
                              "sequence_parallel (dilated_attention takes both)")
-        check_sequence_parallel(sequence_parallel, implementation, interpret=interpret)
+        check_sequence_parallel(sequence_parallel, implementation, interpret=interpret,
+                                block_size=pattern.block_size)
         check_sharded_block_sparse(q, pattern, sequence_parallel)
         return unfold(sharded_block_sparse(q, k, v, pattern, is_causal, scale,
-                                           sequence_parallel, q_len, kv_len))
+                                           sequence_parallel, q_len, kv_len, implementation,
+                                           interpret))
     implementation, _ = registry.choose(implementation, registry.CoreRequest(
         "block_sparse", q.dtype, q.shape[3], is_causal,
         has_lengths=q_len is not None or kv_len is not None, interpret=interpret,

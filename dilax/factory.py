@@ -20,7 +20,6 @@ from dilax.backend import current_backend, gpu_choice
 from dilax.core import BlockSizes
 from dilax.nn.attention import DilatedAttention
 from dilax.sp import SequenceParallel
-from dilax.sp.config import check_ring_hops
 
 KINDS = ("auto", "dilated", "block_sparse", "ring")
 
@@ -170,7 +169,7 @@ def create_attention(
     # one name runs every branch; differing branches run the module's implementation=None,
     # which makes the same per-branch choice (dilax.registry) when it is called
     module_impl = names[0] if len(names) == 1 else None
-    if kind == "block_sparse" and multihead and implementation is not None:
+    if pattern is not None and multihead and implementation is not None:
         auto = _choose_implementation(None, backend, requests, [])[0][1]
         if implementation != auto:  # the module has no implementation= option
             raise _fail(f"the multi-head block-sparse module runs implementation=None (here "
@@ -222,7 +221,8 @@ def _requests(kind, pattern, backend, is_causal, dtype, head_dim, local_window
     common = dict(dtype=dtype, head_dim=head_dim, is_causal=is_causal, platform=backend)
     if kind == "ring":
         label = "block-sparse ring hops" if pattern is not None else "ring hops"
-        return [(label, registry.CoreRequest("ring_hop", **common))]
+        block_size = None if pattern is None else pattern.block_size
+        return [(label, registry.CoreRequest("ring_hop", **common, block_size=block_size))]
     if kind == "block_sparse":
         return [("block-sparse", registry.CoreRequest("block_sparse", **common,
                                                       block_size=pattern.block_size))]
@@ -243,10 +243,7 @@ def _choose_implementation(implementation, backend, requests, reasons
                 request.op == "dilated_branch"):  # cuDNN is considered for one kind only
             name, why = gpu_choice(kind="dilated", dtype=request.dtype,
                                    head_dim=request.head_dim)
-        elif label == "block-sparse ring hops":  # no kernel for them: XLA, or raise
-            check_ring_hops(implementation)
-            name, why = "xla", "the block-sparse ring runs its hops on the XLA core"
-        else:  # block-sparse: the registry's rules for this pattern (block size)
+        else:  # block-sparse (and its ring): the registry's rules for the pattern's block size
             name, why = registry.choose(implementation, request)
             if implementation is None and on_gpu and request.op == "block_sparse":
                 why = f"block_sparse: cuDNN has no such attention; {why}"
@@ -271,8 +268,7 @@ def _build(kind: str, multihead: bool, sp: SequenceParallel | None, a: dict,
             extra = {} if sp is None else dict(sequence_parallel=sp)
             return nn.BlockSparseMultiheadAttention(*heads, a["pattern"], rngs=a["rngs"],
                                                     **extra, **module_kwargs)
-        extra = (dict(implementation=a["implementation"]) if sp is None
-                 else dict(sequence_parallel=sp))
+        extra = dict(implementation=a["implementation"], sequence_parallel=sp)
         return nn.BlockSparseAttention(a["pattern"], is_causal=a["is_causal"], **extra,
                                        **module_kwargs)
     branches = (a["segment_lengths"], a["dilation_rates"])

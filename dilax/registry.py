@@ -53,7 +53,8 @@ class CoreRequest:
     ``platform``: the platform the program is compiled for when known (``"cpu"``, ``"gpu"``...),
     ``None`` when decided at lowering. ``interpret``: the Pallas kernels run in the interpreter.
     ``has_documents``: packed documents (``segment_ids``; per-row key ranges in the core).
-    ``block_size``: a block-sparse pattern's block size, or ``None``.
+    ``block_size``: a block-sparse pattern's block size (with ``op="ring_hop"``: a hop of the
+    block-sparse ring), or ``None``.
     ``has_pairwise``: a ``bias`` or ``mask`` operand ``(B, N, T, S)`` (``op="dense"``).
     """
 
@@ -117,13 +118,16 @@ def _pallas(r: CoreRequest) -> str | None:
         return "the Pallas kernels have no per-row key ranges (segment_ids, packed documents)"
     # ring_hop (the dilated ring's hops): the flash kernel with the hop's traced offsets and
     # the ring's key bounds as kv_len; the masks below decide like for a dilated branch.
+    # ring_hop with a block_size (the block-sparse ring's hops): the block-sparse kernel on
+    # each visiting chunk with per-hop tables, so the block-sparse kernel's rules.
     if r.op == "decode":
         return _pallas_decode(r)
     if r.has_pairwise:
         return "the Pallas flash kernel has no bias or mask operand"
     # the flash kernels take the band (local_window), per-key validity (key_padding_mask) and
     # query/key lengths: dilated and window branches run on them whole
-    if r.op == "block_sparse" and (reason := _pallas_block_sparse(r)) is not None:
+    if (r.op == "block_sparse" or (r.op == "ring_hop" and r.block_size is not None)) and (
+            reason := _pallas_block_sparse(r)) is not None:
         return reason
     if r.platform is not None and r.platform not in GPU_PLATFORMS and not r.interpret:
         return (f"the Pallas kernels compile for GPU targets, not {r.platform!r}; "

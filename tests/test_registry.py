@@ -193,7 +193,9 @@ def test_decode_and_rings_raise_for_kernels_the_registry_does_not_list():
     with pytest.raises(ValueError, match=re.escape(why)):
         dilax.create_attention("ring", segment_lengths=WS, dilation_rates=RS, mesh=mesh,
                                implementation="cudnn")
-    with pytest.raises(ValueError, match="the block-sparse ring runs its hops on the XLA"):
+    # the block-sparse ring's hops: the block-sparse kernel's rules (block size >= 16 on GPU)
+    why = registry.supports("pallas", registry.CoreRequest("ring_hop", block_size=4))
+    with pytest.raises(ValueError, match=re.escape(why)):
         dilax.create_attention("ring", pattern=patterns.local_window(N, 4, BLOCK), mesh=mesh,
                                implementation="pallas")
     assert registry.served_by(registry.CoreRequest("decode")) == ("xla", "pallas")

@@ -167,9 +167,9 @@ def test_block_sparse_module_ring_batch_axis_forward_and_gradient():
     (lambda: BlockSparseAttention(patterns.local_window(64, 8, 8), sequence_parallel=(
         dilax.SequenceParallel(_mesh(), layout="zigzag"))), ValueError,
      "sequence_parallel.layout must be one of ('contiguous',)"),
-    (lambda: BlockSparseAttention(patterns.local_window(64, 8, 8), implementation="pallas",
+    (lambda: BlockSparseAttention(patterns.local_window(64, 8, 8), implementation="reference",
                                   sequence_parallel=dilax.SequenceParallel(_mesh())),
-     ValueError, "implementation must be None or 'xla'"),
+     ValueError, "implementation must be None or 'xla', got 'reference'"),
     (lambda: BlockSparseMultiheadAttention(16, 2, patterns.local_window(64, 8, 8),
                                            sequence_parallel=_mesh(), rngs=nnx.Rngs(0)),
      TypeError, "sequence_parallel must be a dilax.SequenceParallel"),

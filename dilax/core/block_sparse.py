@@ -44,8 +44,6 @@ class BlockSparsePallasCore:
     name: ClassVar[str] = "pallas"
 
     def _args(self, q, k, view, mask, block_sizes):
-        from pallas_kernels.block_sparse import sparse_tables  # lazy: optional kernels
-
         B, n, h, d = q.shape
         hk = k.shape[2]
         if view != identity_view(hk, h // hk):
@@ -57,8 +55,7 @@ class BlockSparsePallasCore:
                              "and valid lengths only (no band, per-key mask, bias or offsets; "
                              "dilax.registry decides which core runs which call)")
         bs = self.pattern.block_size
-        tables = sparse_tables(*self.pattern.tables(mask.is_causal), n=n, block_size=bs,
-                               num_heads=h, is_causal=mask.is_causal)
+        tables = self._tables(n, h, mask.is_causal)
         lengths = None
         if mask.q_len is not None or mask.kv_len is not None:
             m = mask.resolve(B, hk, n, n)
@@ -68,6 +65,15 @@ class BlockSparsePallasCore:
         return tables, dict(lengths=lengths, block_size=bs, is_causal=bool(mask.is_causal),
                             config=pallas_config(block_sizes, n, n, d, q.dtype),
                             interpret=self.interpret)
+
+    def _tables(self, n: int, h: int, is_causal: bool):
+        """The kernels' tables of ``pattern`` (a subclass may give prepared ones: the
+        block-sparse ring's hops, :mod:`dilax.sp.block_sparse_plan`)."""
+        from pallas_kernels.block_sparse import sparse_tables  # lazy: optional kernels
+
+        return sparse_tables(*self.pattern.tables(is_causal), n=n,
+                             block_size=self.pattern.block_size, num_heads=h,
+                             is_causal=is_causal)
 
     def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):
         """``out (B, n, h, d)`` (``out_dtype``, default ``q.dtype``), ``lse (B, n, h)``."""

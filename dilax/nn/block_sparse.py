@@ -52,18 +52,19 @@ class BlockSparseAttention(nnx.Module):
         :func:`dilax.block_sparse_attention`).
       sequence_parallel: a :class:`dilax.SequenceParallel` (mesh and axes,
         ``layout="contiguous"``) to run as ring block-sparse attention over the devices
-        (:func:`dilax.sharded_block_sparse_attention`; XLA core, so ``implementation`` must
-        be None or ``"xla"``); None: one device.
+        (:func:`dilax.sharded_block_sparse_attention`; ``implementation`` None, ``"xla"``
+        or ``"pallas"`` runs its hops); None: one device.
 
     ``__call__(q, k, v)`` returns ``(b, n, h, d)`` in ``q.dtype``.
 
     Raises:
       TypeError: ``pattern`` is not a ``BlockSparsePattern``; non-bool ``is_causal``;
         ``sequence_parallel`` not a ``SequenceParallel``.
-      ValueError: unknown ``implementation``, or one other than None/``"xla"`` with
-        ``sequence_parallel``; a zigzag ``sequence_parallel.layout``; at call time, the
-        errors of :func:`dilax.block_sparse_attention` (shapes, pattern that does not fit
-        ``n``) or :func:`dilax.sharded_block_sparse_attention` (mesh divisibility).
+      ValueError: unknown ``implementation``, or one that serves no ring hop
+        (``"reference"``) with ``sequence_parallel``; a zigzag
+        ``sequence_parallel.layout``; at call time, the errors of
+        :func:`dilax.block_sparse_attention` (shapes, pattern that does not fit ``n``) or
+        :func:`dilax.sharded_block_sparse_attention` (mesh divisibility).
     """
 
     def __init__(self, pattern: BlockSparsePattern, *, is_causal: bool = False,
@@ -73,7 +74,8 @@ class BlockSparseAttention(nnx.Module):
         self.is_causal = V.check_bool(is_causal, "is_causal")
         self.implementation = V.check_implementation(implementation, IMPLEMENTATIONS)
         self.sequence_parallel = check_sequence_parallel(
-            sequence_parallel, self.implementation, layouts=("contiguous",))
+            sequence_parallel, self.implementation, layouts=("contiguous",),
+            block_size=self.pattern.block_size)
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *,
                  is_causal: bool | None = None, scale: float | None = None,

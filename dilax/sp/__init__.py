@@ -7,7 +7,8 @@
 - :mod:`dilax.sp.dilate`, :mod:`dilax.sp.ring_vjp`, :mod:`dilax.sp.ring_branches`,
   :mod:`dilax.sp.dilated_ring`: ring dilated attention (dilated layout, the spanning-branch
   ring with its backward ring, the branch kinds, the public functions).
-- :mod:`dilax.sp.block_sparse_ring`: ring block-sparse attention.
+- :mod:`dilax.sp.block_sparse_ring`, :mod:`dilax.sp.block_sparse_plan`: ring block-sparse
+  attention (the ring; its static plans and its hops on the Pallas block-sparse kernel).
 - :mod:`dilax.sp.config`: :class:`SequenceParallel`, the module option.
 - :mod:`dilax.sp.plan`: the ring's cost plan (per-device memory, bytes sent, hops) on paper,
   from the ring's own geometry (``python -m benchmarks ring --plan``).

@@ -9,18 +9,24 @@ blocks, or a right and a left cyclic shift (a local window needs one hop each wa
 ``P``). With ``is_causal`` device ``i`` needs chunks ``j <= i`` only (contiguous layout, no
 zigzag: causal work is unbalanced across devices).
 
-At each hop every device gathers, per local query block, the active key blocks of the visiting
-chunk (:func:`dilax.block_sparse_tables.gather_key_blocks`) and runs one
-:class:`dilax.core.Core` call on them (the XLA core today); the causal diagonal blocks of the
-own chunk are a second, causal call read in place; results merge into a float32 online-softmax
-state. A device with no block in the visiting chunk skips it with ``lax.cond``.
+The hops run on the core :mod:`dilax.registry` picks (a ``"ring_hop"`` request with the
+pattern's block size; :func:`hop_core`). The XLA core: every device gathers, per local query
+block, the active key blocks of the visiting chunk
+(:func:`dilax.block_sparse_tables.gather_key_blocks`) and runs one core call on them; the
+causal diagonal blocks of the own chunk are a second, causal call read in place. The Pallas
+block-sparse kernel (``implementation="pallas"``, or None on GPU): ONE kernel call per
+visiting chunk, read in place through per-hop tables (:class:`dilax.sp.block_sparse_plan.
+KernelHops`), the own chunk's causal diagonal included; no XLA matmul is left. Results merge
+into a float32 online-softmax state. A device with no block in the visiting chunk skips it
+with ``lax.cond``.
 
 The ring is one branch of the one branch runner (:func:`dilax.branches.attend_branches`),
 differentiated by hand like the dilated ring: the backward is a second ring
 (:func:`dilax.sp.ring_vjp.backward_streams`) in which K, V and their float32 dK/dV
 accumulators travel together and every device adds ``core.backward`` of its queries into
 them. Per-device memory is O(n / P). Every loop carry and ``cond`` is typed as device-varying:
-the ring runs inside a user's ``jax.shard_map`` with its default checks.
+on the XLA core the ring runs inside a user's ``jax.shard_map`` with its default checks (the
+Pallas kernel's outputs carry no such type: ``check_vma=False`` with it).
 
 Validation happens once, at the public entry (:func:`dilax.block_sparse_attention` with
 ``sequence_parallel=``, or the aliases below).
@@ -34,105 +40,30 @@ from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
 from dilax import _validation as V
-from dilax.block_sparse_tables import (
-    check_pattern,
-    default_block_k,
-    gather_key_blocks,
-    head_layout,
-)
+from dilax import registry
+from dilax.block_sparse_tables import check_pattern, default_block_k, gather_key_blocks
 from dilax.branches import attend_branches
 from dilax.core import XLA, BlockSizes, Core, Mask, SlotView, identity_view, merge_attention_states
 from dilax.layout import BranchPlan, plan_branch
-from dilax.patterns import BlockSparsePattern, mask_tables
+from dilax.patterns import BlockSparsePattern
+from dilax.sp.block_sparse_plan import (  # noqa: F401 - plan_ring: the ring's plan, re-exported
+    KernelHops,
+    RingPlan,
+    hop_request,
+    plan_kernel_hops,
+    plan_ring,
+    rows_per_step,
+)
 from dilax.sp.config import SequenceParallel, check_sequence_parallel
 from dilax.sp.mesh import axis_size, check_sharded_shape, shard_sequence
 from dilax.sp.ring_vjp import backward_streams, stream_loop
-from dilax.sp.schedule import Stream, needs_matrix, plan_streams
-from dilax.utils import varying_like
+from dilax.utils import varying_axes, varying_like
 
 _F32 = jnp.float32
-# Gathered K/V (and, backward, their float32 gradients) of one step of query blocks: a few
-# query blocks at a time, so the gather stays small next to a shard.
-_ROW_BUDGET_BYTES = 32 * 2**20
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Tables:
-    """Key-block tables of local query blocks against one K/V chunk, stacked over entries:
-    ``idx[e, u, i]`` the active key blocks (chunk-local, ascending, padded) of query block
-    ``i`` of virtual head ``u`` (``Ui``: 1 or ``U``), ``cnt[e, u, i]`` how many."""
-
-    idx: np.ndarray  # (E, Ui, nq_l, A) int32
-    cnt: np.ndarray  # (E, Ui, nq_l) int32
-
-
-def _tables(sub: np.ndarray) -> Tables | None:
-    """Tables of the block masks ``sub (E, Ui, nq_l, nk_l)``; None when nothing is active."""
-    return Tables(*mask_tables(sub)) if sub.any() else None
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class RingPlan:
-    """Static plan of a pattern on ``P`` devices: the schedule and the tables of every hop.
-
-    ``needs[i, j]``: device ``i`` attends some key block of device ``j``'s chunk (``i != j``).
-    ``own``: entry ``i``, device ``i``'s queries against its own chunk (causal: the blocks
-    strictly before the diagonal); ``diag (P, Ui, nq_l)``: the causal diagonal block's keys
-    (``B`` or 0), or None; ``own_active (P,)``: device has work on its own chunk. ``pairs``:
-    entry ``pair_slot[i, j]`` for every needed pair. None where nothing is active.
-    """
-
-    U: int
-    G: int
-    kvmap: tuple[int, ...]
-    needs: np.ndarray
-    streams: tuple[Stream, ...]
-    own: Tables | None
-    diag: np.ndarray | None
-    own_active: np.ndarray
-    pairs: Tables | None
-    pair_slot: np.ndarray
-
-    @property
-    def max_blocks(self) -> int:
-        """Most key blocks one query block gathers at one hop."""
-        return max([t.idx.shape[-1] for t in (self.own, self.pairs) if t is not None] + [1])
-
-
-@functools.lru_cache(maxsize=64)
-def plan_ring(pattern: BlockSparsePattern, num_devices: int, h: int, hk: int,
-              is_causal: bool) -> RingPlan:
-    """Static per-(device, chunk) tables of ``pattern`` on a ring of ``num_devices``."""
-    U, G, kvmap, m = head_layout(pattern.block_mask, h, hk)
-    P = num_devices
-    nq_l = pattern.num_q_blocks // P
-    rows = np.arange(nq_l)
-
-    def sub(i, j):  # (Ui, nq_l, nq_l): query blocks of device i x key blocks of device j
-        s = m[:, i * nq_l:(i + 1) * nq_l, j * nq_l:(j + 1) * nq_l]
-        return np.zeros_like(s) if is_causal and j > i else s
-
-    own = np.stack([sub(i, i) for i in range(P)])  # (P, Ui, nq_l, nq_l)
-    diag = None
-    if is_causal:
-        diag = (own[:, :, rows, rows] * pattern.block_size).astype(np.int32)
-        own = own & (rows[None, :] < rows[:, None])
-        diag = diag if diag.any() else None
-    own_active = own.reshape(P, -1).any(axis=1)
-    if diag is not None:
-        own_active |= diag.reshape(P, -1).any(axis=1)
-    needs = needs_matrix(P, lambda i, j: bool(sub(i, j).any()))
-    pairs = np.argwhere(needs)
-    slot = np.zeros((P, P), np.int32)
-    slot[pairs[:, 0], pairs[:, 1]] = np.arange(len(pairs))
-    hop = _tables(np.stack([sub(i, j) for i, j in pairs])) if len(pairs) else None
-    return RingPlan(U, G, kvmap, needs, plan_streams(needs), _tables(own), diag, own_active,
-                    hop, slot)
 
 
 def _per_row(x, b: int, U: int):
@@ -146,7 +77,9 @@ class BlockSparseRing:
     """The ring on the local shards, as the one :class:`dilax.branches.BranchOp` of
     :func:`dilax.branches.attend_branches`: ``q (b, n/P, h, d)``, ``k, v (b, n/P, hk, d)``;
     results in the shard's own layout. ``aux``: None or the global valid lengths
-    ``(q_len, kv_len)`` (each ``(b,)`` or None). ``rows``: query blocks per step."""
+    ``(q_len, kv_len)`` (each ``(b,)`` or None). ``rows``: query blocks per step.
+    ``hops``: the Pallas block-sparse kernel runs every hop (one call per chunk, tables of
+    :class:`~dilax.sp.block_sparse_plan.KernelHops`), else ``core`` on gathered blocks."""
 
     plan: RingPlan
     result_plan: BranchPlan
@@ -156,6 +89,7 @@ class BlockSparseRing:
     rows: int
     block_k: int
     core: Core = XLA
+    hops: KernelHops | None = None
 
     def _diag_view(self, hk: int) -> SlotView:
         """Queries and the own chunk's K/V in place: virtual head ``u`` reads ``kvmap[u]``."""
@@ -207,10 +141,20 @@ class BlockSparseRing:
                           BlockSizes(block_q=B, block_k=B)))
         return res
 
-    def _fold(self, state, q, kb, vb, aux, tabs, e, src, diag=None):
-        """Merges the attention of the local queries to chunk ``kb, vb`` into ``state``
-        (float32 ``out``, ``lse``), ``rows`` query blocks at a time."""
+    def _entry(self, own: bool):
+        """The tables (and causal diagonals) of the own chunk's or the pairs' entries."""
+        return (self.plan.own, self.plan.diag) if own else (self.plan.pairs, None)
+
+    def _fold(self, state, q, kb, vb, aux, own, e, src):
+        """Merges the attention of the local queries to chunk ``kb, vb`` of device ``src``
+        (entry ``e`` of the ``own`` or the pair tables) into ``state`` (float32 ``out``,
+        ``lse``), ``rows`` query blocks at a time (one kernel call with ``hops``)."""
+        if self.hops is not None:
+            o, l = self.hops.attend(q, kb, vb, aux, own, e, src, scale=self.scale,
+                                    axis_name=self.axis_name)
+            return merge_attention_states(*state, o, l)
         RB = self.rows * self.block_size
+        tabs, diag = self._entry(own)
 
         def call(idx, qr, kr, vr, view, mask, blocks):
             return self.core.forward(qr, kr, vr, view=view, mask=mask, scale=self.scale,
@@ -231,10 +175,15 @@ class BlockSparseRing:
         steps = q.shape[1] // RB
         return group(0, state) if steps == 1 else lax.fori_loop(0, steps, group, state)
 
-    def _grads(self, acc, q, kb, vb, aux, lse, dout, delta, tabs, e, src, diag=None):
-        """Adds the gradients of the local queries against chunk ``kb, vb`` into ``acc = (dq,
-        dk, dv)`` (float32; dk, dv: the chunk's), ``rows`` query blocks at a time."""
+    def _grads(self, acc, q, kb, vb, aux, lse, dout, delta, own, e, src):
+        """Adds the gradients of the local queries against chunk ``kb, vb`` (as in
+        :meth:`_fold`) into ``acc = (dq, dk, dv)`` (float32; dk, dv: the chunk's)."""
+        if self.hops is not None:
+            grads = self.hops.grads(q, kb, vb, aux, own, e, src, scale=self.scale,
+                                    axis_name=self.axis_name, lse=lse, dout=dout, delta=delta)
+            return tuple(a + g for a, g in zip(acc, grads))
         RB, B = self.rows * self.block_size, self.block_size
+        tabs, diag = self._entry(own)
         # Only the transpose of the (linear) gather is used: XLA drops its float32 forward.
         scatter = lambda idx: jax.vjp(
             lambda k, v: tuple(gather_key_blocks(x, idx, self.plan.kvmap, B) for x in (k, v)),
@@ -284,7 +233,7 @@ class BlockSparseRing:
         state = (varying_like(jnp.zeros((b, m, h, d), _F32), q, k, v),
                  varying_like(jnp.full((b, m, h), -jnp.inf, _F32), q, k, v))
         state = self._own_only(
-            lambda s: self._fold(s, q, k, v, aux, p.own, me, me, p.diag), state)
+            lambda s: self._fold(s, q, k, v, aux, True, me, me), state)
         for st in p.streams:
             def transfer(carry, first, st=st):
                 kb, vb, s = carry
@@ -292,7 +241,7 @@ class BlockSparseRing:
 
             def step(carry, src):
                 kb, vb, s = carry
-                s = lax.cond(src >= 0, lambda s: self._fold(s, q, kb, vb, aux, p.pairs,
+                s = lax.cond(src >= 0, lambda s: self._fold(s, q, kb, vb, aux, False,
                                                             self._slot(src), src),
                              lambda s: s, s)
                 return kb, vb, s
@@ -309,23 +258,15 @@ class BlockSparseRing:
 
         def visit(acc, kb, vb, src):
             return lax.cond(src >= 0, lambda a: self._grads(
-                a, q, kb, vb, aux, lse, dout, delta, p.pairs, self._slot(src), src),
+                a, q, kb, vb, aux, lse, dout, delta, False, self._slot(src), src),
                 lambda a: a, acc)
 
         zeros = lambda x: varying_like(jnp.zeros(x.shape, _F32), x, dq)
         dq, dk_t, dv_t = backward_streams(p.streams, self.axis_name, me, visit, k, v, dq, zeros)
         # The own chunk last, straight into the returned accumulators.
-        return self._own_only(lambda a: self._grads(a, q, k, v, aux, lse, dout, delta, p.own,
-                                                    me, me, p.diag),
+        return self._own_only(lambda a: self._grads(a, q, k, v, aux, lse, dout, delta, True,
+                                                    me, me),
                               (dq, dk + dk_t, dv + dv_t))
-
-
-def _rows_per_step(nq: int, b: int, A: int, bs: int, U: int, d: int, itemsize: int) -> int:
-    """Query blocks per step: the largest divisor of ``nq`` whose gathered K/V and their
-    float32 gradients fit :data:`_ROW_BUDGET_BYTES` (at least one)."""
-    per_row = 2 * b * A * bs * U * d * (itemsize + 4)
-    target = max(1, _ROW_BUDGET_BYTES // max(per_row, 1))
-    return max(r for r in range(1, min(nq, target) + 1) if nq % r == 0)
 
 
 def ring_block_sparse_attention(
@@ -339,6 +280,8 @@ def ring_block_sparse_attention(
     scale: float | None = None,
     query_seq_lengths: jax.Array | None = None,
     key_value_seq_lengths: jax.Array | None = None,
+    implementation: str | None = None,
+    interpret: bool = False,
 ) -> jax.Array:
     """Block-sparse attention on a sequence sharded over mesh axis ``axis_name`` (per-device).
 
@@ -359,6 +302,12 @@ def ring_block_sparse_attention(
       query_seq_lengths, key_value_seq_lengths: optional int ``(b,)`` valid lengths in GLOBAL
         positions (the same on every device of ``axis_name``), as in
         :func:`dilax.block_sparse_attention`.
+      implementation: the core of the hops, as :mod:`dilax.registry` picks it for a
+        ``"ring_hop"`` request with the pattern's block size: ``"pallas"`` (the block-sparse
+        kernel, one call per visiting chunk; its rules as for
+        :func:`dilax.block_sparse_attention`), ``"xla"``, or None (Pallas on GPU where it
+        serves, or with ``interpret``; XLA otherwise).
+      interpret: run the Pallas kernel in the interpreter (CPU testing).
 
     Returns:
       The local shard of the output, ``(b, n/P, h, d)`` in ``q.dtype``.
@@ -367,8 +316,11 @@ def ring_block_sparse_attention(
       TypeError: ``axis_name`` is not a str, ``pattern`` is not a ``BlockSparsePattern``,
         dtypes or ``is_causal`` as in :func:`dilax.block_sparse_attention`.
       ValueError: ``axis_name`` not bound by an enclosing ``shard_map``, ``n/P`` not a
-        multiple of ``pattern.block_size``, a pattern that does not fit ``n = P * n/P``, and
-        every input error of :func:`dilax.block_sparse_attention`.
+        multiple of ``pattern.block_size``, a pattern that does not fit ``n = P * n/P``, an
+        ``implementation`` that cannot serve the hops (the registry's reason), the Pallas
+        kernel under ``shard_map(check_vma=True)`` (its outputs carry no device-varying type:
+        use ``check_vma=False``), and every input error of
+        :func:`dilax.block_sparse_attention`.
     """
     q, k, v = V.check_qkv(q, k, v)
     is_causal = V.check_bool(is_causal, "is_causal")
@@ -383,7 +335,24 @@ def ring_block_sparse_attention(
     check_pattern(pattern, jax.ShapeDtypeStruct((b, n_l * P, h, d), q.dtype))
     q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n_l * P)
     kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n_l * P)
-    return ring_block_sparse_core(q, k, v, pattern, is_causal, scale, axis_name, q_len, kv_len)
+    core = hop_core(implementation, V.check_bool(interpret, "interpret"), q, pattern,
+                    is_causal, q_len is not None or kv_len is not None)
+    if core.name != "xla" and varying_axes(q, k, v):
+        raise ValueError(
+            "the ring's hops run the Pallas kernel here, whose outputs carry no device-varying "
+            "type: call ring_block_sparse_attention inside jax.shard_map(..., check_vma=False), "
+            "or use implementation='xla'")
+    return ring_block_sparse_core(q, k, v, pattern, is_causal, scale, axis_name, q_len, kv_len,
+                                  core=core)
+
+
+def hop_core(implementation: str | None, interpret: bool, q, pattern: BlockSparsePattern,
+             is_causal: bool, lengths: bool) -> Core:
+    """The core of the ring's hops that :mod:`dilax.registry` picks (``ValueError`` with its
+    reason where an explicit ``implementation`` cannot serve them)."""
+    request = hop_request(q.dtype, q.shape[-1], is_causal, lengths, pattern.block_size,
+                          interpret)
+    return registry.select(implementation, request)
 
 
 def _check_shard(pattern: BlockSparsePattern, n_l: int) -> None:
@@ -399,16 +368,21 @@ def ring_block_sparse_core(q, k, v, pattern: BlockSparsePattern, is_causal: bool
                            *, core: Core = XLA) -> jax.Array:
     """:func:`ring_block_sparse_attention` on validated arguments (inside ``shard_map``):
     the :class:`BlockSparseRing` of ``pattern`` run by :func:`attend_branches`, every hop on
-    ``core``. Lengths: global, int32 ``(b,)`` or None."""
+    ``core``: a ``"pallas"`` core (its ``interpret`` kept) runs the block-sparse kernel on
+    each visiting chunk (:class:`KernelHops`), any other core the gathered key blocks.
+    Lengths: global, int32 ``(b,)`` or None."""
     P = int(lax.axis_size(axis_name))
     b, m, h, d = q.shape
     hk = k.shape[2]
     plan = plan_ring(pattern, P, h, hk, is_causal)
     bs = pattern.block_size
-    rows = _rows_per_step(m // bs, b, plan.max_blocks, bs, plan.U, d, q.dtype.itemsize)
+    rows = rows_per_step(m // bs, b, plan.max_blocks, bs, plan.U, d, q.dtype.itemsize)
     result = plan_branch(m, h, hk, m, 1, tuple(range(h)), (0,) * h)  # the shard as it is
+    hops = None
+    if core.name == "pallas":
+        hops = plan_kernel_hops(pattern, plan, P, is_causal, getattr(core, "interpret", False))
     op = BlockSparseRing(plan, result, bs, axis_name, float(scale), rows, default_block_k(bs),
-                         core)
+                         core, hops)
     aux = None
     if query_seq_lengths is not None or key_value_seq_lengths is not None:
         aux = (query_seq_lengths, key_value_seq_lengths)
@@ -428,20 +402,26 @@ def check_sharded_block_sparse(q: jax.Array, pattern: BlockSparsePattern,
 
 def sharded_block_sparse(q, k, v, pattern: BlockSparsePattern, is_causal: bool, scale: float,
                          sp: SequenceParallel, query_seq_lengths=None,
-                         key_value_seq_lengths=None) -> jax.Array:
+                         key_value_seq_lengths=None, implementation: str | None = None,
+                         interpret: bool = False) -> jax.Array:
     """The shard_map of :func:`ring_block_sparse_core` over ``sp.mesh`` (validated arguments;
-    lengths int32 ``(b,)`` or None), compiled once per static configuration."""
+    lengths int32 ``(b,)`` or None) on the hop core the registry picks (:func:`hop_core`),
+    compiled once per static configuration."""
+    core = hop_core(implementation, interpret, q, pattern, is_causal,
+                    query_seq_lengths is not None or key_value_seq_lengths is not None)
     if q.shape[0] == 0:  # nothing to shard: an empty result (and empty gradients)
         return V.empty_batch(q, v)
     return _sharded_jit(q, k, v, query_seq_lengths, key_value_seq_lengths, pattern=pattern,
-                        is_causal=bool(is_causal), scale=float(scale), sp=sp)
+                        is_causal=bool(is_causal), scale=float(scale), sp=sp, core=core)
 
 
-@functools.partial(jax.jit, static_argnames=("pattern", "is_causal", "scale", "sp"))
-def _sharded_jit(q, k, v, q_len, kv_len, *, pattern, is_causal, scale, sp):
+@functools.partial(jax.jit, static_argnames=("pattern", "is_causal", "scale", "sp", "core"))
+def _sharded_jit(q, k, v, q_len, kv_len, *, pattern, is_causal, scale, sp, core):
     body = lambda q, k, v, q_len=None, kv_len=None: ring_block_sparse_core(  # noqa: E731
-        q, k, v, pattern, is_causal, scale, sp.seq_axis, q_len, kv_len)
-    return shard_sequence(body, sp.mesh, sp.seq_axis, sp.batch_axis, q, k, v, q_len, kv_len)
+        q, k, v, pattern, is_causal, scale, sp.seq_axis, q_len, kv_len, core=core)
+    # the Pallas kernel's outputs carry no device-varying type: no vma checks with it
+    return shard_sequence(body, sp.mesh, sp.seq_axis, sp.batch_axis, q, k, v, q_len, kv_len,
+                          check_vma=core.name == "xla")
 
 
 def sharded_block_sparse_attention(
@@ -457,6 +437,8 @@ def sharded_block_sparse_attention(
     scale: float | None = None,
     query_seq_lengths: jax.Array | None = None,
     key_value_seq_lengths: jax.Array | None = None,
+    implementation: str | None = None,
+    interpret: bool = False,
 ) -> jax.Array:
     """Sequence-parallel block-sparse attention over ``mesh`` (global view; builds the shard_map).
 
@@ -475,6 +457,8 @@ def sharded_block_sparse_attention(
         over ``batch_axis``.
       is_causal, scale, query_seq_lengths, key_value_seq_lengths: as in
         :func:`dilax.block_sparse_attention` (lengths sharded over ``batch_axis``).
+      implementation, interpret: the core of the ring's hops, as in
+        :func:`ring_block_sparse_attention`.
 
     Returns:
       ``(b, n, h, d)`` in ``q.dtype``, sharded like ``q``; equal to
@@ -485,16 +469,21 @@ def sharded_block_sparse_attention(
         :func:`dilax.block_sparse_attention`.
       ValueError: ``seq_axis``/``batch_axis`` not mesh axes or equal, ``n % P != 0``,
         ``n / P`` not a multiple of ``pattern.block_size``, batch not divisible by the
-        ``batch_axis`` size, a pattern that does not fit ``n``, and every input error of
+        ``batch_axis`` size, a pattern that does not fit ``n``, an ``implementation`` that
+        cannot serve the ring's hops, and every input error of
         :func:`dilax.block_sparse_attention`.
     """
     sp = SequenceParallel(mesh, seq_axis, batch_axis)
+    interpret = V.check_bool(interpret, "interpret")
     q, k, v = V.check_qkv(q, k, v)
     pattern = check_pattern(pattern, q)
+    check_sequence_parallel(sp, implementation, interpret=interpret,
+                            block_size=pattern.block_size)
     is_causal = V.check_bool(is_causal, "is_causal")
     scale = V.check_scale(scale, q.shape[3])
     b, n = q.shape[:2]
     q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n)
     kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)
     check_sharded_block_sparse(q, pattern, sp)
-    return sharded_block_sparse(q, k, v, pattern, is_causal, scale, sp, q_len, kv_len)
+    return sharded_block_sparse(q, k, v, pattern, is_causal, scale, sp, q_len, kv_len,
+                                implementation, interpret)

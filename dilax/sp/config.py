@@ -47,41 +47,41 @@ class SequenceParallel:
 
 def check_sequence_parallel(sequence_parallel, implementation,
                             layouts: tuple[str, ...] = ("contiguous", "zigzag"),
-                            interpret: bool = False, dilated: bool = False):
+                            interpret: bool = False, dilated: bool = False,
+                            block_size: int | None = None):
     """A ``sequence_parallel`` option: None, or a :class:`SequenceParallel` with one of
     ``layouts`` and an ``implementation`` that serves the ring's hops.
 
-    ``dilated``: the dilated ring, whose hops run on the core :mod:`dilax.registry` picks for
-    a ``"ring_hop"`` request (``implementation`` None or a core that serves one; ``interpret``
-    runs the Pallas kernels in the interpreter). Otherwise the block-sparse ring, whose hops
-    run on the XLA core only (``implementation`` None or ``"xla"``, no ``interpret``)."""
+    Both rings (``dilated``: the dilated one, else the block-sparse one) run their hops on
+    the core :mod:`dilax.registry` picks for a ``"ring_hop"`` request (``implementation``
+    None or a core that serves one; ``interpret`` runs the Pallas kernels in the
+    interpreter; ``block_size``: the block-sparse ring's pattern block size, when known);
+    what depends on the call (dtype, head dim) is checked when it is known."""
     if sequence_parallel is None:
         return None
     if not isinstance(sequence_parallel, SequenceParallel):
         raise TypeError("sequence_parallel must be a dilax.SequenceParallel or None, got "
                         f"{type(sequence_parallel).__name__}")
-    check_ring_hops(implementation, interpret, dilated)
+    check_ring_hops(implementation, interpret, dilated, block_size)
     if sequence_parallel.layout not in layouts:
         raise ValueError(f"sequence_parallel.layout must be one of {layouts} here, got "
                          f"{sequence_parallel.layout!r}")
     return sequence_parallel
 
 
-def check_ring_hops(implementation, interpret: bool = False, dilated: bool = False) -> None:
-    """``implementation`` (and ``interpret``) serve a ring's hops (see
-    :func:`check_sequence_parallel` for ``dilated``), else ``ValueError`` with the reason."""
-    hop = registry.CoreRequest("ring_hop", interpret=bool(interpret))
-    if implementation is not None:
-        if dilated:  # the registry says which cores run a ring hop
-            served, reason = registry.served_by(hop), registry.supports(implementation, hop)
-        else:
-            served = ("xla",)
-            reason = None if implementation == "xla" else (
-                "the block-sparse ring runs its hops on the XLA core; no kernel serves them yet")
-        if reason is not None:
-            names = " or ".join(map(repr, served))
-            raise ValueError(f"sequence_parallel runs its ring hops on {names}: implementation "
-                             f"must be None or {names}, got {implementation!r} ({reason})")
-    if interpret and not dilated:
-        raise ValueError("the block-sparse ring runs the XLA core on every device: "
-                         "interpret=True (the Pallas interpreter) does not apply")
+def check_ring_hops(implementation, interpret: bool = False, dilated: bool = False,
+                    block_size: int | None = None) -> None:
+    """``implementation`` (and ``interpret``) serve a ring's hops (``dilated``: the dilated
+    ring's, else the block-sparse ring's, of pattern ``block_size`` when given) as far as
+    :mod:`dilax.registry` can tell without the call, else ``ValueError`` with the
+    registry's reason."""
+    hop = registry.CoreRequest("ring_hop", interpret=bool(interpret),
+                               block_size=None if dilated else block_size)
+    if implementation is None:
+        return
+    reason = registry.supports(implementation, hop)
+    if reason is not None:
+        names = " or ".join(map(repr, registry.served_by(hop)))
+        ring = "the dilated ring" if dilated else "the block-sparse ring"
+        raise ValueError(f"sequence_parallel runs {ring}'s hops on {names}: implementation "
+                         f"must be None or {names}, got {implementation!r} ({reason})")
