@@ -51,7 +51,8 @@ def document_positions(segment_ids: jax.Array) -> jax.Array:
     """int32 ``(b, n)``: each position's index inside its document (``0`` at every start;
     the positions a model's rotary code uses for packed rows)."""
     start, _ = document_bounds(segment_ids)
-    return jnp.arange(start.shape[-1], dtype=jnp.int32) - start
+    pos = jnp.arange(start.shape[-1], dtype=jnp.int32)
+    return pos.reshape((1,) * (start.ndim - 1) + pos.shape) - start  # rank-promotion safe
 
 
 def _take_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
