@@ -276,6 +276,12 @@ def _train_step(impl, *, n=1024, dtype="bfloat16"):
 BF16, FP16, FP32 = "bfloat16", "float16", "float32"
 
 
+def _resources(d: int, dtype: str) -> dict:
+    """The ``report`` of a whole attention program: its kernels' registers, spills and shared
+    memory (and the no-spill rule), no roofline estimate."""
+    return dict(kernel="resources", d=d, dtype=dtype)
+
+
 def cases() -> list[Case]:
     """The covering set: every kernel, dtype, tile regime and boundary case on each target;
     the H100 acceptance grid (dilated n 8192/10000 x d 64/128 x causal, pallas and cudnn,
@@ -331,7 +337,8 @@ def cases() -> list[Case]:
              _dilated("pallas", n=4096, window=128)),
         Case("padded + windowed dilated, implementation='pallas', fwd+bwd, bf16 GQA 8/2 "
              "causal", "dilated",
-             _dilated("pallas", hk=2, causal=True, window=128, padded=True)),
+             _dilated("pallas", hk=2, causal=True, window=128, padded=True),
+             report=_resources(64, BF16)),
     ]
     # Block-sparse: every block size 16..512 (the kernel tile is independent of it), dtypes,
     # causal, per-head patterns, GQA; the XLA gather path.
@@ -370,10 +377,11 @@ def cases() -> list[Case]:
         Case("ring block-sparse on 8 GPUs (P=8) bf16 GQA causal fwd+bwd", "ring",
              _ring("block_sparse"), targets=("h100",), devices=8),
         Case("ring dilated on 8 GPUs, fwd+bwd, implementation='pallas' (P=8) bf16 GQA causal",
-             "ring", _ring("dilated", impl="pallas"), targets=("h100",), devices=8),
+             "ring", _ring("dilated", impl="pallas"), targets=("h100",), devices=8,
+             report=_resources(64, BF16)),
         Case("ring block-sparse pallas on 8 GPUs, fwd+bwd (P=8) bf16 GQA causal d=128",
              "ring", _ring("block_sparse", impl="pallas", d=128), targets=("h100",),
-             devices=8),
+             devices=8, report=_resources(128, BF16)),
     ]
     # Decode steps on the Pallas decode kernel (split-K over the gathered windows).
     for b in (1, 64):

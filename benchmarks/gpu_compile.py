@@ -94,6 +94,21 @@ def program_problem(row: dict) -> str | None:
     return None
 
 
+def spill_problem(model: dict | None, kernels: list[dict]) -> str | None:
+    """Why a reported program's dilax kernels fail the no-spill rule (bf16/fp16 at head dim
+    <= 128: a spill there is a tile or register budget to fix, issue 29); ``None`` when they
+    meet it or the rule does not apply (fp32, d > 128, jax's own kernels)."""
+    if not model or model["dtype"] not in ("bfloat16", "float16") or model["d"] > 128:
+        return None
+    spilled = [f"{k['kernel']} ({k.get('spill_stores')}/{k.get('spill_loads')} B)"
+               for k in kernels if k["kernel"].startswith("dilax_")
+               and (k.get("spill_stores") or k.get("spill_loads"))]
+    if spilled:
+        return ("register spills in " + ", ".join(spilled) + " (required: none in bf16/fp16 "
+                "at head dim <= 128)")
+    return None
+
+
 def compile_items(items: list[tuple[str, int]]) -> list[dict]:
     """Compiles ``items`` (see :func:`work_items`) in this process; one result row each."""
     import jax
@@ -153,6 +168,9 @@ def compile_items(items: list[tuple[str, int]]) -> list[dict]:
                 for k in row["kernels"]:
                     k["estimate"] = roofline(case.report, k, target)
                 row["model"] = case.report
+                problem = spill_problem(case.report, row["kernels"])
+                if problem:
+                    row["passed"], row["error"] = False, problem
             shutil.rmtree(dump, ignore_errors=True)
         results.append(row)
         status = "PASS" if row["passed"] else "FAIL"

@@ -120,6 +120,8 @@ def roofline(model: dict, k: dict, target: Target) -> dict:
     It ignores latency, pipelining depth, softmax ALU work other than ``exp``, and the
     mma.sync-on-Hopper issue limit: an upper bound to compare kernels, not a measurement.
     """
+    if model["kernel"] == "resources":  # a whole program's kernels: resources, no estimate
+        return {}
     n, h, d = model["n"], model["h"], model["d"]
     s = {"bfloat16": 2, "float16": 2, "float32": 4}[model["dtype"]]
     if model["kernel"] == "block_sparse":
@@ -188,6 +190,11 @@ def markdown(result: dict) -> str:
         "processes).",
         "",
         "## Kernel resources",
+        "",
+        "Every kernel of the `report:` programs and of the whole Pallas attention programs "
+        "that carry a report (the padded + windowed dilated op, both rings on 8 GPUs). A "
+        "dilax kernel of a bf16/fp16 program at head dim <= 128 must not spill registers "
+        "(`benchmarks.gpu_compile.spill_problem`: the run fails otherwise).",
         "",
         "| target | program | kernel | grid | threads | shared mem (KiB) | registers | spills "
         "(st/ld B) | tensor cores | est. fraction of peak† | bound |",

@@ -195,3 +195,28 @@ def test_pallas_attention_cases_require_no_xla_matmul():
     assert _count_cells(dict(outcome="refused")) == ("—", "—")
     rows = [ok, dict(ok, xla_matmuls=1), dict(ok, no_xla_matmul=False), dict(outcome="error")]
     assert _zero_matmul_summary(rows) == "1 of 2 Pallas attention programs with 0 XLA matmuls"
+
+
+def test_no_spill_rule_for_half_precision_kernels_up_to_head_dim_128():
+    """Issue 29: a dilax kernel of a bf16/fp16 program at d <= 128 must not spill; fp32,
+    d > 128 and jax's own kernels are reported only. The whole Pallas attention programs the
+    acceptance lists carry a report (their kernels' resources)."""
+    from benchmarks.gpu_cases import cases
+    from benchmarks.gpu_compile import spill_problem
+
+    clean = dict(kernel="dilax_flash_fwd", spill_stores=0, spill_loads=0)
+    spilled = dict(kernel="dilax_flash_dkdv", spill_stores=40, spill_loads=36)
+    bf16 = dict(kernel="resources", d=128, dtype="bfloat16")
+    assert spill_problem(bf16, [clean]) is None
+    assert "dilax_flash_dkdv (40/36 B)" in spill_problem(bf16, [clean, spilled])
+    assert spill_problem(dict(bf16, dtype="float32"), [spilled]) is None
+    assert spill_problem(dict(bf16, d=256), [spilled]) is None
+    assert spill_problem(bf16, [dict(spilled, kernel="mha_forward")]) is None
+    assert spill_problem(None, [spilled]) is None
+    by_name = {c.name: c for c in cases()}
+    for name in ("padded + windowed dilated, implementation='pallas', fwd+bwd, bf16 GQA 8/2 "
+                 "causal", "ring dilated on 8 GPUs, fwd+bwd, implementation='pallas' (P=8) bf16 "
+                 "GQA causal", "ring block-sparse pallas on 8 GPUs, fwd+bwd (P=8) bf16 GQA "
+                 "causal d=128", "decode step pallas bf16 b=64 d=128 GQA 32/8 max_len=32768",
+                 "block-sparse pallas bf16 with lengths GQA 8/2 B=64 d=128 causal fwd+bwd"):
+        assert by_name[name].report is not None, name
