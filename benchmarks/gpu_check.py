@@ -2,8 +2,9 @@
 path against the reference, on the device, forward and gradients.
 
 Each :data:`CASES` entry is one op configuration (dilated, causal + GQA, valid lengths, the
-local window, block-sparse, a decode step, the ring over all local devices). For each dtype
-and head dim of the run, each implementation (``pallas``, ``cudnn``, ``xla``) is asked to run
+local window, block-sparse, a decode step, the dilated and block-sparse rings over all local
+devices). For each dtype and head dim of the run, each implementation (``pallas``, ``cudnn``,
+``xla``) is asked to run
 it: a ``ValueError``/``NotImplementedError`` while tracing or lowering is the op's *refusal*
 (recorded with its reason, the registry's words), anything else is an error. What runs is
 compared with ``implementation="reference"`` (the mask-based dense reference of
@@ -120,6 +121,8 @@ CASES: dict[str, tuple[str, Callable | None]] = {
     "decode": ("one decode step (t = 1) at context n, vs the causal reference's last row",
                None),
     "ring": ("causal GQA, sequence_parallel over a mesh of all local devices", None),
+    "ring-block-sparse": ("causal GQA block-sparse (window | dilated blocks), "
+                          "sequence_parallel over all local devices", None),
 }
 
 
@@ -162,8 +165,8 @@ def _case_programs(name: str, s: Shape, impl: str, interpret: bool, dtype):
     """``(program, args, reference program, reference args, output names)`` of one case."""
     if name == "decode":
         return _decode_programs(s, impl, dtype)
-    if name == "ring":
-        return _ring_programs(s, impl, interpret, dtype)
+    if name in ("ring", "ring-block-sparse"):
+        return _ring_programs(s, impl, interpret, dtype, block_sparse=name != "ring")
     build = CASES[name][1]
     low, ref = _inputs(s, dtype, build.mha)
     return (_with_grads(build(s, impl, interpret)), low,
@@ -188,25 +191,33 @@ def _decode_programs(s: Shape, impl: str, dtype):
     return (step, (q[:, n - 1:], k[:, n - 1:], v[:, n - 1:], cache), full, ref[:3], ("out",))
 
 
-def _ring_programs(s: Shape, impl: str, interpret: bool, dtype):
+def _ring_programs(s: Shape, impl: str, interpret: bool, dtype, block_sparse: bool = False):
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
     devices = jax.device_count()
     mesh = jax.make_mesh((devices,), ("sp",), axis_types=(AxisType.Auto,))
     sp = dilax.SequenceParallel(mesh, seq_axis="sp")
-    n = -(-s.n // devices) * devices  # the ring splits n over the devices
+    unit = devices * (s.block if block_sparse else 1)  # whole blocks on every device
+    n = -(-s.n // unit) * unit
     low, ref = _inputs(s, dtype, False, n=n)
     put = NamedSharding(mesh, PartitionSpec(None, "sp"))
     low = [jax.device_put(a, put) for a in low]
+    op = dilax.block_sparse_attention if block_sparse else dilax.dilated_attention
+    if block_sparse:
+        from dilax import patterns
+
+        pattern = patterns.local_window(n, s.block, 2 * s.block) | patterns.dilated(
+            n, s.block, 2)
+        args: tuple = (pattern,)
+    else:
+        args = (s.ws, s.rs)
 
     def ring(q, k, v):
-        kw = _kw(dilax.dilated_attention, impl, interpret)
-        return dilax.dilated_attention(q, k, v, s.ws, s.rs, is_causal=True,
-                                       sequence_parallel=sp, **kw)
+        return op(q, k, v, *args, is_causal=True, sequence_parallel=sp,
+                  **_kw(op, impl, interpret))
 
     def single(q, k, v):
-        return dilax.dilated_attention(q, k, v, s.ws, s.rs, is_causal=True,
-                                       implementation="reference")
+        return op(q, k, v, *args, is_causal=True, implementation="reference")
 
     return _with_grads(ring), low, _with_grads(single), ref, ("out", "dq", "dk", "dv")
 
@@ -230,7 +241,7 @@ def run_checks(configs: list[tuple[str, int]], cases: list[str], impls: list[str
                 row: dict[str, Any] = dict(section="check", case=case, what=CASES[case][0],
                                            implementation=impl, dtype=dtype, head_dim=d,
                                            n=s.n, tolerance=tol)
-                if case == "ring" and jax.device_count() < 2:
+                if case.startswith("ring") and jax.device_count() < 2:
                     row.update(status="skipped", reason="the ring needs 2 or more devices; "
                                f"this process has {jax.device_count()}")
                 elif not budget.allows(budget.check_estimate(impl), reserve):
