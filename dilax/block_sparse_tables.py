@@ -144,7 +144,8 @@ def _document_ranges(doc, idx, kv_len, b, U, bs):
         return jnp.sum(jnp.where(used[:, :, :, None, :], per, 0), axis=-1)
 
     keys = (to_rows(count(start)), to_rows(count(end)))
-    key_pos = block0[..., None] + jnp.arange(bs, dtype=jnp.int32)  # (Bi, Ui, R, A, B)
+    key_pos = block0[..., None] + jnp.arange(bs, dtype=jnp.int32).reshape(
+        (1,) * block0.ndim + (bs,))  # (Bi, Ui, R, A, B)
     key_pos = jnp.broadcast_to(key_pos, (b, U, R, A, bs)).reshape(b, U, R, A * bs)
     take = lambda x: jnp.take_along_axis(  # noqa: E731 - the keys' documents, as query rows
         x[:, None, None], jnp.clip(key_pos, 0, x.shape[1] - 1), axis=-1)
