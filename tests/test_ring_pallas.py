@@ -60,11 +60,12 @@ def _calls(jaxpr) -> tuple[int, int]:
     return kernels, dots
 
 
-def _oracle(q, k, v, g, ws, rs, is_causal, q_len=None, kv_len=None):
-    """The float64 oracle of SPEC.md (mixture mode) with valid lengths: keys past ``kv_len``
-    get no weight, rows past ``q_len`` none at all (output 0, no gradient)."""
+def _oracle(q, k, v, g, ws, rs, is_causal, q_len=None, kv_len=None, window=None):
+    """The float64 oracle of SPEC.md (mixture mode, the local window one more branch) with
+    valid lengths: keys past ``kv_len`` get no weight, rows past ``q_len`` none at all (output
+    0, no gradient)."""
     b, n, h, d = q.shape
-    w = dilated_counts(n, h, ws, rs, "mixture", is_causal)[None]  # (1, h, n, n)
+    w = dilated_counts(n, h, ws, rs, "mixture", is_causal, local_window=window)[None]
     pos = np.arange(n)
     if q_len is not None:
         w = w * (pos[None, :] < q_len[:, None])[:, None, :, None]
@@ -88,35 +89,36 @@ def _value_and_grads(fn, *args, kernels_only=False):
     return traced.lower().compile(compiler_options=_FAST)(*args)
 
 
-def _check(ws, rs, is_causal, q_len=None, kv_len=None, seed=0):
+def _check(ws, rs, is_causal, q_len=None, kv_len=None, window=None, seed=0):
     b = 1 if q_len is None else len(q_len)
     q, k, v, g = ring_inputs(b, N, 4, 2, 8, seed=seed)  # GQA: 4 query heads, 2 kv heads
     sp = _sp()
     ring = lambda q, k, v, *lengths: dilax.dilated_attention(  # noqa: E731
-        q, k, v, ws, rs, is_causal=is_causal, implementation="pallas", interpret=True,
-        sequence_parallel=sp, **dict(zip(("query_seq_lengths", "key_value_seq_lengths"),
-                                         lengths)))
+        q, k, v, ws, rs, is_causal=is_causal, local_window=window, implementation="pallas",
+        interpret=True, sequence_parallel=sp,
+        **dict(zip(("query_seq_lengths", "key_value_seq_lengths"), lengths)))
     lengths = () if q_len is None else (q_len, kv_len)
     out, grads = _value_and_grads(ring, q, k, v, g, *lengths, kernels_only=True)
-    ref = _oracle(q, k, v, g, ws, rs, is_causal, q_len, kv_len)
+    ref = _oracle(q, k, v, g, ws, rs, is_causal, q_len, kv_len, window)
     assert_scaled_close(out, ref.out)
     for name, a, e in zip("qkv", grads, (ref.dq, ref.dk, ref.dv), strict=True):
         assert_scaled_close(a, e, err_msg=f"d{name}")
     return out
 
 
-def test_causal_with_lengths():
+def test_causal_with_lengths_and_window():
     """Causal, valid lengths; on n/P = 16: w = 8 is local and w = 24 (r = 2) a ring branch
-    with two segment candidates per chunk (its backward reads the queries in place)."""
+    with two segment candidates per chunk (its backward reads the queries in place), and the
+    local window W = 5 (each chunk gets 5 rows from its left neighbour)."""
     q_len, kv_len = np.array([64, 41], np.int32), np.array([50, 64], np.int32)
-    out = _check((8, 24), (1, 2), True, q_len, kv_len, seed=3)
+    out = _check((8, 24), (1, 2), True, q_len, kv_len, window=5, seed=3)
     assert np.all(np.asarray(out)[1, 41:] == 0)  # rows past the query length
 
 
-def test_full_attention():
+def test_full_attention_and_window():
     """Not causal (the ring runs both ways): w = 12 is a halo branch, w = 32 (r = 2) a ring
-    branch with one segment per chunk."""
-    _check((12, 32), (1, 2), False, seed=4)
+    branch with one segment per chunk, and the local window W = 3 (rows from both sides)."""
+    _check((12, 32), (1, 2), False, window=3, seed=4)
 
 
 def test_cores_follow_the_registry_and_kernels_refuse_check_vma(monkeypatch):
