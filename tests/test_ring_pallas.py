@@ -18,8 +18,8 @@ skips hops per device (``lax.cond`` on the hop's predicate, :mod:`dilax.sp.ring_
 the devices that ran a kernel wait in its barrier while the others wait in the next
 ``ppermute``: XLA aborts with "Termination timeout for `collective permute RendezvousKey...`
 of 40 seconds exceeded ... Expected 4 threads to join the rendezvous, but only 2 of them
-arrived on time". Without causality and with one segment per chunk every device runs every
-hop, so the barriers pair up.
+arrived on time". Without causality, in the geometry below, every device runs the same hops
+(the skipped segment candidate is skipped on all of them), so the barriers pair up.
 """
 
 from __future__ import annotations
