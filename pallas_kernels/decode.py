@@ -15,10 +15,13 @@ only one branch covers (grouped mode) gets that branch's softmax.
 
 :func:`decode_attention` runs one program per ``(query row, kv head, split)``: the program
 keeps the ``G`` query heads of its kv head resident (zero rows up to 16, the smallest Triton
-``dot``), walks split ``s`` of every branch's window in tiles of ``block_k`` gathered cache
-rows (the row index is computed; lanes past the window re-read its last key and are masked,
-so nothing outside the window is read) with an online softmax (float32 statistics), and
-writes a normalized partial ``(out, lse)``. The splits are merged by their log-sum-exp
+``dot``), walks split ``s`` of every branch's window in tiles of ``block_k`` cache rows with
+an online softmax (float32 statistics), and writes a normalized partial ``(out, lse)``. A
+tile is one strided slice ``pl.ds(row, block_k, r)`` (the window's keys are an arithmetic
+progression; the strict interpreter refuses gathers); one that would run past the cache
+moves back by whole strides, and lanes outside the window are masked, so every read is
+inside the cache. A cache shorter than ``r * block_k`` rows (tiny caches only) is walked in
+unit steps with every ``r``-th row kept. The splits are merged by their log-sum-exp
 (elementwise XLA, no matmul). Splitting the window (split-K, "flash decoding") keeps the GPU
 busy when ``b * t * hk`` programs alone would not. :func:`decode_reference` is the same
 computation with gathers and a dense softmax in plain ``jax.numpy``.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -114,8 +118,28 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _num_splits(config: DecodeConfig, programs: int, branches) -> int:
-    tiles = max(_cdiv(br.window, config.block_k) for br in branches)
+class _Walk(NamedTuple):
+    """How the kernel reads one branch's window (static): tiles of ``block`` cache rows
+    ``step`` apart, lane ``u`` of the window at row ``start + step * u``, a key every
+    ``every`` lanes; ``lanes``: the lanes of a full window."""
+
+    step: int
+    every: int
+    block: int
+    lanes: int
+
+
+def _walk(br: DecodeBranch, max_len: int, block_k: int) -> _Walk:
+    r = br.stride
+    if max_len >= r * block_k:  # a strided tile fits the cache at every phase (GPU caches)
+        return _Walk(r, 1, block_k, br.window)
+    # a cache shorter than r tiles (tests, tiny caches): unit steps, a key every r rows
+    block = min(block_k, 1 << (max_len.bit_length() - 1))
+    return _Walk(1, r, block, (br.window - 1) * r + 1)
+
+
+def _num_splits(config: DecodeConfig, programs: int, walks) -> int:
+    tiles = max(_cdiv(w.lanes, w.block) for w in walks)
     if config.num_splits is not None:
         return min(config.num_splits, tiles)
     return max(1, min(tiles, _cdiv(_TARGET_PROGRAMS, max(programs, 1))))
@@ -127,8 +151,8 @@ def _dot(a, b, contract_a: int, contract_b: int):
                            preferred_element_type=_F32)
 
 
-def _decode_kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, branches, chunks, scale,
-                   groups, block_k, max_len):
+def _decode_kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, branches, walks, chunks,
+                   scale, groups, max_len):
     c, s = pl.program_id(1), pl.program_id(2)
     p = pos_ref[0]
     q = q_ref[...]  # (Gp, d): the query heads of kv head c at position p
@@ -137,21 +161,30 @@ def _decode_kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, branches, ch
     m = jnp.full((q.shape[0],), _NEG_INF, _F32)
     denom = jnp.zeros((q.shape[0],), _F32)
     acc = jnp.zeros(q.shape, _F32)
-    for br, chunk in zip(branches, chunks):
+    for br, walk, chunk in zip(branches, walks, chunks):
         start, count = br.keys(p)
+        lanes = (count - 1) * walk.every + 1  # lanes up to the window's last key
         sel = br.selects(p, head) & (rows < groups)
-        first = s * chunk  # this split's part of the window: j in [first, first + chunk)
-        n_tiles = cdiv_nonneg(jnp.clip(count - first, 0, chunk), block_k)
+        first = s * chunk  # this split's part of the window: lanes [first, first + chunk)
+        n_tiles = cdiv_nonneg(jnp.clip(lanes - first, 0, chunk), walk.block)
+        # the last tile start that keeps a whole strided tile inside the cache
+        last = max_len - 1 - walk.step * (walk.block - 1)
 
-        def body(i, carry, br=br, start=start, count=count, sel=sel, first=first):
+        def body(i, carry, walk=walk, start=start, lanes=lanes, sel=sel, first=first,
+                 last=last):
             m, denom, acc = carry
-            j = first + i * block_k + arange_i32(block_k)
-            valid = j < count
-            # gathered cache rows; lanes past the window re-read its last key (never a row
-            # outside it), and a position past the cache (overflow) stays inside it
-            idx = jnp.minimum(start + br.stride * jnp.minimum(j, count - 1), max_len - 1)
-            k = k_ref[idx, :]
-            v = jnp.where(valid[:, None], v_ref[idx, :], jnp.zeros((), v_ref.dtype))
+            lane0 = first + i * walk.block
+            row0 = start + walk.step * lane0
+            # a tile that would run past the cache moves back by whole steps (its lanes
+            # before lane0 are masked): every read is a strided slice inside the cache
+            back = cdiv_nonneg(jnp.maximum(row0 - last, 0), walk.step)
+            lane = lane0 - back + arange_i32(walk.block)
+            valid = (lane >= lane0) & (lane < lanes)
+            if walk.every > 1:  # a unit-step walk of a dilated branch: every r-th row
+                valid &= lax.rem(lane, jnp.int32(walk.every)) == 0
+            tile = pl.ds(row0 - back * walk.step, walk.block, walk.step)
+            k = k_ref[tile, :]
+            v = jnp.where(valid[:, None], v_ref[tile, :], jnp.zeros((), v_ref.dtype))
             logits = _dot(q, k, 1, 1) * scale
             logits = jnp.where(sel[:, None] & valid[None, :], logits, _NEG_INF)
             return online_softmax_step(m, denom, acc, logits, v)
@@ -218,7 +251,7 @@ def decode_attention(
       k_cache, v_cache: ``(b, L, hk, d)``, ``h % hk == 0`` (query head ``j`` reads kv head
         ``j // (h // hk)``), dtype of ``q`` (bf16, fp16 or fp32).
       positions: int ``(b, t)``, the position of each query (its keys are already written).
-        Rows read past ``L`` are clamped into the cache (callers zero such outputs).
+        Keys past ``L`` are not read (callers zero the outputs of such positions).
       branches: static :class:`DecodeBranch` es; one softmax over the union of their keys.
       scale: logit scale. config: :class:`DecodeConfig` or ``None`` (default).
       interpret: run in the Pallas interpreter (``True`` or ``pltpu.InterpretParams``).
@@ -233,10 +266,13 @@ def decode_attention(
     L, hk = k_cache.shape[1], k_cache.shape[2]
     G = h // hk
     gp = max(MIN_BLOCK, next_power_of_2(G))
-    bk = config.block_k
-    S = _num_splits(config, b * t * hk, branches)
-    # split s of a branch: window keys [s * chunk, (s + 1) * chunk), whole tiles
-    chunks = tuple(_cdiv(_cdiv(br.window, bk), S) * bk for br in branches)
+    if L < MIN_BLOCK:  # a tile is at least MIN_BLOCK rows: pad a tiny cache (masked rows)
+        pad = ((0, 0), (0, MIN_BLOCK - L), (0, 0), (0, 0))
+        k_cache, v_cache, L = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad), MIN_BLOCK
+    walks = tuple(_walk(br, L, config.block_k) for br in branches)
+    S = _num_splits(config, b * t * hk, walks)
+    # split s of a branch: window lanes [s * chunk, (s + 1) * chunk), whole tiles
+    chunks = tuple(_cdiv(_cdiv(w.lanes, w.block), S) * w.block for w in walks)
     qg = q.reshape(b * t, hk, G, d)
     if gp != G:  # zero rows up to the smallest dot (masked in the kernel)
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - G), (0, 0)))
@@ -245,8 +281,8 @@ def decode_attention(
     row = lambda i: lax.div(i, jnp.int32(t))  # noqa: E731  (query row i -> batch row)
     kv_spec = pl.BlockSpec((None, L, None, d), lambda i, c, s: (row(i), 0, c, 0))
     out, lse = pl.pallas_call(
-        functools.partial(_decode_kernel, branches=tuple(branches), chunks=chunks,
-                          scale=float(scale), groups=G, block_k=bk, max_len=L),
+        functools.partial(_decode_kernel, branches=tuple(branches), walks=walks,
+                          chunks=chunks, scale=float(scale), groups=G, max_len=L),
         grid=(b * t, hk, S),
         in_specs=[pl.BlockSpec((None, 1), lambda i, c, s: (i, 0)),
                   pl.BlockSpec((None, None, gp, d), lambda i, c, s: (i, c, 0, 0)),
