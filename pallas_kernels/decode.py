@@ -310,11 +310,11 @@ def decode_reference(q, k_cache, v_cache, positions, *, branches: tuple[DecodeBr
     b, t, h, d = q.shape
     L, hk = k_cache.shape[1], k_cache.shape[2]
     pos = jnp.asarray(positions, jnp.int32)
-    head = jnp.arange(h, dtype=jnp.int32)
+    head = jnp.arange(h, dtype=jnp.int32)[None, None]  # (1, 1, h)
     logits, values = [], []
     for br in branches:
         start, count = br.keys(pos)
-        j = jnp.arange(br.window, dtype=jnp.int32)
+        j = jnp.arange(br.window, dtype=jnp.int32)[None, None]  # (1, 1, m): no rank promotion
         idx = jnp.minimum(start[..., None] + br.stride * j, L - 1)  # (b, t, m)
         rows = jnp.arange(b)[:, None, None]
         kw = jnp.repeat(k_cache[rows, idx], h // hk, axis=3)  # (b, t, m, h, d)
