@@ -62,18 +62,18 @@ os.environ["XLA_FLAGS"] = xla_flags(_count)
 # their usual order.
 _COSTLIEST_MODULES = (
     "test_ring.py", "test_dilated.py", "test_pallas.py", "test_notebooks.py",
-    "test_block_sparse.py", "test_documents.py", "test_readme.py", "test_strict_modes.py",
-    "test_positions.py", "test_numerics.py", "test_request.py", "test_lengths.py",
-    "test_sequence_parallel.py", "test_models.py", "test_dot_product.py", "test_decode.py",
-    "test_registry.py", "test_ring_lengths.py", "test_train_cli.py", "test_nn.py",
-    "test_block_sparse_ring.py", "test_train.py", "test_train_resume.py", "test_batch_dims.py",
-    "test_ring_pallas.py", "test_train_interrupts.py", "test_imports.py",
-    "test_ring_multiprocess.py", "test_pallas_masks.py", "test_ring_plan.py",
-    "test_empty_batch.py", "test_attention_fn_flax.py", "test_decode_pallas.py",
-    "test_nan_inputs.py", "test_train_packed.py", "test_lazy_subpackages.py",
-    "test_packed_lm.py", "test_token_ids.py", "test_block_sparse_lengths.py",
-    "test_benchmarks_gpu.py", "test_decode_overflow.py", "test_factory.py",
-    "test_dilated_memory.py", "test_fuzz_dilated.py",
+    "test_block_sparse.py", "test_readme.py", "test_strict_modes.py", "test_documents.py",
+    "test_numerics.py", "test_lengths.py", "test_positions.py", "test_request.py",
+    "test_sequence_parallel.py", "test_models.py", "test_registry.py", "test_ring_lengths.py",
+    "test_dot_product.py", "test_block_sparse_ring.py", "test_nn.py", "test_decode.py",
+    "test_train_cli.py", "test_train_resume.py", "test_train.py", "test_batch_dims.py",
+    "test_block_sparse_ring_pallas.py", "test_ring_multiprocess.py",
+    "test_train_interrupts.py", "test_pallas_masks.py", "test_ring_pallas.py",
+    "test_imports.py", "test_nan_inputs.py", "test_decode_overflow.py",
+    "test_attention_fn_flax.py", "test_ring_plan.py", "test_empty_batch.py",
+    "test_decode_pallas.py", "test_train_packed.py", "test_token_ids.py", "test_packed_lm.py",
+    "test_lazy_subpackages.py", "test_benchmarks_gpu.py", "test_block_sparse_lengths.py",
+    "test_factory.py", "test_dilated_memory.py", "test_fuzz_dilated.py",
 )
 
 

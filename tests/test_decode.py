@@ -193,9 +193,9 @@ def test_longnet_lm_decode_equals_full_logits():
 def test_generate_greedy_equals_full_recomputation():
     """Acceptance (issue 26): greedy generate gives the tokens of the greedy loop that
     recomputes the growing prefix of every row (its prompt and the tokens so far; padding after
-    it, which a causal model does not see) with the mask-based reference implementation, across the segment starts 4, 8, 12;
-    rows of different prompt lengths; fewer new tokens give a prefix of the same tokens. And
-    top_k=1 sampling is greedy too."""
+    it, which a causal model does not see) with the mask-based reference implementation,
+    across the segment starts 4, 8, 12; rows of different prompt lengths; fewer new tokens
+    give a prefix of the same tokens. And top_k=1 sampling is greedy too."""
     from flax import nnx
 
     from dilax.models import generate
