@@ -37,7 +37,9 @@ Causal, 2 query heads sharing 1 key/value head (MQA), head dimension 32, three b
 `memory_report` compiles the function and reads XLA's buffer assignment before anything runs.
 """),
     ("code", """
-n, b, h, hk, d = 262_144, 1, 2, 1, 32
+# DILAX_NOTEBOOK_N: a shorter sequence for the test suite's quick run (tests/test_notebooks.py)
+n = int(os.environ.get("DILAX_NOTEBOOK_N", 262_144))
+b, h, hk, d = 1, 2, 1, 32
 segment_lengths, dilation_rates = (512, 1024, 2048), (1, 2, 4)
 
 attend = jax.jit(functools.partial(dilax.dilated_attention, segment_lengths=segment_lengths,

@@ -192,10 +192,10 @@ def test_longnet_lm_decode_equals_full_logits():
 
 def test_generate_greedy_equals_full_recomputation():
     """Acceptance (issue 26): greedy generate gives the tokens of the greedy loop that
-    recomputes the growing prefix of every row (its prompt and the tokens so far, nothing
-    after) with the mask-based reference implementation, across the segment starts 4, 8, 12;
-    rows of different prompt lengths; fewer new tokens give a prefix of the same tokens. And
-    top_k=1 sampling is greedy too."""
+    recomputes the growing prefix of every row (its prompt and the tokens so far; padding after
+    it, which a causal model does not see) with the mask-based reference implementation,
+    across the segment starts 4, 8, 12; rows of different prompt lengths; fewer new tokens
+    give a prefix of the same tokens. And top_k=1 sampling is greedy too."""
     from flax import nnx
 
     from dilax.models import generate
@@ -207,12 +207,17 @@ def test_generate_greedy_equals_full_recomputation():
 
     # the same parameters, every attention the dense mask-based reference (an oracle)
     ref = nnx.merge(nnx.graphdef(_lm(0, implementation="reference")), nnx.state(model))
-    forward = nnx.jit(lambda m, tokens: m(tokens))  # one program per prefix length, not op by op
+    # One program for every prefix: the prefix padded to PROMPT + NEW positions with token 0;
+    # the model is causal, so the logits at the prefix's last position see nothing after it
+    # (tests/test_positions.py checks that prefix rows equal the full window's).
+    forward = nnx.jit(lambda m, tokens: m(tokens))
     for row in range(B):
         seq = list(prompt[row, :lengths[row]])
         for _ in range(NEW):
-            logits = np.asarray(forward(ref, jnp.asarray([seq], jnp.int32)))
-            seq.append(int(logits[0, -1].argmax()))
+            padded = np.zeros((1, PROMPT + NEW), np.int32)
+            padded[0, :len(seq)] = seq
+            logits = np.asarray(forward(ref, jnp.asarray(padded)))
+            seq.append(int(logits[0, len(seq) - 1].argmax()))
         np.testing.assert_array_equal(got[row, :len(seq)], seq)
         np.testing.assert_array_equal(got[row, len(seq):], 0)
     shorter = np.asarray(generate(model, prompt, NEW - 5, prompt_lengths=lengths))

@@ -99,12 +99,14 @@ def test_packed_bfloat16_and_one_document_is_the_plain_op():
     want = _alone(q, k, v, g, "mixture", False, None)
     for got, exp in zip((out, *grads), want):
         assert_scaled_close(got, exp, HALF)
-    # one document per row: exactly the op without segment_ids (bitwise on the same core)
-    q, k, v, _ = _data(3)
-    one = dilax.dilated_attention(q, k, v, WS, RS, segment_ids=jnp.ones((2, N), jnp.int32),
-                                  implementation="xla")
-    assert_scaled_close(one, dilax.dilated_attention(q, k, v, WS, RS, implementation="xla"),
-                        FP32)
+    # one document per row: the op without segment_ids, by the oracle (float32: the program
+    # of test_packed_row_equals_documents_alone, compiled once for both tests)
+    q, k, v, g = _data(3)
+    (_, one), grads = _program("mixture", False, None, False)(
+        q, k, v, g, jnp.ones((2, N), jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32))
+    want = oracle.dilated(q, k, v, WS, RS, "mixture", False, dout=g)
+    for got, exp in zip((one, *grads), (want.out, want.dq, want.dk, want.dv)):
+        assert_scaled_close(got, exp, FP32)
 
 
 def test_document_tables():
@@ -167,16 +169,21 @@ def test_dot_product_attention_documents():
             q, k, v, is_causal=True, local_window_size=(5, 0), segment_ids=ids,
             implementation=impl)
 
-    out = f("xla")(q, k, v)
-    for i, cuts in enumerate(CUTS):
-        for s, e in zip(cuts, (*cuts[1:], N)):
-            alone = jax.nn.dot_product_attention(q[i:i + 1, s:e], k[i:i + 1, s:e],
-                                                 v[i:i + 1, s:e], is_causal=True,
-                                                 local_window_size=(5, 0))
-            assert_scaled_close(out[i, s:e], alone[0], FP32)
     loss = lambda impl: lambda *x: jnp.sum(jnp.sin(f(impl)(*x)))  # noqa: E731
-    got = jax.grad(loss("xla"), (0, 1, 2))(q, k, v)
-    want = jax.grad(loss("reference"), (0, 1, 2))(q, k, v)
+
+    @jax.jit  # one program for dilax's output and gradients and the two references
+    def run(q, k, v):
+        alone = [jax.nn.dot_product_attention(q[i:i + 1, s:e], k[i:i + 1, s:e],
+                                              v[i:i + 1, s:e], is_causal=True,
+                                              local_window_size=(5, 0))
+                 for i, cuts in enumerate(CUTS) for s, e in zip(cuts, (*cuts[1:], N))]
+        return (f("xla")(q, k, v), alone, jax.grad(loss("xla"), (0, 1, 2))(q, k, v),
+                jax.grad(loss("reference"), (0, 1, 2))(q, k, v))
+
+    out, alone, got, want = run(q, k, v)
+    docs = [(i, s, e) for i, cuts in enumerate(CUTS) for s, e in zip(cuts, (*cuts[1:], N))]
+    for (i, s, e), ref in zip(docs, alone, strict=True):
+        assert_scaled_close(out[i, s:e], ref[0], FP32)
     for a, b in zip(got, want):
         assert_scaled_close(a, b, FP32)
 
