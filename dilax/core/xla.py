@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dilax.core import pairwise
+from dilax.core import ranges as RG
 from dilax.core import rows as R
 from dilax.core.blocks import BlockSizes
 from dilax.core.mask import Mask
@@ -79,33 +80,6 @@ def _mask(k_start, block_k, kv_len, q_pos, k_offset, is_causal, q_valid=None, wi
         delta = (k_offset + k_idx)[None, :] - q_pos[:, None]
         mask = add(((delta <= window[1]) & (delta >= -window[0]))[None, None])
     return mask
-
-
-def _pad_range(rng, size):
-    """A ``(lo, hi)`` row range ``(B, U, L)`` padded to ``size`` rows with empty ranges."""
-    if rng is None:
-        return None
-    lo, hi = rng
-    extra = size - lo.shape[-1]
-    if extra == 0:
-        return lo, hi
-    big = jnp.iinfo(jnp.int32).max // 2
-    pad = ((0, 0), (0, 0), (0, extra))
-    return jnp.pad(lo, pad, constant_values=big), jnp.pad(hi, pad)
-
-
-def _range_rows(rng, b, u0, u1, start, size):
-    """``(lo, hi)`` of rows ``start .. start + size`` of heads ``u0 .. u1``: ``(U, size)``."""
-    return tuple(lax.dynamic_slice(x, _starts(b, u0, start), (1, u1 - u0, size))[0]
-                 for x in rng)
-
-
-def _range_mask(rng, k_start, block_k):
-    """``(U, 1, bq, bk)``: key ``k_start + j`` inside row ``i``'s range ``[lo, hi)``."""
-    lo, hi = rng
-    k_idx = k_start + lax.iota(jnp.int32, block_k)
-    return ((k_idx[None, None, :] >= lo[:, :, None])
-            & (k_idx[None, None, :] < hi[:, :, None]))[:, None]
 
 
 def _rows_setup(rows, q, k, v, view, size_q, size_k):
@@ -227,7 +201,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
     kp, vp, kv_len, kv_valid = _pad_keys(_as_bits(k), _as_bits(v), kv_len, kv_valid,
                                          nk * block_k, U)
     axes = varying_axes(q, k, v, kv_len, q_offset, k_offset, q_len)
-    key_range = _pad_range(mask.key_range, nq * block_q)
+    key_range = RG.pad_range(mask.key_range, nq * block_q)
     gathered = _rows_setup(mask.rows, q, k, v, view, nq * block_q, nk * block_k)
 
     groups = _head_groups(U, G, heads_per_step)
@@ -271,25 +245,23 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
             hi = jnp.minimum(hi, _block_floor(q_first + block_q - 1 + right - k_offset,
                                               block_k, nk - 1) + 1)
             lo = full = jnp.minimum(_block_floor(q_first - left - k_offset, block_k, nk), hi)
-        rows, pre = None, None
-        if ranged:  # only the key blocks the rows' ranges meet; masked at the ranges' edges
-            rows = _range_rows(key_range, bi, u0, u1, qi * block_q, block_q)
-            hi = jnp.minimum(hi, cdiv(jnp.max(rows[1]), block_k))
-            first = jnp.minimum(_block_floor(jnp.min(rows[0]), block_k, nk), hi)
-            # key blocks inside every row's range need no range mask (nor a causal one
-            # before ``full``); not with a band, whose edges are elsewhere
-            # (a row with an empty range, lo > hi, leaves no block inside: all masked)
-            inner_lo = jnp.clip(cdiv(jnp.max(rows[0]), block_k), first, hi)
-            inner_hi = jnp.min(rows[1]) // block_k
-            if is_causal:
-                inner_hi = jnp.minimum(inner_hi, full)
-            inner_hi = jnp.clip(inner_hi, inner_lo, hi) if window is None else inner_lo
-            pre, lo, full = (first, inner_lo), inner_lo, inner_hi
+        rows, pre, base = None, None, None
+        if ranged:  # only the blocks the rows' ranges meet, from their lowest key on
+            rows = RG.range_rows(key_range, bi, u0, u1, qi * block_q, block_q)
+            # blocks inside every row's range need no range mask (nor a causal one before
+            # ``full``); not with a band, whose edges are elsewhere
+            base, inner_lo, full, hi = RG.key_blocks(
+                rows, hi * block_k, block_k, nk * block_k,
+                None if window is not None else full * block_k if is_causal else nk * block_k)
+            pre, lo = (0, inner_lo), inner_lo
 
         def make_body(causal_block):
             def body(j, carry):
                 m, l, acc = carry
-                k0 = j * block_k
+                if base is None:
+                    k0 = j * block_k
+                else:
+                    k0, floor = RG.block_start(base, j, block_k, nk * block_k)
                 if gathered is None:  # (U, bk, d)
                     kb = view.select_kv(_slice_rows(kp, bi, k0, block_k, k.dtype))
                     vb = view.select_kv(_slice_rows(vp, bi, k0, block_k, v.dtype))
@@ -300,7 +272,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
                 mask = _mask(k0, block_k, kl, q_pos, k_offset, causal_block and is_causal,
                              q_valid, window if causal_block else None, kvb)
                 if rows is not None and causal_block:
-                    in_range = _range_mask(rows, k0, block_k)
+                    in_range = RG.range_mask(rows, k0, block_k, floor)
                     mask = in_range if mask is None else mask & in_range
                 if dense is not None:  # the caller's (B, N, T, S) bias / mask, one block
                     s, mask = pairwise.apply(s, *pairwise.terms(
@@ -368,8 +340,8 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
     lsep, deltap = pad_q(lse_safe), pad_q(delta)
     kp, vp, kv_len, kv_valid = _pad_keys(bits(k), bits(v), kv_len, kv_valid, nk * block_k, U)
     axes = varying_axes(q, k, v, kv_len, q_offset, k_offset, dout, delta, q_len)
-    key_range = _pad_range(mask.key_range, nq * block_q)
-    query_range = _pad_range(mask.query_range, nk * block_k)
+    key_range = RG.pad_range(mask.key_range, nq * block_q)
+    query_range = RG.pad_range(mask.query_range, nk * block_k)
     ranged = key_range is not None
     gathered = _rows_setup(mask.rows, q, k, v, view, nq * block_q, nk * block_k)
     out_view = view.output_view()  # reads dout, lse, delta (output layout) per block
@@ -418,17 +390,23 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
             lo = jnp.maximum(lo, _block_floor(k_offset + k0 - right - q_offset, block_q, nq))
             hi = jnp.minimum(hi, _block_floor(k_offset + k0 + block_k - 1 + left - q_offset,
                                               block_q, nq - 1) + 1)
-        if ranged:  # only the query blocks that may attend this key block, all masked
-            q_rows = _range_rows(query_range, bi, 0, U, k0, block_k)
-            lo = jnp.maximum(lo, _block_floor(jnp.min(q_rows[0]), block_q, nq))
-            hi = jnp.minimum(hi, cdiv(jnp.max(q_rows[1]), block_q))
+        q_base = None
+        if ranged:  # only the query rows that may attend this key block, all masked
+            q_rows = RG.range_rows(query_range, bi, 0, U, k0, block_k)
+            q_base, _, _, hi = RG.key_blocks(
+                (jnp.maximum(q_rows[0], lo * block_q), q_rows[1]), hi * block_q, block_q,
+                nq * block_q)
+            lo = 0
         hi = jnp.maximum(hi, lo)
         full_lo = hi if window is not None or ranged else jnp.minimum(full_lo, hi)
 
         def make_body(causal_block):
             def body(qi, carry):
                 dk, dv, dq, *db = carry
-                q0 = qi * block_q
+                if q_base is None:
+                    q0 = qi * block_q
+                else:
+                    q0, floor = RG.block_start(q_base, qi, block_q, nq * block_q)
                 qb = _scaled(view.select_q(_slice_rows(qp, bi, q0, block_q, q.dtype))
                              if gathered is None else gathered.read_q(bi, q0, block_q, 0, U),
                              scale)
@@ -440,8 +418,8 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
                 mask = _mask(k0, block_k, kl, q_pos, k_offset, causal_block and is_causal,
                              _q_valid(q0, block_q, ql), window if causal_block else None, kvb)
                 if ranged and causal_block:
-                    in_range = _range_mask(_range_rows(key_range, bi, 0, U, q0, block_q), k0,
-                                           block_k)
+                    in_range = RG.range_mask(RG.rows_from(
+                        RG.range_rows(key_range, bi, 0, U, q0, block_q), q0, floor), k0, block_k)
                     mask = in_range if mask is None else mask & in_range
                 if dense is not None:
                     s, mask = pairwise.apply(s, *pairwise.terms(
