@@ -43,9 +43,8 @@ def range_mask(rng, k_start, block_k, floor=None):
     lo, hi = rng
     if floor is not None:
         lo = jnp.maximum(lo, floor)
-    k_idx = k_start + lax.iota(jnp.int32, block_k)
-    return ((k_idx[None, None, :] >= lo[:, :, None])
-            & (k_idx[None, None, :] < hi[:, :, None]))[:, None]
+    k_idx = (k_start + lax.iota(jnp.int32, block_k))[None, None, None, :]
+    return (k_idx >= lo[:, None, :, None]) & (k_idx < hi[:, None, :, None])
 
 
 def rows_from(rng, start, floor):

@@ -267,7 +267,10 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
                     vb = view.select_kv(_slice_rows(vp, bi, k0, block_k, v.dtype))
                 else:
                     kb, vb = gathered.read_kv(bi, k0, block_k, u0, u1)
-                s = jnp.einsum("hgqd,hkd->hgqk", qb, kb, preferred_element_type=_F32)
+                if flat:  # (U, G * bq, bk): see ``flat`` below
+                    s = jnp.einsum("hqd,hkd->hqk", qb, kb, preferred_element_type=_F32)
+                else:
+                    s = jnp.einsum("hgqd,hkd->hgqk", qb, kb, preferred_element_type=_F32)
                 kvb = _key_valid_block(kv_valid, bi, u0, u1, k0, block_k)
                 mask = _mask(k0, block_k, kl, q_pos, k_offset, causal_block and is_causal,
                              q_valid, window if causal_block else None, kvb)
@@ -278,6 +281,8 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
                     s, mask = pairwise.apply(s, *pairwise.terms(
                         dense, bi, u0, u1, G, qi * block_q, block_q, k0, block_k), mask)
                 if mask is not None:
+                    if flat:
+                        mask = jnp.broadcast_to(mask, (U, G, block_q, block_k)).reshape(s.shape)
                     s = jnp.where(mask, s, -jnp.inf)
                     vb = _zero_invalid_keys(vb, k0, kl, kvb)
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -285,17 +290,24 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
                 p = jnp.exp(s - m_safe[..., None])
                 corr = jnp.exp(m - m_safe)
                 l = l * corr + jnp.sum(p, axis=-1)
-                pv = jnp.einsum("hgqk,hkd->hgqd", p, vb.astype(_F32),
-                                preferred_element_type=_F32)
+                pv = jnp.einsum("hgqk,hkd->hgqd" if not flat else "hqk,hkd->hqd", p,
+                                vb.astype(_F32), preferred_element_type=_F32)
                 return m_new, l, acc * corr[..., None] + pv
 
             return body
 
+        # Ranged loops have data-dependent trip counts, and XLA:CPU then lays the
+        # (U, G, bq, bk) products out so that every block pays a copy of its score tile;
+        # with G folded into the rows there is no such copy (same-run A/B: ~1.2x faster).
+        flat = ranged and dense is None
+        rows_q = (U, G * block_q) if flat else (U, G, block_q)
+        if flat:
+            qb = qb.reshape(U, G * block_q, d)
         carry = mark_varying(
             axes,
-            jnp.full((U, G, block_q), -jnp.inf, _F32),
-            jnp.zeros((U, G, block_q), _F32),
-            jnp.zeros((U, G, block_q, d), _F32),
+            jnp.full(rows_q, -jnp.inf, _F32),
+            jnp.zeros(rows_q, _F32),
+            jnp.zeros(rows_q + (d,), _F32),
         )
         if pre is not None:
             carry = lax.fori_loop(*pre, make_body(True), carry)
@@ -303,6 +315,9 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
         if is_causal or window is not None or ranged:
             carry = lax.fori_loop(full, hi, make_body(True), carry)
         m, l, acc = carry
+        if flat:
+            m, l, acc = m.reshape(U, G, block_q), l.reshape(U, G, block_q), \
+                acc.reshape(U, G, block_q, d)
         has_key = l > 0
         out = acc / jnp.where(has_key, l, 1.0)[..., None]
         lse = jnp.where(has_key, m + jnp.log(jnp.where(has_key, l, 1.0)), -jnp.inf)
