@@ -17,6 +17,7 @@ puts the results back at their positions (the merge then reads them like any bra
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -148,6 +149,8 @@ class DocumentBranch:
     is_causal: bool
     block_sizes: BlockSizes | None = None
     core: Core = XLA
+    # full-length results: the forward without gradients merges them as they come
+    merge_online: ClassVar[bool] = True
 
     @property
     def result_plan(self) -> BranchPlan:
@@ -240,10 +243,14 @@ class DocumentBranch:
     def _columns(self, y, per_u, name, fill):
         """Per head (ascending): column ``c`` of ``y (b, L, H', ...)`` gathered by the
         ``name`` table (``"back"``: sequences -> positions, ``"rows"``: the reverse)."""
-        G = self.plan.q_per_kv
+        G, m = self.plan.q_per_kv, y.shape[1]
         u_of = {j: i // G for i, j in enumerate(self.plan.q_heads)}
-        y = jnp.pad(y, ((0, 0), (0, 1)) + ((0, 0),) * (y.ndim - 2), constant_values=fill)
-        return jnp.stack([_take_rows(y[:, :, c], getattr(per_u[u_of[j]], name))
+
+        def column(c, idx):  # index m: no row; no padded copy of y (it is n x h x d)
+            x = _take_rows(y[:, :, c], jnp.minimum(idx, m - 1))
+            return jnp.where((idx < m).reshape(idx.shape + (1,) * (x.ndim - 2)), x, fill)
+
+        return jnp.stack([column(c, getattr(per_u[u_of[j]], name))
                           for c, j in enumerate(sorted(self.plan.q_heads))], axis=2)
 
     def _forward_rows(self, q, k, v, per_u, mask):
