@@ -197,7 +197,9 @@ class DocumentBranch:
 
         mask = Mask(is_causal=self.is_causal, kv_valid=stack("key_valid"),
                     key_range=(stack("key_lo"), stack("key_hi")),
-                    query_range=(stack("query_lo"), stack("query_hi")))
+                    query_range=(stack("query_lo"), stack("query_hi")),
+                    # the runs are symmetric unless lengths cut the key ranges
+                    query_range_exact=q_len is None and kv_len is None)
         return per_u, mask
 
     def _view(self) -> SlotView:

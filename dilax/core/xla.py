@@ -358,6 +358,8 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
     key_range = RG.pad_range(mask.key_range, nq * block_q)
     query_range = RG.pad_range(mask.query_range, nk * block_k)
     ranged = key_range is not None
+    # exact query ranges: the query blocks inside every key's range need no mask at all
+    exact = ranged and mask.query_range_exact and not is_causal and window is None
     gathered = _rows_setup(mask.rows, q, k, v, view, nq * block_q, nk * block_k)
     out_view = view.output_view()  # reads dout, lse, delta (output layout) per block
 
@@ -405,13 +407,14 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
             lo = jnp.maximum(lo, _block_floor(k_offset + k0 - right - q_offset, block_q, nq))
             hi = jnp.minimum(hi, _block_floor(k_offset + k0 + block_k - 1 + left - q_offset,
                                               block_q, nq - 1) + 1)
-        q_base = None
-        if ranged:  # only the query rows that may attend this key block, all masked
+        q_base, inner = None, None
+        if ranged:  # only the query rows that may attend this key block, masked unless
+            # inside every key's (exact) query range
             q_rows = RG.range_rows(query_range, bi, 0, U, k0, block_k)
-            q_base, _, _, hi = RG.key_blocks(
+            q_base, inner_lo, inner_hi, hi = RG.key_blocks(
                 (jnp.maximum(q_rows[0], lo * block_q), q_rows[1]), hi * block_q, block_q,
-                nq * block_q)
-            lo = 0
+                nq * block_q, nq * block_q if exact else None)
+            lo, inner = 0, (inner_lo, inner_hi) if exact else None
         hi = jnp.maximum(hi, lo)
         full_lo = hi if window is not None or ranged else jnp.minimum(full_lo, hi)
 
@@ -467,7 +470,11 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
 
         carry = mark_varying(axes, jnp.zeros((U, block_k, d), _F32),
                              jnp.zeros((U, block_k, d), _F32)) + (dq, *db)
-        if is_causal or window is not None or ranged:
+        if inner is not None:
+            carry = lax.fori_loop(0, inner[0], make_body(True), carry)
+            carry = lax.fori_loop(*inner, make_body(False), carry)
+            carry = lax.fori_loop(inner[1], hi, make_body(True), carry)
+        elif is_causal or window is not None or ranged:
             carry = lax.fori_loop(lo, full_lo, make_body(True), carry)
             carry = lax.fori_loop(full_lo, hi, make_body(False), carry)
         else:
