@@ -31,7 +31,7 @@ _F32 = jnp.float32
 EMPTY_RANGE = np.iinfo(np.int32).max // 2  # the lower end of an empty key range
 
 __all__ = ["EMPTY_RANGE", "DocumentBranch", "OffsetTable", "document_bounds", "document_positions",
-           "document_tables", "heads_into", "offset_table"]
+           "document_tables", "heads_into", "offset_table", "run_tiles"]
 
 
 def document_bounds(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -132,6 +132,25 @@ def offset_table(sel, before, lo, hi, query_lo, query_hi, key_valid) -> OffsetTa
                        None if key_valid is None else take(key_valid, False))
 
 
+def run_tiles(start: jax.Array, end: jax.Array, w: int, block: int
+              ) -> tuple[jax.Array, jax.Array]:
+    """Row tiles ``(start, end)`` int32 ``(b, T)`` of at most ``block`` rows aligned to the
+    runs of branch ``(w, r = 1)`` (:class:`dilax.core.Mask` ``q_tiles``): runs of at least
+    ``block / 4`` rows start a tile, and so does every ``block``-th row after such a start;
+    shorter runs share tiles. ``T`` bounds the tile count for any documents (unused: empty)."""
+    b, n = start.shape
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    seg_start = start + ((pos - start) // w) * w
+    long = jnp.minimum(seg_start + w, end) - seg_start >= max(1, block // 4)
+    after_long = jnp.concatenate([jnp.ones((b, 1), bool), long[:, :-1]], axis=1)
+    anchor = jax.lax.cummax(jnp.where((pos == seg_start) & (long | after_long), pos, 0),
+                            axis=1)
+    count = -(-n // block) + 2 * -(-n // max(1, block // 4)) + 1
+    starts = jax.vmap(lambda x: jnp.nonzero(x, size=count, fill_value=n)[0])(
+        (pos - anchor) % block == 0).astype(jnp.int32)
+    return starts, jnp.concatenate([starts[:, 1:], jnp.full((b, 1), n, jnp.int32)], axis=1)
+
+
 @dataclasses.dataclass(frozen=True)
 class DocumentBranch:
     """Branch ``plan`` over packed documents as one core call (a :class:`BranchOp` of
@@ -170,10 +189,19 @@ class DocumentBranch:
         forward and backward: 0.9-1.2x the unpacked fwd+bwd, 2048-row tiles 2.3x)."""
         if self.block_sizes is not None:
             return self.block_sizes
+        if self._tiled:  # tiles inside the runs: the unpacked op's forward tiles
+            fwd = default_block_sizes(self.n, self.n, self.num_heads, self.is_causal)
+            return dataclasses.replace(fwd, block_q_dkv=256, block_k_dkv=512)
         if self.plan.window is not None:
             return default_block_sizes(self.n, self.n, self.num_heads, self.is_causal,
                                        self.plan.window)
         return BlockSizes(256, 512, 256, 512, None)
+
+    @property
+    def _tiled(self) -> bool:
+        """Forward row tiles aligned to the runs (``r = 1``: the rows are the positions)."""
+        return (self.plan.r == 1 and self.plan.window is None and self.core.name == "xla"
+                and type(self).forward is DocumentBranch.forward)  # (which builds them)
 
     @property
     def _in_place(self) -> bool:
@@ -278,6 +306,9 @@ class DocumentBranch:
         if self._reads_rows:
             return self._forward_rows(q, k, v, per_u, mask)
         p, G = self.plan, self.plan.q_per_kv
+        if self._tiled:
+            mask = dataclasses.replace(mask, q_tiles=run_tiles(
+                *aux[3:], p.w, min(self._blocks.block_q, self.n)))
         qs = self._gather_in(q, p.q_heads, per_u, G)
         ks = self._gather_in(k, p.kv_heads, per_u, 1)
         vs = self._gather_in(v, p.kv_heads, per_u, 1)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dilax
-from dilax.documents import document_bounds, document_positions
+from dilax.documents import document_bounds, document_positions, run_tiles
 from dilax.reference import dilated_counts
 from tests import oracle
 from tests.tolerance import FP32, HALF, assert_scaled_close
@@ -129,6 +129,18 @@ def test_document_tables():
         np.testing.assert_array_equal(start[i], edges[doc])
         np.testing.assert_array_equal(end[i], edges[doc + 1])
         np.testing.assert_array_equal(document_positions(ids)[i], np.arange(N) - edges[doc])
+
+
+def test_run_tiles_follow_the_runs():
+    # one-token documents, a document of three runs (w = 16) and one of two
+    start, end = document_bounds(jnp.asarray(_ids(((0, 1, 2, 3, 40, 41),))))
+    starts, ends = (np.asarray(x[0]) for x in run_tiles(start, end, 16, 8))
+    used = starts < ends
+    # runs of >= 8 / 4 rows start tiles of <= 8 rows; the one-token runs share one
+    want = [(0, 3), (3, 11), (11, 19), (19, 27), (27, 35), (35, 40), (40, 41), (41, 49),
+            (49, 57), (57, 64)]
+    assert list(zip(starts[used].tolist(), ends[used].tolist())) == want
+    assert (starts[~used] == N).all()
 
 
 def test_segment_ids_errors_and_refusals():

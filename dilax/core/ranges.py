@@ -61,20 +61,32 @@ def block_start(base, j, block, limit):
     return jnp.minimum(floor, limit - block), floor
 
 
-def key_blocks(rows, end, block, limit, inner_end=None):
+def within(start, size, lo, hi):
+    """``(size,)`` bool: rows ``start ..`` that lie in ``[lo, hi)``."""
+    i = start + lax.iota(jnp.int32, size)
+    return (i >= lo) & (i < hi)
+
+
+def key_blocks(rows, end, block, limit, inner_end=None, keep=None):
     """Loop bounds of a tile's ranged blocks: ``(base, inner_lo, inner_hi, count)``.
 
     ``rows``: the tile's ``(lo, hi)`` ranges ``(U, size)``; ``end``: no block past this
     index is needed (other masks' bounds); ``limit``: the padded length. Blocks
     ``[inner_lo, inner_hi)`` lie inside every row's range (and before ``inner_end``, e.g.
     the causal edge; ``None``: no inner blocks at all) and need no range mask; the others
-    of ``[0, count)`` are masked. A row with an empty range leaves no inner block."""
+    of ``[0, count)`` are masked. A row with an empty range leaves no inner block.
+    ``keep``: ``(size,)`` bool, the rows whose results count (others: any result)."""
     lo, hi = rows
-    base = jnp.clip(jnp.min(lo), 0, limit)
-    count = jnp.maximum(cdiv(jnp.minimum(end, jnp.max(hi)) - base, block), 0)
-    inner_lo = jnp.clip(cdiv(jnp.max(lo) - base, block), 0, count)
+    if keep is None:
+        lo_min, lo_max, hi_min, hi_max = jnp.min(lo), jnp.max(lo), jnp.min(hi), jnp.max(hi)
+    else:
+        lo_min, lo_max = jnp.min(jnp.where(keep, lo, EMPTY)), jnp.max(jnp.where(keep, lo, 0))
+        hi_min, hi_max = jnp.min(jnp.where(keep, hi, EMPTY)), jnp.max(jnp.where(keep, hi, 0))
+    base = jnp.clip(lo_min, 0, limit)
+    count = jnp.maximum(cdiv(jnp.minimum(end, hi_max) - base, block), 0)
+    inner_lo = jnp.clip(cdiv(lo_max - base, block), 0, count)
     if inner_end is None:
         return base, inner_lo, inner_lo, count
-    last = jnp.minimum(jnp.min(hi), inner_end) - base
+    last = jnp.minimum(hi_min, inner_end) - base
     inner_hi = jnp.clip(jnp.where(last >= 0, last // block, 0), inner_lo, count)
     return base, inner_lo, inner_hi, count

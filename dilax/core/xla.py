@@ -17,6 +17,7 @@ from jax import lax
 from dilax.core import pairwise
 from dilax.core import ranges as RG
 from dilax.core import rows as R
+from dilax.core import tiles as TL
 from dilax.core.block_mask import _block_floor, _mask, _q_valid, _zero_invalid_keys
 from dilax.core.blocks import BlockSizes
 from dilax.core.mask import Mask
@@ -156,31 +157,35 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
 
     groups = _head_groups(U, G, heads_per_step)
 
-    def row(idx):
+    def row(idx, tile=None):
         if len(groups) == 1:
-            return row_heads(idx, view, 0, U)
+            return row_heads(idx, view, 0, U, tile)
         # One loop per head group: per-head products stay large while the tile stays small.
-        parts = [row_heads(idx, view.sub_view(u0, u1), u0, u1) for u0, u1 in groups]
+        parts = [row_heads(idx, view.sub_view(u0, u1), u0, u1, tile) for u0, u1 in groups]
         order = view.group_order(groups)
         return tuple(static_take(jnp.concatenate(x, axis=1), order, axis=1)
                      for x in zip(*parts))
 
-    def row_heads(idx, view, u0, u1):
+    def row_heads(idx, view, u0, u1, tile):
         U = u1 - u0
-        bi, qi = idx // nq, idx % nq
+        if tile is None:
+            bi, qi = idx // nq, idx % nq
+            q0 = qi * block_q
+        else:  # rows q0 .. q0 + bq; only those in [start, end) are kept (dilax.core.tiles)
+            bi, q0, start, end = tile
         if gathered is None:  # (U, G, bq, d)
-            qb = view.select_q(_slice_rows(qp, bi, qi * block_q, block_q, q.dtype))
+            qb = view.select_q(_slice_rows(qp, bi, q0, block_q, q.dtype))
         else:
-            qb = gathered.read_q(bi, qi * block_q, block_q, u0, u1)
+            qb = gathered.read_q(bi, q0, block_q, u0, u1)
         qb = _scaled(qb, scale)
         kl = None if kv_len is None else kv_len[bi, u0:u1]
         ql = None if q_len is None else q_len[bi, u0:u1]
-        q_valid = _q_valid(qi * block_q, block_q, ql)
-        q_first = q_offset + qi * block_q
+        q_valid = _q_valid(q0, block_q, ql)
+        q_first = q_offset + q0
         q_pos = q_first + lax.iota(jnp.int32, block_q)
         hi = nk if kl is None else jnp.minimum(nk, cdiv(jnp.max(kl), block_k))
         if ql is not None:  # a query block wholly past the valid rows reads no key block
-            hi = jnp.where(qi * block_q < jnp.max(ql), hi, 0)
+            hi = jnp.where(q0 < jnp.max(ql), hi, 0)
         lo = 0
         if is_causal:
             last = q_first + block_q - 1 - k_offset
@@ -197,12 +202,13 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
             lo = full = jnp.minimum(_block_floor(q_first - left - k_offset, block_k, nk), hi)
         rows, pre, base = None, None, None
         if ranged:  # only the blocks the rows' ranges meet, from their lowest key on
-            rows = RG.range_rows(key_range, bi, u0, u1, qi * block_q, block_q)
+            rows = RG.range_rows(key_range, bi, u0, u1, q0, block_q)
             # blocks inside every row's range need no range mask (nor a causal one before
             # ``full``); not with a band, whose edges are elsewhere
             base, inner_lo, full, hi = RG.key_blocks(
                 rows, hi * block_k, block_k, nk * block_k,
-                None if window is not None else full * block_k if is_causal else nk * block_k)
+                None if window is not None else full * block_k if is_causal else nk * block_k,
+                None if tile is None else RG.within(q0, block_q, start, end))
             pre, lo = (0, inner_lo), inner_lo
 
         def make_body(causal_block):
@@ -229,7 +235,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
                     mask = in_range if mask is None else mask & in_range
                 if dense is not None:  # the caller's (B, N, T, S) bias / mask, one block
                     s, mask = pairwise.apply(s, *pairwise.terms(
-                        dense, bi, u0, u1, G, qi * block_q, block_q, k0, block_k), mask)
+                        dense, bi, u0, u1, G, q0, block_q, k0, block_k), mask)
                 if mask is not None:
                     if flat:
                         mask = jnp.broadcast_to(mask, (U, G, block_q, block_k)).reshape(s.shape)
@@ -273,6 +279,8 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
         lse = jnp.where(has_key, m + jnp.log(jnp.where(has_key, l, 1.0)), -jnp.inf)
         return view.expand_q(out.astype(out_dtype or q.dtype)), view.expand_q(lse)
 
+    if mask.q_tiles is not None:  # tiles of rows aligned to the key runs
+        return TL.tiled(row, mask.q_tiles, nq * block_q, block_q, Lq)
     out, lse = lax.map(row, jnp.arange(B * nq, dtype=jnp.int32))
     out = out.reshape(B, nq * block_q, *out.shape[2:])[:, :Lq]
     lse = lse.reshape(B, nq * block_q, *lse.shape[2:])[:, :Lq]
