@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dilax
-from dilax.documents import document_bounds, document_positions, run_tiles
+from dilax.documents import document_bounds, document_positions, run_tiles, sequence_bounds
 from dilax.reference import dilated_counts
 from tests import oracle
 from tests.tolerance import FP32, HALF, assert_scaled_close
@@ -141,6 +141,11 @@ def test_run_tiles_follow_the_runs():
             (49, 57), (57, 64)]
     assert list(zip(starts[used].tolist(), ends[used].tolist())) == want
     assert (starts[~used] == N).all()
+    # rate 2: documents of 1, 1, 7, 16, 32 and 7 tokens take 1, 1, 4, 8, 16 and 4 rows
+    start, end = sequence_bounds(*document_bounds(jnp.asarray(_ids(CUTS[:1]))), 2)
+    edges = np.array([0, 1, 2, 6, 14, 30, 34, N])
+    np.testing.assert_array_equal(start[0], np.repeat(edges[:-1], np.diff(edges)))
+    np.testing.assert_array_equal(end[0], np.repeat(edges[1:], np.diff(edges)))
 
 
 def test_segment_ids_errors_and_refusals():
