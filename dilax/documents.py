@@ -218,10 +218,10 @@ class DocumentBranch:
 
     @property
     def _blocks(self) -> BlockSizes:
-        """The caller's block sizes, or tiles short next to the runs (``w / r`` rows): a
-        block that straddles two runs reads both, so long query blocks (the unpacked
-        defaults' 2048) would double the work (same-run A/B, n = 16384, 2 cores: 256 x 512
-        forward and backward: 0.9-1.2x the unpacked fwd+bwd, 2048-row tiles 2.3x)."""
+        """The caller's block sizes, or: forward tiles aligned to the runs (:meth:`_row_tiles`)
+        as long as the unpacked op's; backward blocks short next to the runs (``w / r``
+        rows), since a key block that straddles two runs reads both runs' queries (same-run
+        A/B, n = 16384, 2 cores: 256 x 512 0.9-1.2x the unpacked backward, 2048 2.3x)."""
         if self.block_sizes is not None:
             return self.block_sizes
         if self._tiled:  # tiles inside the runs: the unpacked op's forward tiles, shorter
