@@ -120,7 +120,39 @@ def attend_branches(q: jax.Array, k: jax.Array, v: jax.Array, ops, mode: str, *,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _attend(q, k, v, fence, aux, cfg: _Attend):
+    if cfg.mode == "mixture" and all(getattr(op, "merge_online", False) for op in cfg.ops):
+        return _attend_online(q, k, v, fence, aux, cfg)
     return _attend_fwd(q, k, v, fence, aux, cfg)[0]
+
+
+def _attend_online(q, k, v, fence, aux, cfg: _Attend):
+    """The mixture merge (:func:`merge_branches`) as the branches run, for ops that ask for
+    it (``merge_online``: full-length results, e.g. packed documents): without a backward
+    nothing is kept, so one float32 running sum replaces every branch output at once."""
+    n = cfg.n
+
+    def branch(q, k, v, aux, op, p):
+        out, lse, _ = op.forward(q, k, v, aux)
+        return expand_slots(out.astype(_F32), p, n, 0.0), expand_slots(lse, p, n, -jnp.inf)
+
+    def step(q, k, v, aux, m, total, acc, op, p):  # the running sum, updated in place
+        out, lse = branch(q, k, v, aux, op, p)
+        m_new = jnp.maximum(m, lse)
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        old, new = jnp.exp(m - m_safe), jnp.exp(lse - m_safe)
+        return m_new, total * old + new, acc * old[..., None] + new[..., None] * out
+
+    (op0, *ops), (p0, *plans) = cfg.ops, cfg.plans
+    acc, m = when(fence, functools.partial(branch, op=op0, p=p0), (q, k, v, aux))
+    state = (m, jnp.where(m == -jnp.inf, 0.0, 1.0), acc)
+    for op, p in zip(ops, plans, strict=True):
+        state = when(fence_after(state[0]), functools.partial(step, op=op, p=p),
+                     (q, k, v, aux), carry=state)
+    m, total, acc = state
+    has_branch = total > 0
+    total_safe = jnp.where(has_branch, total, 1.0)
+    lse = jnp.where(has_branch, m + jnp.log(total_safe), -jnp.inf)
+    return (acc / total_safe[..., None]).astype(cfg.out_dtype), lse
 
 
 def _attend_fwd(q, k, v, fence, aux, cfg: _Attend):

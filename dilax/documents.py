@@ -17,6 +17,7 @@ puts the results back at their positions (the merge then reads them like any bra
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,8 @@ _F32 = jnp.float32
 EMPTY_RANGE = np.iinfo(np.int32).max // 2  # the lower end of an empty key range
 
 __all__ = ["EMPTY_RANGE", "DocumentBranch", "OffsetTable", "document_bounds", "document_positions",
-           "document_tables", "heads_into", "offset_table"]
+           "document_tables", "heads_into", "offset_table", "run_tiles",
+           "sequence_bounds"]
 
 
 def document_bounds(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -88,20 +90,28 @@ def document_tables(start: jax.Array, end: jax.Array, w: int, r: int, offset: in
         hi = jnp.minimum(end, pos + window + 1)
         count = jnp.broadcast_to(jnp.concatenate([jnp.zeros((1, 1), jnp.int32), pos + 1], 1),
                                  (b, n + 1))
-    else:
+    elif r == 1:  # the rows are the positions
+        sel = jnp.ones((b, n), bool)
+        count = jnp.broadcast_to(jnp.concatenate([jnp.zeros((1, 1), jnp.int32), pos + 1], 1),
+                                 (b, n + 1))
+        seg_start = start + ((pos - start) // w) * w
+        lo, hi = seg_start, jnp.minimum(seg_start + w, end)
+    else:  # every document takes ceil(m / r) rows at every offset (aligned runs)
         doc_pos = pos - start
         sel = doc_pos % r == offset
-        count = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
-                                 jnp.cumsum(sel, axis=1, dtype=jnp.int32)], axis=1)
-        before = count[:, :-1]  # selected positions before p: p's row when selected
+        first = _sequence_starts(start, end, r)
+        before = first + doc_pos // r  # p's row when selected
         seg_start = start + (doc_pos // w) * w
-        seg_end = jnp.minimum(seg_start + w, end)
-        lo = jnp.take_along_axis(count, seg_start, axis=1)
-        hi = jnp.take_along_axis(count, seg_end, axis=1)
+        lo = first + (doc_pos // w) * (w // r)
+        hi = lo + _class_count(jnp.minimum(seg_start + w, end) - seg_start, r, offset)
     query_lo, query_hi = lo, hi  # symmetric runs: the queries that may see key t
-    if kv_len is not None:  # valid keys are a prefix of the sequence (it is in row order)
-        kv = jnp.clip(jnp.asarray(kv_len, jnp.int32), 0, n)
-        hi = jnp.minimum(hi, jnp.take_along_axis(count, kv[:, None], axis=1))
+    if kv_len is not None:  # valid keys are the positions before kv_len
+        kv = jnp.clip(jnp.asarray(kv_len, jnp.int32), 0, n)[:, None]
+        if window is not None or r == 1:
+            hi = jnp.minimum(hi, jnp.take_along_axis(count, kv, axis=1))
+        else:
+            seg_end = jnp.minimum(jnp.minimum(seg_start + w, end), kv)
+            hi = jnp.minimum(hi, lo + _class_count(seg_end - seg_start, r, offset))
     ok = sel
     if q_len is not None:
         ok = ok & (pos < jnp.asarray(q_len, jnp.int32)[:, None])
@@ -109,6 +119,32 @@ def document_tables(start: jax.Array, end: jax.Array, w: int, r: int, offset: in
     return offset_table(sel, None if window is not None or r == 1 else before, lo, hi,
                         query_lo, query_hi,
                         None if key_valid is None else jnp.asarray(key_valid, bool))
+
+
+def _class_count(length, r, offset):
+    """Positions ``offset, offset + r, ...`` below ``length`` (``>= 0``)."""
+    return jnp.maximum(0, -(-(length - offset) // r))
+
+
+def _sequence_starts(start, end, r):
+    """The first sequence row of each position's document when every document takes
+    ``ceil(m / r)`` rows (the same rows at every offset, so the runs align across them)."""
+    pos = jnp.arange(start.shape[-1], dtype=jnp.int32)[None]
+    rows = -(-(end - start) // r)
+    return jnp.cumsum(jnp.where(pos == start, rows, 0), axis=1, dtype=jnp.int32) - rows
+
+
+def sequence_bounds(start: jax.Array, end: jax.Array, r: int) -> tuple[jax.Array, jax.Array]:
+    """:func:`document_bounds` of the rows of a rate-``r`` document-dilated sequence
+    (:func:`document_tables`): document ``d`` is its ``ceil(m_d / r)`` rows; the rows past
+    the last one form one more document."""
+    b, n = start.shape
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    first = jnp.where(pos == start, _sequence_starts(start, end, r), n)
+    total = jnp.sum(jnp.where(pos == start, -(-(end - start) // r), 0), axis=1)
+    marks = jnp.zeros((b, n + 1), jnp.int32).at[jnp.arange(b)[:, None], first].set(1)
+    marks = marks.at[jnp.arange(b), total].set(1)[:, :n]
+    return document_bounds(jnp.cumsum(marks, axis=1))
 
 
 def offset_table(sel, before, lo, hi, query_lo, query_hi, key_valid) -> OffsetTable:
@@ -132,6 +168,25 @@ def offset_table(sel, before, lo, hi, query_lo, query_hi, key_valid) -> OffsetTa
                        None if key_valid is None else take(key_valid, False))
 
 
+def run_tiles(start: jax.Array, end: jax.Array, w: int, block: int
+              ) -> tuple[jax.Array, jax.Array]:
+    """Row tiles ``(start, end)`` int32 ``(b, T)`` of at most ``block`` rows aligned to the
+    runs of branch ``(w, r = 1)`` (:class:`dilax.core.Mask` ``q_tiles``): runs of at least
+    ``block / 4`` rows start a tile, and so does every ``block``-th row after such a start;
+    shorter runs share tiles. ``T`` bounds the tile count for any documents (unused: empty)."""
+    b, n = start.shape
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    seg_start = start + ((pos - start) // w) * w
+    long = jnp.minimum(seg_start + w, end) - seg_start >= max(1, block // 4)
+    after_long = jnp.concatenate([jnp.ones((b, 1), bool), long[:, :-1]], axis=1)
+    anchor = jax.lax.cummax(jnp.where((pos == seg_start) & (long | after_long), pos, 0),
+                            axis=1)
+    count = -(-n // block) + 2 * -(-n // max(1, block // 4)) + 1
+    starts = jax.vmap(lambda x: jnp.nonzero(x, size=count, fill_value=n)[0])(
+        (pos - anchor) % block == 0).astype(jnp.int32)
+    return starts, jnp.concatenate([starts[:, 1:], jnp.full((b, 1), n, jnp.int32)], axis=1)
+
+
 @dataclasses.dataclass(frozen=True)
 class DocumentBranch:
     """Branch ``plan`` over packed documents as one core call (a :class:`BranchOp` of
@@ -149,6 +204,8 @@ class DocumentBranch:
     is_causal: bool
     block_sizes: BlockSizes | None = None
     core: Core = XLA
+    # full-length results: the forward without gradients merges them as they come
+    merge_online: ClassVar[bool] = True
 
     @property
     def result_plan(self) -> BranchPlan:
@@ -162,16 +219,30 @@ class DocumentBranch:
 
     @property
     def _blocks(self) -> BlockSizes:
-        """The caller's block sizes, or tiles short next to the runs (``w / r`` rows): a
-        block that straddles two runs reads both, so long query blocks (the unpacked
-        defaults' 2048) would double the work (same-run A/B, n = 16384, 2 cores: 256 x 512
-        forward and backward: 0.9-1.2x the unpacked fwd+bwd, 2048-row tiles 2.3x)."""
+        """The caller's block sizes, or: forward tiles aligned to the runs (:meth:`_row_tiles`)
+        as long as the unpacked op's; backward blocks short next to the runs (``w / r``
+        rows), since a key block that straddles two runs reads both runs' queries (same-run
+        A/B, n = 16384, 2 cores: 256 x 512 0.9-1.2x the unpacked backward, 2048 2.3x)."""
         if self.block_sizes is not None:
             return self.block_sizes
+        if self._tiled:  # tiles inside the runs: the unpacked op's forward tiles, shorter
+            # at rate r, whose runs are m / r rows of an m-token document (same-run A/B on
+            # 2 cores, n = 16384, forward: r = 2 1024 rows 1.05x the unpacked branch, 2048
+            # rows 1.25x; r = 4 512 rows 0.90x, 2048 rows 1.40x)
+            fwd = default_block_sizes(self.n, self.n, self.num_heads, self.is_causal)
+            return dataclasses.replace(fwd, block_q=max(min(256, fwd.block_q),
+                                                        fwd.block_q // self.plan.r),
+                                       block_q_dkv=256, block_k_dkv=512)
         if self.plan.window is not None:
             return default_block_sizes(self.n, self.n, self.num_heads, self.is_causal,
                                        self.plan.window)
         return BlockSizes(256, 512, 256, 512, None)
+
+    @property
+    def _tiled(self) -> bool:
+        """Forward row tiles aligned to the runs (:meth:`_row_tiles`)."""
+        return (self.plan.window is None and self.core.name == "xla"
+                and type(self).forward is DocumentBranch.forward)  # (which builds them)
 
     @property
     def _in_place(self) -> bool:
@@ -195,7 +266,9 @@ class DocumentBranch:
 
         mask = Mask(is_causal=self.is_causal, kv_valid=stack("key_valid"),
                     key_range=(stack("key_lo"), stack("key_hi")),
-                    query_range=(stack("query_lo"), stack("query_hi")))
+                    query_range=(stack("query_lo"), stack("query_hi")),
+                    # the runs are symmetric unless lengths cut the key ranges
+                    query_range_exact=q_len is None and kv_len is None)
         return per_u, mask
 
     def _view(self) -> SlotView:
@@ -241,10 +314,14 @@ class DocumentBranch:
     def _columns(self, y, per_u, name, fill):
         """Per head (ascending): column ``c`` of ``y (b, L, H', ...)`` gathered by the
         ``name`` table (``"back"``: sequences -> positions, ``"rows"``: the reverse)."""
-        G = self.plan.q_per_kv
+        G, m = self.plan.q_per_kv, y.shape[1]
         u_of = {j: i // G for i, j in enumerate(self.plan.q_heads)}
-        y = jnp.pad(y, ((0, 0), (0, 1)) + ((0, 0),) * (y.ndim - 2), constant_values=fill)
-        return jnp.stack([_take_rows(y[:, :, c], getattr(per_u[u_of[j]], name))
+
+        def column(c, idx):  # index m: no row; no padded copy of y (it is n x h x d)
+            x = _take_rows(y[:, :, c], jnp.minimum(idx, m - 1))
+            return jnp.where((idx < m).reshape(idx.shape + (1,) * (x.ndim - 2)), x, fill)
+
+        return jnp.stack([column(c, getattr(per_u[u_of[j]], name))
                           for c, j in enumerate(sorted(self.plan.q_heads))], axis=2)
 
     def _forward_rows(self, q, k, v, per_u, mask):
@@ -265,8 +342,18 @@ class DocumentBranch:
     def _reads_rows(self) -> bool:
         return self._gathers and self.core.name == "xla"
 
+    def _row_tiles(self, aux):
+        """:func:`run_tiles` of the branch's sequences (the same runs at every offset)."""
+        start, end = aux[3:]
+        if self.plan.r > 1:
+            start, end = sequence_bounds(start, end, self.plan.r)
+        return run_tiles(start, end, self.plan.w // self.plan.r,
+                         min(self._blocks.block_q, self.n))
+
     def forward(self, q, k, v, aux):
         per_u, mask = self._tables(aux)
+        if self._tiled:
+            mask = dataclasses.replace(mask, q_tiles=self._row_tiles(aux))
         if self._reads_rows:
             return self._forward_rows(q, k, v, per_u, mask)
         p, G = self.plan, self.plan.q_per_kv

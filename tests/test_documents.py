@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dilax
-from dilax.documents import document_bounds, document_positions
+from dilax.documents import document_bounds, document_positions, run_tiles, sequence_bounds
 from dilax.reference import dilated_counts
 from tests import oracle
 from tests.tolerance import FP32, HALF, assert_scaled_close
@@ -60,36 +60,49 @@ def _alone(q, k, v, g, mode, causal, window, q_len=None, kv_len=None):
     return out, dq, dk, dv
 
 
+def _attend(q, k, v, ids, q_len, kv_len, mode, causal, window, lengths, tiles=None):
+    return dilax.dilated_attention(
+        q, k, v, WS, RS, mode=mode, is_causal=causal, local_window=window,
+        segment_ids=ids, implementation="xla",
+        # small tiles: blocks inside, across and at the edges of the key runs
+        block_sizes=dilax.core.BlockSizes(*tiles) if tiles else
+        dilax.core.BlockSizes(8, 16, 16, 8) if lengths else None,
+        query_seq_lengths=q_len if lengths else None,
+        key_value_seq_lengths=kv_len if lengths else None)
+
+
 @functools.cache
-def _program(mode, causal, window, lengths):
+def _program(mode, causal, window, lengths, tiles=None):
     def loss(q, k, v, g, ids, q_len, kv_len):
-        out = dilax.dilated_attention(
-            q, k, v, WS, RS, mode=mode, is_causal=causal, local_window=window,
-            segment_ids=ids, implementation="xla",
-            # small tiles: blocks inside, across and at the edges of the key runs
-            block_sizes=dilax.core.BlockSizes(8, 16, 16, 8) if lengths else None,
-            query_seq_lengths=q_len if lengths else None,
-            key_value_seq_lengths=kv_len if lengths else None)
+        out = _attend(q, k, v, ids, q_len, kv_len, mode, causal, window, lengths, tiles)
         return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32)), out
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
 
 
-@pytest.mark.parametrize("mode,causal,window,lengths", [
-    ("mixture", False, None, False),
-    ("mixture", True, 3, True),
-    ("grouped", True, None, False),
+@pytest.mark.parametrize("mode,causal,window,lengths,tiles", [
+    ("mixture", False, None, False, None),
+    # tiles no longer than the runs (w / r = 8 rows): unmasked blocks inside a run, both
+    # passes, blocks starting mid-block and last blocks shifted back to fit
+    ("mixture", False, None, False, (4, 8, 4, 8)),
+    ("mixture", True, 3, True, None),
+    ("grouped", True, None, False, None),
 ])
-def test_packed_row_equals_documents_alone(mode, causal, window, lengths):
+def test_packed_row_equals_documents_alone(mode, causal, window, lengths, tiles):
     q_len, kv_len = np.array([50, 64]), np.array([60, 44])
     ids = jnp.asarray(_ids())
     for seed in (0, 1):  # data varies, the program does not
         q, k, v, g = _data(seed)
-        (_, out), grads = _program(mode, causal, window, lengths)(
+        (_, out), grads = _program(mode, causal, window, lengths, tiles)(
             q, k, v, g, ids, jnp.asarray(q_len), jnp.asarray(kv_len))
         want = _alone(q, k, v, g, mode, causal, window, *((q_len, kv_len) if lengths else ()))
         for got, exp, name in zip((out, *grads), want, ("out", "dq", "dk", "dv")):
             assert_scaled_close(got, exp, FP32, err_msg=f"{name} seed={seed}")
+    if tiles:  # without gradients the mixture merges the branches as they come
+        out = jax.jit(functools.partial(_attend, mode=mode, causal=causal, window=window,
+                                        lengths=lengths, tiles=tiles))(
+            q, k, v, ids, jnp.asarray(q_len), jnp.asarray(kv_len))
+        assert_scaled_close(out, want[0], FP32, err_msg="forward without gradients")
 
 
 def test_packed_bfloat16_and_one_document_is_the_plain_op():
@@ -118,6 +131,23 @@ def test_document_tables():
         np.testing.assert_array_equal(start[i], edges[doc])
         np.testing.assert_array_equal(end[i], edges[doc + 1])
         np.testing.assert_array_equal(document_positions(ids)[i], np.arange(N) - edges[doc])
+
+
+def test_run_tiles_follow_the_runs():
+    # one-token documents, a document of three runs (w = 16) and one of two
+    start, end = document_bounds(jnp.asarray(_ids(((0, 1, 2, 3, 40, 41),))))
+    starts, ends = (np.asarray(x[0]) for x in run_tiles(start, end, 16, 8))
+    used = starts < ends
+    # runs of >= 8 / 4 rows start tiles of <= 8 rows; the one-token runs share one
+    want = [(0, 3), (3, 11), (11, 19), (19, 27), (27, 35), (35, 40), (40, 41), (41, 49),
+            (49, 57), (57, 64)]
+    assert list(zip(starts[used].tolist(), ends[used].tolist())) == want
+    assert (starts[~used] == N).all()
+    # rate 2: documents of 1, 1, 7, 16, 32 and 7 tokens take 1, 1, 4, 8, 16 and 4 rows
+    start, end = sequence_bounds(*document_bounds(jnp.asarray(_ids(CUTS[:1]))), 2)
+    edges = np.array([0, 1, 2, 6, 14, 30, 34, N])
+    np.testing.assert_array_equal(start[0], np.repeat(edges[:-1], np.diff(edges)))
+    np.testing.assert_array_equal(end[0], np.repeat(edges[1:], np.diff(edges)))
 
 
 def test_segment_ids_errors_and_refusals():

@@ -47,6 +47,13 @@ class Mask:
       query_range: ``None`` or ``(lo, hi)`` int32 ``(B, U, Lk)``, given with ``key_range``: a
         superset of the queries that may attend key ``t`` (the backward visits only those
         query blocks; the exact rule is ``key_range``'s).
+      query_range_exact: static bool: ``query_range`` is exactly the queries whose
+        ``key_range`` holds ``t`` (e.g. symmetric runs); the backward then skips the range
+        mask on query blocks inside every key's range.
+      q_tiles: ``None`` or ``(start, end)`` int32 ``(B, T)``: the XLA forward computes row
+        tiles ``[start, end)`` (at most ``block_q`` rows each, in order, covering the rows;
+        ``start >= end``: no tile) instead of every ``block_q`` rows (tiles aligned to the
+        key runs waste no work on rows of two runs; :mod:`dilax.core.tiles`).
       rows: ``None`` or ``(q_rows (B, U, Lq), k_rows (B, U, Lk))`` int32: the inputs are in
         their own position layout ``(B, n, H, d)`` and row ``i`` of virtual head ``u`` is
         position ``rows[b, u, i]`` (:mod:`dilax.core.rows`; XLA core, identity-slot views).
@@ -67,6 +74,8 @@ class Mask:
     key_range: tuple[jax.Array, jax.Array] | None = None
     query_range: tuple[jax.Array, jax.Array] | None = None
     rows: tuple[jax.Array, jax.Array] | None = None
+    query_range_exact: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    q_tiles: tuple[jax.Array, jax.Array] | None = None
 
     def resolve(self, batch: int, num_kv: int, len_k: int, len_q: int | None = None) -> Mask:
         """int32 arrays: ``kv_len`` (``q_len``) broadcast to ``(batch, num_kv)`` and capped at
@@ -97,7 +106,7 @@ class Mask:
         return Mask(kv_len, jnp.asarray(self.q_offset, jnp.int32),
                     jnp.asarray(self.k_offset, jnp.int32), bool(self.is_causal), q_len,
                     _static_window(self.window), kv_valid, self.bias, self.mask, key_range,
-                    query_range, rows)
+                    query_range, rows, bool(self.query_range_exact), self.q_tiles)
 
 
 def _static_window(window):
