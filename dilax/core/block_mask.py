@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def _mask(k_start, block_k, kv_len, q_pos, k_offset, is_causal, q_valid=None, window=None,
+def block_mask(k_start, block_k, kv_len, q_pos, k_offset, is_causal, q_valid=None, window=None,
           k_valid=None):
     """Allowed ``(U or 1, 1, bq or 1, bk)`` mask of one block pair, or None when nothing is
     masked (``kv_len``, ``q_valid (U, bq)``, ``window`` and ``k_valid (U, bk)`` may be None)."""
@@ -33,19 +33,19 @@ def _mask(k_start, block_k, kv_len, q_pos, k_offset, is_causal, q_valid=None, wi
     return mask
 
 
-def _q_valid(q_start, block_q, q_len):
+def query_valid(q_start, block_q, q_len):
     """``(U, bq)``: which rows of the query block starting at ``q_start`` are valid."""
     if q_len is None:
         return None
     return (q_start + lax.iota(jnp.int32, block_q))[None, :] < q_len[:, None]
 
 
-def _block_floor(x, block, limit):
+def block_floor(x, block, limit):
     """``clip(x // block, 0, limit)`` for a possibly negative traced ``x``."""
     return jnp.clip(jnp.where(x >= 0, x // block, 0), 0, limit)
 
 
-def _zero_invalid_keys(x, k_start, kv_len, k_valid=None):
+def zero_invalid_keys(x, k_start, kv_len, k_valid=None):
     """Zeroes rows of ``x: (U, bk, d)`` at or beyond ``kv_len`` or not ``k_valid (U, bk)``
     (NaN padding never leaks)."""
     if kv_len is None and k_valid is None:

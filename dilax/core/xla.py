@@ -18,7 +18,7 @@ from dilax.core import pairwise
 from dilax.core import ranges as RG
 from dilax.core import rows as R
 from dilax.core import tiles as TL
-from dilax.core.block_mask import _block_floor, _mask, _q_valid, _zero_invalid_keys
+from dilax.core.block_mask import block_floor, block_mask, query_valid, zero_invalid_keys
 from dilax.core.blocks import BlockSizes
 from dilax.core.mask import Mask
 from dilax.core.view import SlotView, static_take
@@ -180,7 +180,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
         qb = _scaled(qb, scale)
         kl = None if kv_len is None else kv_len[bi, u0:u1]
         ql = None if q_len is None else q_len[bi, u0:u1]
-        q_valid = _q_valid(q0, block_q, ql)
+        q_valid = query_valid(q0, block_q, ql)
         q_first = q_offset + q0
         q_pos = q_first + lax.iota(jnp.int32, block_q)
         hi = nk if kl is None else jnp.minimum(nk, cdiv(jnp.max(kl), block_k))
@@ -197,9 +197,9 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
             full = hi
         if window is not None:  # only the key blocks that meet the band, all masked
             left, right = pairwise.band(window)
-            hi = jnp.minimum(hi, _block_floor(q_first + block_q - 1 + right - k_offset,
+            hi = jnp.minimum(hi, block_floor(q_first + block_q - 1 + right - k_offset,
                                               block_k, nk - 1) + 1)
-            lo = full = jnp.minimum(_block_floor(q_first - left - k_offset, block_k, nk), hi)
+            lo = full = jnp.minimum(block_floor(q_first - left - k_offset, block_k, nk), hi)
         rows, pre, base = None, None, None
         if ranged:  # only the blocks the rows' ranges meet, from their lowest key on
             rows = RG.range_rows(key_range, bi, u0, u1, q0, block_q)
@@ -228,7 +228,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
                 else:
                     s = jnp.einsum("hgqd,hkd->hgqk", qb, kb, preferred_element_type=_F32)
                 kvb = _key_valid_block(kv_valid, bi, u0, u1, k0, block_k)
-                mask = _mask(k0, block_k, kl, q_pos, k_offset, causal_block and is_causal,
+                mask = block_mask(k0, block_k, kl, q_pos, k_offset, causal_block and is_causal,
                              q_valid, window if causal_block else None, kvb)
                 if rows is not None and causal_block:
                     in_range = RG.range_mask(rows, k0, block_k, floor)
@@ -240,7 +240,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
                     if flat:
                         mask = jnp.broadcast_to(mask, (U, G, block_q, block_k)).reshape(s.shape)
                     s = jnp.where(mask, s, -jnp.inf)
-                    vb = _zero_invalid_keys(vb, k0, kl, kvb)
+                    vb = zero_invalid_keys(vb, k0, kl, kvb)
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
                 m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                 p = jnp.exp(s - m_safe[..., None])
@@ -349,7 +349,7 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
             vb = view.select_kv(_slice_rows(vp, bi, k0, block_k, v.dtype))
         else:
             kb, vb = gathered.read_kv(bi, k0, block_k, 0, U)
-        kb, vb = (_zero_invalid_keys(x, k0, kl, kvb) for x in (kb, vb))
+        kb, vb = (zero_invalid_keys(x, k0, kl, kvb) for x in (kb, vb))
         ql = None if q_len is None else q_len[bi]
         hi = nq if kl is None else jnp.where(k0 < jnp.max(kl), nq, 0)
         if ql is not None:  # query blocks wholly past the valid rows are skipped
@@ -362,8 +362,8 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
             lo = full_lo = 0
         if window is not None:  # only the query blocks that meet the band, all masked
             left, right = pairwise.band(window)
-            lo = jnp.maximum(lo, _block_floor(k_offset + k0 - right - q_offset, block_q, nq))
-            hi = jnp.minimum(hi, _block_floor(k_offset + k0 + block_k - 1 + left - q_offset,
+            lo = jnp.maximum(lo, block_floor(k_offset + k0 - right - q_offset, block_q, nq))
+            hi = jnp.minimum(hi, block_floor(k_offset + k0 + block_k - 1 + left - q_offset,
                                               block_q, nq - 1) + 1)
         q_base, inner = None, None
         if ranged:  # only the query rows that may attend this key block, masked unless
@@ -391,8 +391,8 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
                 del_b = out_view.select_q(_slice_rows(deltap, bi, q0, block_q))
                 s = jnp.einsum("hgqd,hkd->hgqk", qb, kb, preferred_element_type=_F32)
                 q_pos = q_offset + q0 + lax.iota(jnp.int32, block_q)
-                mask = _mask(k0, block_k, kl, q_pos, k_offset, causal_block and is_causal,
-                             _q_valid(q0, block_q, ql), window if causal_block else None, kvb)
+                mask = block_mask(k0, block_k, kl, q_pos, k_offset, causal_block and is_causal,
+                             query_valid(q0, block_q, ql), window if causal_block else None, kvb)
                 if ranged and causal_block:
                     in_range = RG.range_mask(RG.rows_from(
                         RG.range_rows(key_range, bi, 0, U, q0, block_q), q0, floor), k0, block_k)
