@@ -53,6 +53,28 @@ else:
     _count = 8
 os.environ["XLA_FLAGS"] = xla_flags(_count)
 
+# One persistent compilation cache for the session (a fresh temporary directory, removed at
+# the end): the suite's subprocesses (training CLIs stopped and resumed, README blocks,
+# notebook kernels) and its two xdist workers compile many identical programs, which
+# then compile once (~5 % of the suite's CPU time). The controller creates it before the
+# workers start; they inherit it through the environment. A cache directory the user set is
+# kept, with their thresholds.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="dilax-test-jax-cache-")
+    os.environ["DILAX_TEST_OWNS_JAX_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
+
+def pytest_unconfigure(config):
+    owned = os.environ.get("DILAX_TEST_OWNS_JAX_CACHE")
+    if owned and not hasattr(config, "workerinput"):  # the controller (or a run without -n)
+        import shutil
+
+        shutil.rmtree(owned, ignore_errors=True)
+
 # Test modules by cost, largest first: CPU seconds per module measured in a `make test` run
 # (2026-11-25, per-test getrusage of the worker and its subprocesses). `make test` runs
 # `--dist loadfile --no-loadscope-reorder`, so whole modules go to the two workers in this

@@ -38,7 +38,7 @@ def _data(seed, dtype=jnp.float32):
     return q, k, v, g
 
 
-def _alone(q, k, v, g, mode, causal, window, q_len=None, kv_len=None):
+def _alone(q, k, v, g, mode, causal, window, q_len=None, kv_len=None, ws=WS, rs=RS):
     """Each document of each row through the oracle on its own; padded positions keep their
     row index (lengths are row positions)."""
     out, dq = np.zeros(q.shape), np.zeros(q.shape)
@@ -46,13 +46,13 @@ def _alone(q, k, v, g, mode, causal, window, q_len=None, kv_len=None):
     for i, cuts in enumerate(CUTS):
         for s, e in zip(cuts, (*cuts[1:], N)):
             L = e - s
-            counts = dilated_counts(L, H, WS, RS, mode, causal, window).astype(np.float64)
+            counts = dilated_counts(L, H, ws, rs, mode, causal, window).astype(np.float64)
             pos = np.arange(s, e)
             if q_len is not None:
                 counts = counts * (pos < q_len[i])[None, :, None]
             if kv_len is not None:
                 counts = counts * (pos < kv_len[i])[None, None, :]
-            G = len(WS) if mode == "grouped" else 1
+            G = len(ws) if mode == "grouped" else 1
             r = oracle.attention(q[i:i + 1, s:e], k[i:i + 1, s:e], v[i:i + 1, s:e], counts,
                                  1 / np.sqrt(D), oracle.f64(g[i:i + 1, s:e]) / G)
             out[i, s:e], dq[i, s:e] = r.out[0] / G, r.dq[0]
@@ -163,10 +163,14 @@ def test_segment_ids_errors_and_refusals():
             segment_ids=jnp.zeros((2, N), jnp.int32))
 
 
+SP_WS, SP_RS = (8, 32), (1, 2)
+
+
 def test_sequence_parallel_documents_cross_shards():
     """On 4 host devices (shards of 16 positions) documents cross shard boundaries (row 0:
     9..25, 25..57; row 1: 0..40, 48..64): the ring equals each document alone, forward and
-    gradients, causal, with the local window and lengths."""
+    gradients, causal, with the local window and lengths. Two branches (a local one and one
+    that rings over two shards) keep the program small."""
     from jax.sharding import AxisType
 
     mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
@@ -176,13 +180,13 @@ def test_sequence_parallel_documents_cross_shards():
 
     def loss(q, k, v):
         out = dilax.dilated_attention(
-            q, k, v, WS, RS, is_causal=True, local_window=3, segment_ids=jnp.asarray(_ids()),
-            sequence_parallel=sp, query_seq_lengths=jnp.asarray(q_len),
-            key_value_seq_lengths=jnp.asarray(kv_len))
+            q, k, v, SP_WS, SP_RS, is_causal=True, local_window=3,
+            segment_ids=jnp.asarray(_ids()), sequence_parallel=sp,
+            query_seq_lengths=jnp.asarray(q_len), key_value_seq_lengths=jnp.asarray(kv_len))
         return jnp.sum(out * g), out
 
     (_, out), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
-    want = _alone(q, k, v, g, "mixture", True, 3, q_len, kv_len)
+    want = _alone(q, k, v, g, "mixture", True, 3, q_len, kv_len, SP_WS, SP_RS)
     for got, exp, name in zip((out, *grads), want, ("out", "dq", "dk", "dv")):
         assert_scaled_close(got, exp, FP32, err_msg=name)
 
