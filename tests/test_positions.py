@@ -112,7 +112,11 @@ def test_prefix_forward_rows_equal_the_full_forward(num_encoder_layers, local_wi
         assert_scaled_close(restarted[:, :20], full[:, :20], FP32, scale=scale)
         assert np.abs(restarted[:, 20:] - full[:, 20:]).max() > 1e-3 * scale
     # the ring's forward of a 16-token prefix (shards of 4: the branches w = 8 and 16 cross
-    # shards) is the one-device forward's rows: both checks in one program
+    # shards) is the one-device forward's rows, for decoder-only with the window and for
+    # encoder-decoder without it (the other two pairs add no ring code path; LongNetLM's ring
+    # is also tested in test_sequence_parallel.py)
+    if (num_encoder_layers, local_window) not in ((0, 3), (1, None)):
+        return
     ring = _lm(num_encoder_layers, local_window, dilax.SequenceParallel(_mesh()))
     ring_prefix = np.asarray(forward(ring, tokens[:, :16]))
     # depth 2: the ring merges the branches' partial softmax results in another order
