@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dilax.core import XLA, BlockSizes, Core, fence_after, when
+from dilax.core import XLA, BlockSizes, Core, fence_after, merge_attention_states, when
 from dilax.core.interface import sum_invariant_axes
 from dilax.layout import BranchPlan, branch_io, expand_slots, gather_dilated, slot_layout, unslot
 
@@ -128,31 +128,24 @@ def _attend(q, k, v, fence, aux, cfg: _Attend):
 def _attend_online(q, k, v, fence, aux, cfg: _Attend):
     """The mixture merge (:func:`merge_branches`) as the branches run, for ops that ask for
     it (``merge_online``: full-length results, e.g. packed documents): without a backward
-    nothing is kept, so one float32 running sum replaces every branch output at once."""
+    nothing is kept, so one float32 ``(out, lse)`` state, merged with each branch's result
+    (:func:`merge_attention_states`), replaces every branch output at once."""
     n = cfg.n
 
     def branch(q, k, v, aux, op, p):
         out, lse, _ = op.forward(q, k, v, aux)
         return expand_slots(out.astype(_F32), p, n, 0.0), expand_slots(lse, p, n, -jnp.inf)
 
-    def step(q, k, v, aux, m, total, acc, op, p):  # the running sum, updated in place
-        out, lse = branch(q, k, v, aux, op, p)
-        m_new = jnp.maximum(m, lse)
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        old, new = jnp.exp(m - m_safe), jnp.exp(lse - m_safe)
-        return m_new, total * old + new, acc * old[..., None] + new[..., None] * out
+    def step(q, k, v, aux, out, lse, op, p):  # the merged state, updated in place
+        return merge_attention_states(out, lse, *branch(q, k, v, aux, op, p))
 
     (op0, *ops), (p0, *plans) = cfg.ops, cfg.plans
-    acc, m = when(fence, functools.partial(branch, op=op0, p=p0), (q, k, v, aux))
-    state = (m, jnp.where(m == -jnp.inf, 0.0, 1.0), acc)
+    state = when(fence, functools.partial(branch, op=op0, p=p0), (q, k, v, aux))
     for op, p in zip(ops, plans, strict=True):
-        state = when(fence_after(state[0]), functools.partial(step, op=op, p=p),
+        state = when(fence_after(state[1]), functools.partial(step, op=op, p=p),
                      (q, k, v, aux), carry=state)
-    m, total, acc = state
-    has_branch = total > 0
-    total_safe = jnp.where(has_branch, total, 1.0)
-    lse = jnp.where(has_branch, m + jnp.log(total_safe), -jnp.inf)
-    return (acc / total_safe[..., None]).astype(cfg.out_dtype), lse
+    out, lse = state
+    return out.astype(cfg.out_dtype), lse
 
 
 def _attend_fwd(q, k, v, fence, aux, cfg: _Attend):
