@@ -25,10 +25,11 @@ import numpy as np
 
 from dilax.core import XLA, BlockSizes, Core, Mask, SlotView, static_take
 from dilax.core.blocks import default_block_sizes
+from dilax.core.ranges import EMPTY
 from dilax.layout import BranchPlan, plan_branch
 
 _F32 = jnp.float32
-EMPTY_RANGE = np.iinfo(np.int32).max // 2  # the lower end of an empty key range
+EMPTY_RANGE = EMPTY  # the lower end of an empty key range: the core's own (dilax.core.ranges)
 
 __all__ = ["EMPTY_RANGE", "DocumentBranch", "OffsetTable", "document_bounds", "document_positions",
            "document_tables", "heads_into", "offset_table", "run_tiles",
