@@ -207,6 +207,8 @@ class DocumentBranch:
     core: Core = XLA
     # full-length results: the forward without gradients merges them as they come
     merge_online: ClassVar[bool] = True
+    # the forward runs row tiles aligned to the runs (:meth:`_row_tiles`) on the XLA core
+    aligned_tiles: ClassVar[bool] = True
 
     @property
     def result_plan(self) -> BranchPlan:
@@ -242,8 +244,7 @@ class DocumentBranch:
     @property
     def _tiled(self) -> bool:
         """Forward row tiles aligned to the runs (:meth:`_row_tiles`)."""
-        return (self.plan.window is None and self.core.name == "xla"
-                and type(self).forward is DocumentBranch.forward)  # (which builds them)
+        return self.aligned_tiles and self.plan.window is None and self.core.name == "xla"
 
     @property
     def _in_place(self) -> bool:

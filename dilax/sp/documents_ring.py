@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Hashable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +122,8 @@ class DocumentRingBranch(DocumentBranch):
     """:class:`~dilax.documents.DocumentBranch` on the local shard of a ring: ``n`` is the
     shard length, ``aux = (q_len, kv_len, start, end)`` with global lengths and document
     bounds (:func:`global_document_bounds`)."""
+
+    aligned_tiles: ClassVar[bool] = False  # its forward (per hop) builds no row tiles
 
     axis_name: Hashable = None
 
