@@ -32,16 +32,15 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as Ps
-from oracle import attention as oracle_attention
+from ring_oracle import assert_matches
+from ring_oracle import dilated as dilated_oracle
 from test_pallas import STRICT
 from test_ring import _FAST
 from test_ring import _inputs as ring_inputs
-from tolerance import assert_scaled_close
 
 import dilax
 from dilax import AttentionMask, DilatedSettings, registry
 from dilax.core import PallasCore
-from dilax.reference import dilated_counts
 from dilax.sp.dilated_ring import ring_cores
 
 P, N = 4, 64  # n/P = 16 positions per device
@@ -92,20 +91,6 @@ def _calls(jaxpr) -> tuple[int, int]:
     return kernels, dots
 
 
-def _oracle(q, k, v, g, ws, rs, is_causal, q_len=None, kv_len=None, window=None):
-    """The float64 oracle of SPEC.md (mixture mode, the local window one more branch) with
-    valid lengths: keys past ``kv_len`` get no weight, rows past ``q_len`` none at all (output
-    0, no gradient)."""
-    b, n, h, d = q.shape
-    w = dilated_counts(n, h, ws, rs, "mixture", is_causal, local_window=window)[None]
-    pos = np.arange(n)
-    if q_len is not None:
-        w = w * (pos[None, :] < q_len[:, None])[:, None, :, None]
-    if kv_len is not None:
-        w = w * (pos[None, :] < kv_len[:, None])[:, None, None, :]
-    return oracle_attention(q, k, v, w, 1 / np.sqrt(d), dout=g)
-
-
 def _value_and_grads(fn, *args, kernels_only=False):
     """``fn(q, k, v, *rest)`` and the gradients of ``sum(out * g)`` w.r.t. q, k, v, one
     compiled program; ``kernels_only``: assert first that every attention is a kernel."""
@@ -131,10 +116,8 @@ def _check(ws, rs, is_causal, q_len=None, kv_len=None, window=None, heads=(4, 2)
         **dict(zip(("query_seq_lengths", "key_value_seq_lengths"), lengths)))
     lengths = () if q_len is None else (q_len, kv_len)
     out, grads = _value_and_grads(ring, q, k, v, g, *lengths, kernels_only=True)
-    ref = _oracle(q, k, v, g, ws, rs, is_causal, q_len, kv_len, window)
-    assert_scaled_close(out, ref.out)
-    for name, a, e in zip("qkv", grads, (ref.dq, ref.dk, ref.dv), strict=True):
-        assert_scaled_close(a, e, err_msg=f"d{name}")
+    assert_matches(out, grads, dilated_oracle(q, k, v, g, ws, rs, is_causal, q_len, kv_len,
+                                              window))
     return out
 
 
