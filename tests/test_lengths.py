@@ -2,7 +2,8 @@
 branch"), against the mask reference, forward and gradient.
 
 Rows of every length 0..n are covered by giving each batch row another length (data, not
-static configuration), so each configuration compiles once.
+static configuration), so each configuration compiles once. The expected values come from the
+float64 NumPy oracle of the mask reference (tests/oracle.py), which compiles nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from oracle import attention as attention_oracle
 from tolerance import FP32, assert_scaled_close, assert_trees_close
 
 import dilax
@@ -22,7 +24,7 @@ from dilax import patterns as P
 from dilax.core import BlockSizes
 from dilax.models import LongNetConfig, LongNetLM
 from dilax.nn import MultiheadDilatedAttention
-from dilax.reference import dilated_counts, masked_attention
+from dilax.reference import dilated_counts
 
 N, H, HK, D = 13, 4, 2, 8
 WS, RS = (4, 8), (1, 2)
@@ -50,7 +52,8 @@ def _vjp(**kw):
 
 def _oracle(q, k, v, cot, q_len, kv_len, causal, window):
     """Explicit float64 count matrix of the spec: branch counts (+1 in the band), times the
-    validity of (query, key) pairs; then the dense weighted softmax."""
+    validity of (query, key) pairs; then the dense weighted softmax (float64 NumPy oracle):
+    ``(out, (dq, dk, dv))``."""
     b, n = q.shape[:2]
     counts = np.array(dilated_counts(n, H, WS, RS, "mixture", causal), np.float64)
     if window is not None:
@@ -60,11 +63,8 @@ def _oracle(q, k, v, cot, q_len, kv_len, causal, window):
     valid = (np.arange(n)[None, :, None] < q_len[:, None, None]) & (
         np.arange(n)[None, None, :] < kv_len[:, None, None])
     counts = counts[None] * valid[:, None]
-    f = lambda q, k, v: masked_attention(q, k, v, counts, 1 / np.sqrt(D))
-    with jax.enable_x64():
-        args = [jnp.asarray(np.asarray(x), jnp.float64) for x in (q, k, v)]
-        out, vjp = jax.vjp(f, *args)
-        return out, vjp(jnp.asarray(np.asarray(cot), jnp.float64))
+    ref = attention_oracle(q, k, v, counts, 1 / np.sqrt(D), cot)
+    return ref.out, (ref.dq, ref.dk, ref.dv)
 
 
 @pytest.mark.parametrize("causal,window,impl", [
@@ -150,10 +150,9 @@ def test_block_sparse_and_content_adaptive_lengths_match_reference():
             out, vjp = jax.vjp(f, q, k, v)
             return out, vjp(cot)
 
-        ref = jax.vjp(lambda q, k, v, mask=mask: masked_attention(q, k, v, mask.astype(np.float32),
-                                                       1 / np.sqrt(D)), q, k, v)
-        assert_trees_close(run(q, k, v, cot, q_len, kv_len), (ref[0], ref[1](cot)), FP32,
-                           depth=2)
+        ref = attention_oracle(q, k, v, mask, 1 / np.sqrt(D), cot)
+        assert_trees_close(run(q, k, v, cot, q_len, kv_len),
+                           (ref.out, (ref.dq, ref.dk, ref.dv)), FP32, depth=2)
     # content-adaptive: exact attention over its selection, restricted to the valid pairs
     idx, cnt = CA.content_adaptive_selection(q, k, bs, 2, is_causal=True,
                                              query_seq_lengths=q_len,
@@ -175,10 +174,9 @@ def test_block_sparse_and_content_adaptive_lengths_match_reference():
         out, vjp = jax.vjp(f, q, k, v)
         return out, vjp(cot)
 
-    ref = jax.vjp(lambda q, k, v: masked_attention(q, k, v, mask.astype(np.float32),
-                                                   1 / np.sqrt(D)), q, k, v)
-    assert_trees_close(run_ca(q, k, v, cot, q_len, kv_len), (ref[0], ref[1](cot)), FP32,
-                       depth=2)
+    ref = attention_oracle(q, k, v, mask, 1 / np.sqrt(D), cot)
+    assert_trees_close(run_ca(q, k, v, cot, q_len, kv_len),
+                       (ref.out, (ref.dq, ref.dk, ref.dv)), FP32, depth=2)
 
 
 def test_attention_fn_padding_mask_equals_flax_attention():
@@ -189,11 +187,18 @@ def test_attention_fn_padding_mask_equals_flax_attention():
     make = lambda **kw: nnx.MultiHeadAttention(num_heads=4, in_features=e, decode=False,
                                                rngs=nnx.Rngs(0), **kw)
     ours, flax_mha = make(attention_fn=dilax.attention_fn((n,), (1,))), make()
-    run = nnx.jit(lambda m, x, mask: m(x, mask=mask))  # traced mask: any pattern, exactly
-    loss = lambda m, x: jnp.sum(jnp.sin(m(x, mask=mask)))
-    assert_scaled_close(run(ours, x, mask), flax_mha(x, mask=mask), FP32)
-    assert_scaled_close(jax.grad(lambda x: loss(ours, x))(x),
-                        jax.grad(lambda x: loss(flax_mha, x))(x), FP32, depth=2)
+
+    @nnx.jit  # one program: both modules' outputs and input gradients
+    def run(ours, flax_mha, x, mask):  # traced mask: any pattern, exactly
+        def out_and_grad(m):
+            loss = lambda x: jnp.sum(jnp.sin(m(x, mask=mask)))  # noqa: E731
+            return m(x, mask=mask), jax.grad(loss)(x)
+
+        return out_and_grad(ours), out_and_grad(flax_mha)
+
+    (out, grad), (want_out, want_grad) = run(ours, flax_mha, x, mask)
+    assert_scaled_close(out, want_out, FP32)
+    assert_scaled_close(grad, want_grad, FP32, depth=2)
     with pytest.raises(ValueError, match=r"key-padding `mask` of shape \(\.\.\., 1, 1, n\)"):
         ours(x, mask=nnx.make_attention_mask(key_valid, key_valid))
 
@@ -233,12 +238,18 @@ def test_lm_loss_of_a_padded_batch_is_the_loss_of_its_valid_tokens():
 
     lm = LongNetLM(20, config=LongNetConfig(16, 2, 32, WS, RS), num_encoder_layers=0,
                    num_decoder_layers=1, rngs=nnx.Rngs(0))
-    x = jax.random.randint(jax.random.PRNGKey(5), (2, 10), 0, 20)
-    y = jnp.roll(x, -1, axis=1)
-    padded = lm_loss(lm, x, y, None, True, lengths=jnp.array([6, 10]))
-    # causal: a valid position sees no padding anyway, so its loss is the unmasked one
     import optax
 
-    per_pos = optax.softmax_cross_entropy_with_integer_labels(lm(x).astype(jnp.float32), y)
+    x = jax.random.randint(jax.random.PRNGKey(5), (2, 10), 0, 20)
+    y = jnp.roll(x, -1, axis=1)
+
+    @nnx.jit  # one program for the padded loss and the unpadded per-position losses
+    def losses(lm, x, y):
+        padded = lm_loss(lm, x, y, None, True, lengths=jnp.array([6, 10]))
+        return padded, optax.softmax_cross_entropy_with_integer_labels(
+            lm(x).astype(jnp.float32), y)
+
+    padded, per_pos = losses(lm, x, y)
+    # causal: a valid position sees no padding anyway, so its loss is the unmasked one
     expected = (per_pos[0, :6].sum() + per_pos[1].sum()) / 16
     assert_scaled_close(padded, expected, FP32)

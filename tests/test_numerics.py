@@ -78,6 +78,18 @@ def value_and_grads(fn, q, k, v, dout):
     return (out, *vjp(dout.astype(out.dtype)))
 
 
+def fwd_bwd(fn):
+    """``jit((q, k, v, dout) -> (out, dq, dk, dv))``: forward and backward in one program."""
+    return jax.jit(functools.partial(value_and_grads, fn))
+
+
+@functools.cache
+def shared_fwd_bwd(impl: str):
+    """``fwd_bwd`` of ``impl`` at n = 16, h = 2, the default branches and pattern, scale 1:
+    one compiled program per implementation for the huge-logit and the determinism tests."""
+    return fwd_bwd(attention(impl, 16, 2, scale=1.0, eager=True)[0])
+
+
 def assert_close(actual, expected, tol, what):
     """Finite, and ``assert_scaled_close`` (tolerance ``tol`` of the expected magnitude)."""
     actual = np.asarray(actual, np.float64)
@@ -85,9 +97,10 @@ def assert_close(actual, expected, tol, what):
     assert_scaled_close(actual, expected, tol, err_msg=what)
 
 
-def _check_against_oracle(fn, weights, q, k, v, scale, tol, grad_tol=None):
+def _check_against_oracle(run, weights, q, k, v, scale, tol, grad_tol=None):
+    """``run``: a ``fwd_bwd`` program."""
     dout = jax.random.normal(jax.random.key(7), q.shape, jnp.float32)
-    out, dq, dk, dv = value_and_grads(fn, q, k, v, dout)
+    out, dq, dk, dv = run(q, k, v, dout)
     ref = oracle(q, k, v, weights, scale, np.asarray(dout.astype(q.dtype), np.float64))
     for name, a, r in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref):
         assert_close(a, r, tol if name == "out" else (grad_tol or tol), name)
@@ -104,7 +117,7 @@ def test_logits_of_magnitude_1e4_fp32(impl):
     q = jnp.asarray(rng.integers(-40, 41, (b, n, h, d)), jnp.float32)
     k = jnp.asarray(rng.integers(-100, 101, (b, n, hk, d)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((b, n, hk, d)), jnp.float32)
-    fn, weights = attention(impl, n, h, scale=1.0)
+    weights = attention(impl, n, h, scale=1.0)[1]
     logits = np.einsum("bqhd,bkhd->bhqk", np.asarray(q), np.repeat(np.asarray(k), 2, 2))
     assert np.abs(logits).max() >= 5e3  # the case is what it says
     # Gradients to 10x FP32: the logits are exact integers, but an lse of magnitude ~1e4 is
@@ -112,7 +125,8 @@ def test_logits_of_magnitude_1e4_fp32(impl):
     # exp(s - lse) carry that error, times |k| <= 100 in dq = ds @ k, against gradients of
     # magnitude ~1; observed <= 5e-5. That rounding is the values', not the CPU's (integer dot
     # products are exact in any order).
-    _check_against_oracle(fn, weights, q, k, v, 1.0, FP32, grad_tol=10 * FP32)
+    _check_against_oracle(shared_fwd_bwd(impl), weights, q, k, v, 1.0, FP32,
+                          grad_tol=10 * FP32)
 
 
 def _onehot_inputs(dtype, big_q, big_k, n=16, h=2, hk=1, d=8, seed=1):
@@ -147,15 +161,13 @@ def test_logits_at_the_half_precision_maximum(impl, dtype):
     assert float(big_q) * float(big_k) == big and float(k.astype(jnp.float32).max()) == big_k
     # One softmax per query (one branch): at |logits| >= 2**24 a float32 log-sum-exp cannot
     # carry the branch weights of a mixture, see test_mixture_weights_at_huge_logits.
-    fn, weights = attention(impl, 16, 2, ws=(8,), rs=(1,), scale=1.0)
-    out = fn(q, k, v)
+    fn, weights = attention(impl, 16, 2, ws=(8,), rs=(1,), scale=1.0, eager=True)
+    # forward and the gradients of sum(out) in one program
+    out, *grads = fwd_bwd(fn)(q, k, v, jnp.ones(q.shape, jnp.float32))
     assert out.dtype == dt
     ref = oracle(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), weights,
                  1.0)
     assert_close(out, ref, HALF, "out")
-    dout = jnp.ones_like(out)
-    grads = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * dout),
-                     argnums=(0, 1, 2))(q, k, v)
     for name, g in zip("qkv", grads):
         assert np.isfinite(np.asarray(g, np.float32)).all(), f"d{name} not finite"
 
@@ -170,7 +182,8 @@ def test_fully_masked_rows_give_zero_with_zero_gradient(impl):
     # block-sparse: query block 2 attends nothing.
     mask = BLOCK_MASK.copy()
     mask[2] = False
-    fn, weights = attention(impl, n, h, ws=(8,), rs=(2,), block_mask=mask)
+    fn, weights = attention(impl, n, h, ws=(8,), rs=(2,), block_mask=mask, eager=True)
+    run = fwd_bwd(fn)
     masked = weights.sum(-1) == 0  # (h, n)
     assert masked.any() and not masked.all()
     kq, kk, kv = jax.random.split(jax.random.key(3), 3)
@@ -178,14 +191,14 @@ def test_fully_masked_rows_give_zero_with_zero_gradient(impl):
     k = jax.random.normal(kk, (1, n, hk, d))
     v = jax.random.normal(kv, (1, n, hk, d))
     dout = jax.random.normal(jax.random.key(4), q.shape)
-    out, dq, dk, dv = value_and_grads(fn, q, k, v, dout)
+    out, dq, dk, dv = run(q, k, v, dout)
     rows = np.moveaxis(masked, 0, 1)[None]  # (1, n, h)
     assert np.all(np.asarray(out)[rows] == 0.0)
     assert np.all(np.asarray(dq)[rows] == 0.0)
     never_read = weights.sum((0, 1)) == 0  # keys no query attends (all heads share kv head 0)
     assert np.all(np.asarray(dk)[0, never_read] == 0.0)
     assert np.all(np.asarray(dv)[0, never_read] == 0.0)
-    _check_against_oracle(fn, weights, q, k, v, 1 / np.sqrt(d), FP32)
+    _check_against_oracle(run, weights, q, k, v, 1 / np.sqrt(d), FP32)
 
 
 # ----------------------------------------------------------------------------- NaN isolation
@@ -199,12 +212,19 @@ def _nan_case(impl):
     return 20, (2, 9, 17, 19)
 
 
+@functools.cache
+def _nan_attention(impl):
+    """``attention(impl, n, 4)`` at the NaN cases' n: one jitted function (one compile) for the
+    poisoned keys and the poisoned values."""
+    return attention(impl, _nan_case(impl)[0], 4)
+
+
 @pytest.mark.parametrize("which,impl", [
     (w, i) for w in ("k", "v") for i in IMPLS])
 def test_nan_in_one_key_poisons_only_its_queries(impl, which):
     h, hk, d = 4, 2, 8
     n, positions = _nan_case(impl)
-    fn, weights = attention(impl, n, h)
+    fn, weights = _nan_attention(impl)
     kq, kk, kv = jax.random.split(jax.random.key(5), 3)
     q = jax.random.normal(kq, (1, n, h, d))
     k = jax.random.normal(kk, (1, n, hk, d))
@@ -238,19 +258,20 @@ def _bits(x):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_bitwise_identical_across_runs_and_jit(impl):
     n, h, hk, d = 16, 2, 1, 8
-    fn, _ = attention(impl, n, h, eager=True)
+    fn, _ = attention(impl, n, h, scale=1.0, eager=True)
     kq, kk, kv = jax.random.split(jax.random.key(6), 3)
     q = jax.random.normal(kq, (1, n, h, d))
     k = jax.random.normal(kk, (1, n, hk, d))
     v = jax.random.normal(kv, (1, n, hk, d))
     dout = jax.random.normal(jax.random.key(8), q.shape)
 
-    def fwd_bwd(q, k, v):
-        return value_and_grads(fn, q, k, v, dout)
-
-    compiled = [jax.jit(fwd_bwd)(q, k, v) for _ in range(2)]  # two compilations, two runs
-    for name, a, b in zip(("out", "dq", "dk", "dv"), *compiled):
-        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"jit vs jit: {name}")
+    # two compilations (the shared program, also run by test_logits_of_magnitude_1e4_fp32,
+    # and a fresh jit of the same function), three runs
+    shared = shared_fwd_bwd(impl)
+    compiled = [shared(q, k, v, dout), shared(q, k, v, dout), fwd_bwd(fn)(q, k, v, dout)]
+    for other in compiled[1:]:
+        for name, a, b in zip(("out", "dq", "dk", "dv"), compiled[0], other):
+            np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"jit vs jit: {name}")
     jitted = jax.jit(fn)(q, k, v)
     for _ in range(2):
         np.testing.assert_array_equal(_bits(fn(q, k, v)), _bits(jitted),
