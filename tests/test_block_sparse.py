@@ -26,7 +26,7 @@ from dilax import block_sparse_tables as BT
 from dilax import content_adaptive as CA
 from dilax import patterns as P
 from dilax.nn import BlockSparseAttention, BlockSparseMultiheadAttention
-from dilax.reference import length_mask, masked_attention
+from dilax.reference import masked_attention
 
 B, N, D, BSZ = 2, 60, 8, 8  # n = 60 -> 8 blocks, the last one partial
 NB = -(-N // BSZ)
@@ -50,10 +50,11 @@ def reference_vjp(q, k, v, mask, cot):
 
 @functools.cache
 def xla_vjp_fn(U, G, kvmap, causal):
-    def f(q, k, v, idx, kv_len, diag_len, cot):
+    def f(q, k, v, idx, kv_len, diag_len, cot, lengths):
         def fwd(q, k, v):
             return BS.attend_tables(q, k, v, idx, kv_len, diag_len if causal else None,
-                                    block_size=BSZ, U=U, G=G, kvmap=kvmap, scale=SCALE)[0]
+                                    block_size=BSZ, U=U, G=G, kvmap=kvmap, scale=SCALE,
+                                    **lengths)[0]
 
         out, vjp = jax.vjp(fwd, q, k, v)
         return out, vjp(cot)
@@ -61,15 +62,25 @@ def xla_vjp_fn(U, G, kvmap, causal):
     return jax.jit(f)
 
 
-def xla_vjp_via_plan(pattern, q, k, v, cot, causal):
-    """The XLA path's plan, padded to A = NB slots so all patterns share one compile."""
+def xla_vjp_via_plan(pattern, q, k, v, cot, causal, lengths=None):
+    """The XLA path's plan, padded to A = NB slots so all patterns share one compile;
+    ``lengths``: traced ``(q_len, kv_len)``, as ``block_sparse_attention`` passes them."""
     h, hk = q.shape[2], k.shape[2]
     plan = BS.plan_pattern(pattern, q.shape[1], h, hk, causal)
     idx = np.zeros(plan.idx.shape[:3] + (NB,), np.int32)
     idx[..., : plan.idx.shape[-1]] = plan.idx
     diag = plan.diag_len if causal else np.zeros_like(plan.kv_len)
     fn = xla_vjp_fn(plan.U, plan.G, plan.kvmap, causal)
-    return fn(q, k, v, idx, plan.kv_len, diag, cot)
+    kw = {} if lengths is None else dict(query_seq_lengths=jnp.asarray(lengths[0]),
+                                         key_value_seq_lengths=jnp.asarray(lengths[1]))
+    return fn(q, k, v, idx, plan.kv_len, diag, cot, kw)
+
+
+def valid_mask(q_len, kv_len, n=N):
+    """``(b, 1, n, n)``: query ``p < q_len[i]`` and key ``t < kv_len[i]`` (NumPy)."""
+    pos = np.arange(n)
+    return ((pos[:, None] < np.asarray(q_len)[:, None, None, None])
+            & (pos < np.asarray(kv_len)[:, None, None, None])).astype(np.float32)
 
 
 def assert_close(got, want, tol=FP32):
@@ -79,36 +90,34 @@ def assert_close(got, want, tol=FP32):
         assert_scaled_close(a, b, tol, err_msg=name)
 
 
-def check(pattern, h, hk, causal, n=N, seed=0):
+def check(pattern, h, hk, causal, n=N, seed=0, lengths=None):
     q, k, v, cot = inputs(h, hk, n, seed)
-    mask = pattern.expanded_mask(n, causal).astype(np.float32)
-    assert_close(xla_vjp_via_plan(pattern, q, k, v, cot, causal),
+    mask = pattern.expanded_mask(n, causal).astype(np.float32) * (
+        1 if lengths is None else valid_mask(*lengths, n))
+    assert_close(xla_vjp_via_plan(pattern, q, k, v, cot, causal, lengths),
                  reference_vjp(q, k, v, mask, cot))
 
 
 GQA = (4, 2)
-
-def make_patterns(N):
-    NB = -(-N // BSZ)
-    return {
-        "local_window": P.local_window(N, BSZ, 9),
-        "dilated": P.dilated(N, BSZ, (3, 4)),
-        "global_local": P.global_local(N, BSZ, 5, 4),
-        "hierarchical": P.hierarchical(N, ((8, 0), (16, 1), (32, 1))),
-        "random": P.random(N, BSZ, 0.3, seed=1),
-        "from_mask": P.from_mask(np.tril(np.ones((NB, NB), bool))[::-1], BSZ),
-        "dilated_segments": P.dilated_segments(N, BSZ, (16, 32), (2, 4)),
-        "combined": (P.local_window(N, BSZ, 0) | P.dilated(N, BSZ, (5,))) & P.random(N, BSZ, .7),
-    }
-
-
-PATTERNS = make_patterns(N)
+PATTERNS = {
+    "local_window": P.local_window(N, BSZ, 9),
+    "dilated": P.dilated(N, BSZ, (3, 4)),
+    "global_local": P.global_local(N, BSZ, 5, 4),
+    "hierarchical": P.hierarchical(N, ((8, 0), (16, 1), (32, 1))),
+    "random": P.random(N, BSZ, 0.3, seed=1),
+    "from_mask": P.from_mask(np.tril(np.ones((NB, NB), bool))[::-1], BSZ),
+    "dilated_segments": P.dilated_segments(N, BSZ, (16, 32), (2, 4)),
+    "combined": (P.local_window(N, BSZ, 0) | P.dilated(N, BSZ, (5,))) & P.random(N, BSZ, .7),
+}
+LENGTHS = (np.array([N, 29]), np.array([43, N]))  # inside blocks, and the full row
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", sorted(PATTERNS))
 def test_every_pattern_shared_gqa(name, causal):
-    check(PATTERNS[name], *GQA, causal)
+    """Every pattern through the XLA path's tables with traced valid lengths (both skip key
+    slots past ``kv_len`` and zero the rows past ``q_len``) on a partial last block."""
+    check(PATTERNS[name], *GQA, causal, lengths=LENGTHS)
 
 
 PER_HEAD = {
@@ -242,7 +251,8 @@ def test_memory_scales_with_active_blocks_not_n_squared():
 
 
 def selection_mask(q, k, bs, top_k, causal):
-    idx, cnt = CA.content_adaptive_selection(q, k, bs, top_k, is_causal=causal)
+    idx, cnt = jax.jit(lambda q, k: CA.content_adaptive_selection(  # one program, not eager
+        q, k, bs, top_k, is_causal=causal))(q, k)
     idx, cnt = np.asarray(idx), np.asarray(cnt)
     b, n, h, _ = q.shape
     hk, nb = k.shape[2], -(-n // bs)
@@ -458,9 +468,15 @@ def test_argument_errors():
 # -- the same pattern set through every public implementation ------------------------------
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas-interpret"])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("name", sorted(PATTERNS))
+def _public_cases():
+    """Each (pattern, causal) pair through one implementation, alternating: each one sees
+    every pattern and both causal settings (every pair, same lengths, runs through the XLA
+    path's tables in test_every_pattern_shared_gqa)."""
+    return [(name, causal, ("xla", "pallas-interpret")[(i + causal) % 2])
+            for i, name in enumerate(sorted(PATTERNS)) for causal in (False, True)]
+
+
+@pytest.mark.parametrize("name,causal,impl", _public_cases())
 def test_every_pattern_public_op_per_implementation(name, causal, impl):
     """The shared pattern set, run through ``block_sparse_attention`` end to end, with
     traced valid lengths (both paths skip key blocks past ``kv_len`` and zero the rows past
@@ -478,7 +494,7 @@ def test_every_pattern_public_op_per_implementation(name, causal, impl):
                                                key_value_seq_lengths=kv_len), q, k, v)
         return out, vjp(cot)
 
-    q_len, kv_len = jnp.array([N, 29]), jnp.array([43, N])  # inside blocks, and the full row
-    mask = pattern.expanded_mask(N, causal).astype(np.float32)[None] * length_mask(
-        N, q_len, kv_len)
-    assert_close(run(q, k, v, cot, q_len, kv_len), reference_vjp(q, k, v, mask, cot))
+    q_len, kv_len = LENGTHS
+    mask = pattern.expanded_mask(N, causal).astype(np.float32)[None] * valid_mask(q_len, kv_len)
+    assert_close(run(q, k, v, cot, jnp.asarray(q_len), jnp.asarray(kv_len)),
+                 reference_vjp(q, k, v, mask, cot))

@@ -71,15 +71,20 @@ def _case(name):
 
 
 def _run(f, q, k, v, dout, kw):
-    """``(out, lse, dq, dk, dv, dbias)`` of ``f`` with ``return_residual=True``."""
+    """``(out, lse, dq, dk, dv, dbias)`` of ``f`` with ``return_residual=True``, jitted as
+    one program (forward and VJP)."""
     bias = kw.get("bias")
     rest = {key: val for key, val in kw.items() if key != "bias"}
 
     def fn(q, k, v, bias):
         return f(q, k, v, bias, return_residual=True, **rest)
 
-    (out, lse), vjp = jax.vjp(fn, q, k, v, bias)
-    return (out, lse, *vjp((dout, jnp.zeros_like(lse))))
+    @jax.jit
+    def run(q, k, v, bias, dout):
+        (out, lse), vjp = jax.vjp(fn, q, k, v, bias)
+        return (out, lse, *vjp((dout, jnp.zeros_like(lse))))
+
+    return run(q, k, v, bias, dout)
 
 
 _CASES = [(name, "xla") for name in ("plain", "causal_lengths", "bias_heads", "bias_keys",
@@ -125,12 +130,13 @@ def test_rank3_vmap_and_bf16():
 
     per_example = jax.vmap(lambda q, k, v, b: dilax.dot_product_attention(q, k, v, b[None]))
     batched = lambda q, k, v, b: dilax.dot_product_attention(q, k, v, b)  # noqa: E731
-    got = jax.value_and_grad(lambda *a: loss(per_example, *a), argnums=(0, 1, 2, 3))(
-        q, k, v, bias)
-    whole = jax.value_and_grad(lambda *a: loss(batched, *a), argnums=(0, 1, 2, 3))(
-        q, k, v, bias)
-    want = jax.value_and_grad(lambda *a: loss(jax.nn.dot_product_attention, *a),
-                              argnums=(0, 1, 2, 3))(q, k, v, bias)
+
+    @jax.jit  # one program for the three values and gradients
+    def run(*a):
+        return tuple(jax.value_and_grad(lambda *a, f=f: loss(f, *a), argnums=(0, 1, 2, 3))(*a)
+                     for f in (per_example, batched, jax.nn.dot_product_attention))
+
+    got, whole, want = run(q, k, v, bias)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(whole)):
         assert g.dtype == w.dtype
         assert_scaled_close(g, w, HALF)
@@ -210,8 +216,8 @@ def test_bias_read_by_blocks_without_dense_float32_copies(shape):
     hlo = grad.lower(q, k, v, bias).compile().as_text()
     assert f"f32[1,{N},{t},{s}]" not in hlo and f"f32[{N},{t},{s}]" not in hlo
     got = grad(q, k, v, bias)
-    ref = jax.grad(lambda *a: loss(lambda q, k, v, b: jax.nn.dot_product_attention(
-        q, k, v, b, scale=0.3), *a), argnums=(0, 3))(q, k, v, bias)
+    ref = jax.jit(jax.grad(lambda *a: loss(lambda q, k, v, b: jax.nn.dot_product_attention(
+        q, k, v, b, scale=0.3), *a), argnums=(0, 3)))(q, k, v, bias)
     assert got[1].dtype == jnp.bfloat16
     assert_scaled_close(got[0], ref[0], FP32)
     assert_scaled_close(got[1], ref[1], HALF)  # rounded once to bf16, as jax's

@@ -1,6 +1,7 @@
 """Strict JAX modes (issue 27): the public ops, modules, models and dilax.attention_fn under
 ``jax_numpy_rank_promotion="raise"``, ``jax_enable_x64=True`` and ``jax_debug_nans=True``, all
-three at once, with values checked against the float64 oracle (or the normal-mode result).
+three at once, with values checked against the float64 oracle (the modules and the LM: against
+their reference implementation, run in normal mode).
 
 Under x64 float32/bfloat16 inputs keep their dtype; float64 inputs are computed with float32
 logits and softmax statistics (docs/semantics.md, "Numerics"), so they meet the float32
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from oracle import attention
-from tolerance import FP32, HALF, assert_scaled_close, assert_trees_close
+from tolerance import FP32, HALF, assert_scaled_close
 
 import dilax
 from dilax import patterns
@@ -171,30 +172,54 @@ def test_sequence_parallel_eight_devices():
 
 def test_modules_and_longnet_lm_training_step():
     """MultiheadDilatedAttention (call and decode), LongNetLM forward, one train step of
-    dilax.train.steps: the same values as in normal mode."""
+    dilax.train.steps, under the strict modes: the call and the logits equal the same
+    parameters with every attention the dense reference (implementation="reference", run
+    in normal mode: a second compile of the strict programs is not needed), decode equals
+    the causal rows of the call, the step's loss is the reference logits' cross-entropy
+    (float64), and the step keeps the parameters (its learning rate is 0 at the first warmup
+    step) and their dtype."""
     from dilax.models import LongNetLM
     from dilax.nn import MultiheadDilatedAttention
     from dilax.train import steps
 
     x = _rand((2, 16, 16), 5)
     tokens = jnp.asarray(np.random.default_rng(6).integers(0, 17, (2, 16)), jnp.int32)
+    targets = jnp.roll(tokens, -1, 1)
 
-    def run():
-        mha = MultiheadDilatedAttention(16, 4, WS, RS, num_kv_heads=2, rngs=nnx.Rngs(0))
-        y = mha(x, is_causal=True)
-        y_dec, _ = mha.decode(x[:, :4], mha.init_cache(2, 16))
-        lm = LongNetLM(17, 16, 2, 0, 1, 32, WS, RS, rngs=nnx.Rngs(0))
-        logits = lm(tokens)
-        opt = nnx.Optimizer(lm, steps.make_tx(10, 1e-2, 1, 0.1, 1.0), wrt=nnx.Param)
-        loss = steps.train_step(lm, opt, tokens, jnp.roll(tokens, -1, 1), jax.random.key(0))
-        return y, y_dec, logits, loss, nnx.to_pure_dict(nnx.state(lm, nnx.Param))
+    def build(implementation=None):
+        mha = MultiheadDilatedAttention(16, 4, WS, RS, num_kv_heads=2,
+                                        implementation=implementation, rngs=nnx.Rngs(0))
+        lm = LongNetLM(17, 16, 2, 0, 1, 32, WS, RS, implementation=implementation,
+                       rngs=nnx.Rngs(0))
+        return mha, lm
 
-    want = run()
     with strict():
-        got = run()
-    assert all(a.dtype == b.dtype for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-    assert_scaled_close(got[1], got[0][:, :4])  # decode = the causal rows of the call
-    assert_trees_close(got, want, depth=2)
+        mha, lm = build()
+        y, (y_dec, _), logits = nnx.jit(lambda mha, lm: (  # one program for the three calls
+            mha(x, is_causal=True), mha.decode(x[:, :4], mha.init_cache(2, 16)), lm(tokens)))(
+                mha, lm)
+        before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(lm, nnx.Param)))
+        opt = nnx.Optimizer(lm, steps.make_tx(10, 1e-2, 1, 0.1, 1.0), wrt=nnx.Param)
+        loss = steps.train_step(lm, opt, tokens, targets, jax.random.key(0))
+        after = nnx.to_pure_dict(nnx.state(lm, nnx.Param))
+    # the same parameters (same rngs), every attention the mask-based reference
+    ref_mha, ref_lm = build("reference")
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(ref_lm, nnx.Param)),
+                 before)
+    y_ref, logits_ref = nnx.jit(lambda m, lm: (m(x, is_causal=True), lm(tokens)))(ref_mha,
+                                                                                   ref_lm)
+    for got in (y, y_dec, logits, loss):
+        assert got.dtype == jnp.float32
+    assert_scaled_close(y, y_ref)
+    assert_scaled_close(y_dec, y[:, :4])  # decode = the causal rows of the call
+    assert_scaled_close(logits, logits_ref, depth=2)
+    z = np.asarray(logits_ref, np.float64)
+    z = z - z.max(-1, keepdims=True)
+    log_p = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    want = -np.take_along_axis(log_p, np.asarray(targets)[..., None], -1).mean()
+    assert_scaled_close(loss, want, depth=2)
+    assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(after))
+    jax.tree.map(np.testing.assert_array_equal, after, before)
 
 
 def test_flax_attention_fn_decode_sow_and_linen():
