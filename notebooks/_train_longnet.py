@@ -1,5 +1,9 @@
 """The cells of ``train_longnet.ipynb`` (a tiny LongNet language model), as ``(kind, text)`` pairs
-that ``notebooks/_build.py`` writes and executes."""
+that ``notebooks/_build.py`` writes and executes.
+
+The model, the hyperparameters and the sample's windows (a 16-character prompt, seq_len 32) are
+those of ``tests/test_train.py``: in the test suite the notebook's programs are then compiled
+once for both (the session's persistent compilation cache, ``tests/conftest.py``)."""
 
 TRAIN = [
     ("md", """
@@ -8,15 +12,14 @@ TRAIN = [
 `python -m dilax.train` trains a character-level `dilax.models.LongNetLM` (decoder-only,
 dilated causal self-attention) on a UTF-8 text of yours (`--data`) or the fables corpus shipped
 with dilax, with Orbax checkpoints and exact resume. Here we use its Python API,
-`dilax.train.train`, at a tiny scale (about 30 s on a CPU): train 30 steps and "stop", resume
-to 50 steps from the checkpoint, plot the loss curve, and sample text from the checkpoint.
+`dilax.train.train`, at a tiny scale (well under a minute on a CPU): train 50 of 80 steps and
+"stop", resume to step 80 from the checkpoint, plot the loss curve, and sample text from the
+checkpoint.
 """),
     ("code", """
 %matplotlib inline
 import dataclasses
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -29,25 +32,24 @@ text = load_corpus()
 tok = T.CharTokenizer.from_text(text)
 print(f"{len(text):,} characters, vocabulary of {len(tok.vocab)}")
 
-model_cfg = T.ModelConfig(vocab=tok.vocab, d_model=64, num_heads=4, num_layers=1,
-                          dim_feedforward=128, segment_lengths=(16, 32, 64),
-                          dilation_rates=(1, 2, 4))
+model_cfg = T.ModelConfig(vocab=tok.vocab, d_model=32, num_heads=2, num_layers=1,
+                          dim_feedforward=64, segment_lengths=(16, 32), dilation_rates=(1, 2))
 ckpt_dir = Path(tempfile.mkdtemp(prefix="dilax-train-")) / "checkpoints"
-train_cfg = T.TrainConfig(steps=50, batch_size=8, seq_len=64, lr=5e-3, warmup=5,
+train_cfg = T.TrainConfig(steps=80, batch_size=8, seq_len=32, lr=1e-2, warmup=10,
                           eval_every=10, eval_batches=2, checkpoint_dir=str(ckpt_dir),
-                          checkpoint_every=30, stop_after=30, sample_tokens=0)
+                          checkpoint_every=50, stop_after=50, sample_tokens=0)
 """),
     ("md", """
-## Train 30 of 50 steps
+## Train 50 of 80 steps
 
-`stop_after=30` stops as if the run were interrupted (the checkpoint of step 30 is written).
+`stop_after=50` stops as if the run were interrupted (the checkpoint of step 50 is written).
 """),
     ("code", """
 first = T.train(train_cfg, model_cfg, text=text, progress=False)
 print("checkpoints:", sorted(p.name for p in ckpt_dir.iterdir()))
 """),
     ("md", """
-## Resume to step 50
+## Resume to step 80
 
 `resume=True` restores parameters, optimizer state and the step; batches and dropout keys are
 pure functions of `(seed, step)`, so the resumed run continues exactly where the first stopped.
@@ -55,7 +57,7 @@ pure functions of `(seed, step)`, so the resumed run continues exactly where the
     ("code", """
 second = T.train(dataclasses.replace(train_cfg, resume=True, stop_after=None),
                  model_cfg, text=text, progress=False)
-assert second.start_step == 30 and second.last_step == 50
+assert second.start_step == 50 and second.last_step == 80
 losses = {**first.losses, **second.losses}
 evals = {**first.eval_losses, **second.eval_losses}
 
@@ -63,12 +65,12 @@ fig, ax = plt.subplots(figsize=(6, 3.6))
 ax.plot(list(losses), list(losses.values()), label="train loss")
 ax.plot(list(evals), list(evals.values()), "o-", label="eval loss")
 ax.axhline(first.unigram_entropy, ls="--", c="gray", label="unigram entropy")
-ax.axvline(30, ls=":", c="k", label="resumed here")
+ax.axvline(50, ls=":", c="k", label="resumed here")
 ax.set_xlabel("step")
 ax.set_ylabel("nats / character")
 ax.legend(fontsize=8)
 plt.show()
-assert evals[50] < first.unigram_entropy  # it learned more than character frequencies
+assert evals[80] < first.unigram_entropy  # it learned more than character frequencies
 """),
     ("md", """
 ## Load the model from the checkpoint and sample
@@ -80,7 +82,7 @@ with the tokenizer and configs saved in the checkpoint, and checks a SHA-256 of 
     ("code", """
 m = T.load_model(ckpt_dir)
 print("restored step", m.step, "- vocabulary of", len(m.tokenizer.vocab))
-print(T.sample_text(m, "Once upon a time", 120, temperature=0.6, top_k=10, seed=0))
+print(T.sample_text(m, "Once upon a time", 112, temperature=0.6, top_k=10, seed=0))
 """),
     ("md", """
 ## The same from the command line
@@ -95,11 +97,10 @@ python -m dilax.sample --checkpoint-dir ckpt --prompt "Once upon" --tokens 200 -
 Without `--data` it trains on the fables corpus; without `--checkpoint-dir` the checkpoints go
 to a new `checkpoints/<date>-<time>/`. `--resume` takes the model, the tokenizer, the data file
 and the training settings from the checkpoint: pass only what changes. All flags, with their
-defaults:
+defaults (what `python -m dilax.train --help` prints):
 """),
     ("code", """
-print(subprocess.run([sys.executable, "-m", "dilax.train", "--help"], capture_output=True,
-                     text=True, check=True).stdout)
+T.build_parser().print_help()
 shutil.rmtree(ckpt_dir.parent)  # the temporary checkpoints of this notebook
 """),
 ]

@@ -1,8 +1,8 @@
 """Import hygiene: ``import dilax`` (the functional ops) loads neither Flax nor Pallas; the Flax
 parts (``dilax.create_attention``, :mod:`dilax.nn`, :mod:`dilax.models`, :mod:`dilax.train`)
-load it when they are used. Each of these checks runs in a fresh interpreter: this one has
-imported flax already. Then static checks of the source (below): no import cycle, no private
-name taken across modules, no file over 500 lines.
+load it when they are used. These checks run in a fresh interpreter (this one has imported
+flax already), each check that imports more in a fork of it. Then static checks of the source
+(below): no import cycle, no private name taken across modules, no file over 500 lines.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,50 +27,78 @@ def _fresh(code: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# ``in_a_fork(check)``: ``check()`` in a forked copy of the interpreter, its JSON result (or
+# a string naming the child's exit status). After ``import dilax`` and nothing else, each fork
+# is what a fresh interpreter that ran ``import dilax`` is, without another interpreter start
+# and jax import per check; a check's imports stay in its fork.
+IN_A_FORK = """
+import json, os, sys, traceback
+def in_a_fork(check):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: runs the check, writes its result, exits
+        code = 1
+        try:
+            os.close(r)
+            with os.fdopen(w, 'w') as f:
+                f.write(json.dumps(check()))
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    return json.loads(data) if status == 0 else f'child exit status {status}'
+"""
+
 _FLAX = "[m for m in sys.modules if m == 'flax' or m.startswith('flax.')]"
 
-
-def test_import_dilax_loads_no_flax():
-    got = _fresh(f"""
-import io, json, sys
+# One fresh interpreter: ``import dilax``, what it loaded, then each check that imports more in
+# a fork of it.
+_IMPORT_CHECKS = IN_A_FORK + f"""
+import io
 import dilax
-after_import = {_FLAX}
-dilax.describe(io.StringIO())
-after_describe = {_FLAX}
-print(json.dumps(dict(file=dilax.__file__, after_import=after_import,
-                      after_describe=after_describe, nn_loaded='dilax.nn' in sys.modules,
-                      listed='create_attention' in dir(dilax))))
-""")
+def describe():
+    dilax.describe(io.StringIO())
+    return dict(after_describe={_FLAX}, nn_loaded='dilax.nn' in sys.modules)
+def create_attention():
+    from dilax import create_attention
+    att = dilax.create_attention(segment_lengths=(8,), dilation_rates=(1,))
+    return dict(same=create_attention is dilax.create_attention
+                is sys.modules['dilax.factory'].create_attention,
+                kind=att.choice.kind, flax=bool({_FLAX}))
+print(json.dumps(dict(
+    file=dilax.__file__, after_import={_FLAX}, listed='create_attention' in dir(dilax),
+    flax_or_pallas=sorted(m for m in sys.modules if m.startswith(
+        ('flax', 'pallas_kernels', 'jax.experimental.pallas'))),
+    describe=in_a_fork(describe), create_attention=in_a_fork(create_attention))))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_import() -> dict:
+    return _fresh(_IMPORT_CHECKS)
+
+
+def test_import_dilax_loads_no_flax(fresh_import):
+    got = fresh_import
     assert Path(got["file"]).resolve().is_relative_to(REPO), got["file"]
     assert got["after_import"] == [], got["after_import"]
-    assert got["after_describe"] == [], got["after_describe"]
-    assert not got["nn_loaded"]
+    assert got["describe"] == {"after_describe": [], "nn_loaded": False}, got["describe"]
     assert got["listed"]
 
 
-def test_import_dilax_loads_no_pallas():
+def test_import_dilax_loads_no_pallas(fresh_import):
     """The Pallas kernels (and jax's Pallas) load when a kernel is first used, not on import:
     the cores import them inside their methods."""
-    got = _fresh("""
-import json, sys
-import dilax
-print(json.dumps(sorted(m for m in sys.modules if m.startswith(
-    ('flax', 'pallas_kernels', 'jax.experimental.pallas')))))
-""")
-    assert got == []
+    assert fresh_import["flax_or_pallas"] == []
 
 
-def test_create_attention_is_imported_on_first_use():
-    got = _fresh(f"""
-import json, sys
-from dilax import create_attention
-import dilax
-att = dilax.create_attention(segment_lengths=(8,), dilation_rates=(1,))
-print(json.dumps(dict(same=create_attention is dilax.create_attention
-                      is sys.modules['dilax.factory'].create_attention,
-                      kind=att.choice.kind, flax=bool({_FLAX}))))
-""")
-    assert got == {"same": True, "kind": "dilated", "flax": True}
+def test_create_attention_is_imported_on_first_use(fresh_import):
+    assert fresh_import["create_attention"] == {"same": True, "kind": "dilated", "flax": True}
 
 
 # --------------------------------------------------------------------- static import checks

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from test_imports import _fresh  # a new interpreter on this checkout
+from test_imports import IN_A_FORK, _fresh  # a new interpreter on this checkout
 
 REPO = Path(__file__).resolve().parents[1]
 # the user-facing docs, and the docstrings and messages of the package itself
@@ -43,38 +43,32 @@ def test_the_docs_name_the_flax_subpackages():
 
 # One fresh interpreter imports dilax, then forks one child per subpackage: each child is a
 # copy of an interpreter that has done nothing but ``import dilax`` (what a fresh interpreter
-# per subpackage gave, at the cost of 27 interpreter starts and jax imports).
-_RESOLVE_EACH_IN_A_FORK = """
-import json, os, sys
+# per subpackage gave, at the cost of 27 interpreter starts and jax imports). The issue's
+# example runs in one more child.
+_RESOLVE_EACH_IN_A_FORK = IN_A_FORK + """
 import dilax
-flax_before = any(m == 'flax' or m.startswith('flax.') for m in sys.modules)
-results = {}
-for sub, paths in %r.items():
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: resolves this subpackage's paths only, then exits
-        code = 1
+flax = lambda: sorted(m for m in sys.modules if m == 'flax' or m.startswith('flax.'))
+flax_before = bool(flax())
+def resolve(paths):
+    missing = []
+    for path in paths:
+        obj = dilax
         try:
-            os.close(r)
-            missing = []
-            for path in paths:
-                obj = dilax
-                try:
-                    for part in path.split('.'):
-                        obj = getattr(obj, part)
-                except AttributeError as e:
-                    missing.append(f'dilax.{path}: {e}')
-            with os.fdopen(w, 'w') as f:
-                f.write(json.dumps(missing))
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r) as f:
-        data = f.read()
-    _, status = os.waitpid(pid, 0)
-    results[sub] = json.loads(data) if status == 0 else [f'{sub}: child exit status {status}']
-print(json.dumps(dict(flax_before=flax_before, missing=results)))
+            for part in path.split('.'):
+                obj = getattr(obj, part)
+        except AttributeError as e:
+            missing.append(f'dilax.{path}: {e}')
+    return missing
+def issue_example():
+    before = flax()
+    listed = all(s in dir(dilax) for s in ('nn', 'models', 'train'))
+    cls = dilax.nn.MultiheadDilatedAttention
+    return dict(before=before, after=bool(flax()), listed=listed,
+                cls=cls.__module__ + '.' + cls.__name__,
+                same=dilax.models is sys.modules['dilax.models'])
+missing = {sub: in_a_fork(lambda: resolve(paths)) for sub, paths in %r.items()}
+print(json.dumps(dict(flax_before=flax_before, missing=missing,
+                      issue_example=in_a_fork(issue_example))))
 """
 
 
@@ -89,17 +83,7 @@ def test_documented_paths_resolve_after_import_dilax(sub, resolved):
     assert resolved["missing"][sub] == [], resolved["missing"][sub]
 
 
-def test_issue_example_and_no_flax_until_used():
-    got = _fresh("""
-import json, sys
-import dilax
-flax = lambda: sorted(m for m in sys.modules if m == 'flax' or m.startswith('flax.'))
-before = flax()
-listed = all(s in dir(dilax) for s in ('nn', 'models', 'train'))
-cls = dilax.nn.MultiheadDilatedAttention
-print(json.dumps(dict(before=before, after=bool(flax()), listed=listed,
-                      cls=cls.__module__ + '.' + cls.__name__,
-                      same=dilax.models is sys.modules['dilax.models'])))
-""")
-    assert got == {"before": [], "after": True, "listed": True,
-                   "cls": "dilax.nn.attention.MultiheadDilatedAttention", "same": True}
+def test_issue_example_and_no_flax_until_used(resolved):
+    assert resolved["issue_example"] == {
+        "before": [], "after": True, "listed": True,
+        "cls": "dilax.nn.attention.MultiheadDilatedAttention", "same": True}

@@ -155,6 +155,8 @@ def test_bash_blocks_run(tmp_path):
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, (f"README line {b.line}:\n{b.code}\n"
                                       f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        # (tests/test_train_cli.py trains this text and model with these flags: the same
+        # compiled programs, once per session; keep the two in step)
         if "dilax.train" in b.code:  # stopped at 20, resumed, sampled with dilax.sample
             assert "resumed from" in proc.stdout and "(step 20)" in proc.stdout, proc.stdout
             names = sorted(p.name for p in (work / "ckpt").iterdir())

@@ -20,17 +20,22 @@ from dilax import sample as S
 from dilax import train as T
 
 REPO = Path(__file__).resolve().parents[1]
-WORDS = ["Привет", "мир", "über", "Straße", "café", "日本語", "テキスト", "λόγος", "naïve", "ÆØÅ"]
+# The README's training example ("Training"): its text (Latin with diacritics, Cyrillic,
+# Japanese), its model and its training flags, so that the eval step, the train step of its
+# schedule (--steps 30, the resume below) and the sampling program (its prompt and --tokens)
+# are the README's: compiled once in a test session (the persistent compilation cache of
+# tests/conftest.py) for tests/test_readme.py and this module.
+README_LINE = "Ünïcödé: Привет, мир! 日本語のテキスト. Straße {i}."
+README_STEPS = 30
 MODEL = ["--d-model", "32", "--num-heads", "2", "--num-layers", "1", "--dim-feedforward", "64",
-         "--segment-lengths", "16,32", "--dilation-rates", "1,2"]
-RUN = ["--batch-size", "4", "--seq-len", "32", "--warmup", "3", "--eval-every", "1",
-       "--eval-batches", "1", "--checkpoint-every", "1000", "--sample-tokens", "0",
-       "--no-progress"]
+         "--segment-lengths", "16,32,64", "--dilation-rates", "1,2,4"]
+RUN = ["--batch-size", "4", "--seq-len", "64", "--eval-every", "1", "--eval-batches", "1",
+       "--checkpoint-every", "1000", "--sample-tokens", "0", "--no-progress"]
 
 
 def _text(lines: int = 300) -> str:
-    rng = np.random.default_rng(0)
-    return "\n".join(" ".join(rng.choice(WORDS, 6)) for _ in range(lines)) + "\n"
+    """The README's ``my.txt``: ``echo "<README_LINE>"`` for ``i`` in ``$(seq 300)``."""
+    return "".join(README_LINE.format(i=i) + "\n" for i in range(1, lines + 1))
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +85,10 @@ def test_sample_from_the_interrupted_checkpoint(interrupted, capsys):
     # greedy sampling == a step-by-step argmax of the model's logits at the last prompt
     # position (written out here: the window, its padding, the position read, the decoding).
     # Same shapes as the sampler: an untrained model's near-ties make argmax sensitive to
-    # rounding, so the reference must compute the logits the same way.
+    # rounding, so the reference must compute the logits the same way. The README's prompt
+    # and length: its compiled sampler (temperature and top_k are traced values).
     forward = nnx.jit(lambda m, x: m(x, deterministic=True))
-    prompt, n, seq_len = "Привет мир", 12, loaded.train_config.seq_len
+    prompt, n, seq_len = "Привет", 40, loaded.train_config.seq_len
     ids = list(loaded.tokenizer.encode(prompt))
     for _ in range(n):
         window = np.zeros((1, seq_len), np.int32)
@@ -94,15 +100,15 @@ def test_sample_from_the_interrupted_checkpoint(interrupted, capsys):
     assert S.main(["--checkpoint-dir", str(ckpt), "--prompt", prompt, "--tokens", str(n),
                    "--temperature", "0"]) == 0
     assert capsys.readouterr().out == expected + "\n"
-    flags = ["--checkpoint-dir", str(ckpt), "--prompt", "日本語", "--tokens", "20",
-             "--top-k", "3", "--seed", "7"]
+    flags = ["--checkpoint-dir", str(ckpt), "--prompt", "Привет", "--tokens", "40",
+             "--top-k", "3", "--seed", "7"]  # the README's prompt and length, another top-k
     assert S.main(flags) == 0 and S.main(flags) == 0
     out = capsys.readouterr().out  # the text may hold newlines: compare the two halves
     first, second = out[:len(out) // 2], out[len(out) // 2:]
-    assert first == second and first.startswith("日本語") and len(first) == 23 + 1
+    assert first == second and first.startswith("Привет") and len(first) == 6 + 40 + 1
     assert set(first) <= set(loaded.tokenizer.vocab)
     # a character the model never saw is refused, naming the flag
-    assert S.main(["--checkpoint-dir", str(ckpt), "--prompt", "Zebra"]) == 2
+    assert S.main(["--checkpoint-dir", str(ckpt), "--prompt", "Zeta"]) == 2
     assert "--prompt has characters the model was not trained on: ['Z']" \
         in capsys.readouterr().err
 
@@ -125,16 +131,18 @@ def test_resume_with_only_checkpoint_dir_and_steps_continues_the_same_model(inte
     shutil.copytree(ckpt, d)  # the other tests read the original
     step, meta = T.read_checkpoint_meta(d)
     tcfg, mcfg = T.configs_from_argv(["--resume", "--checkpoint-dir", str(d), "--steps",
-                                      str(step + 2)])
+                                      str(README_STEPS)])
     assert mcfg == T.ModelConfig.from_json(meta["model_config"])  # model + tokenizer
-    assert tcfg.data == str(data) and tcfg.seq_len == 32 and tcfg.batch_size == 4
+    assert tcfg.data == str(data) and tcfg.seq_len == 64 and tcfg.batch_size == 4
     before = T.load_model(d).model
-    # (--eval-every 0, a flag that does not change the trajectory: one compile less)
-    assert T.main(["--resume", "--checkpoint-dir", str(d), "--steps", str(step + 2),
-                   "--eval-every", "0"]) == 0
+    # (--eval-every 0 and --stop-after, flags that do not change the trajectory: one compile
+    # less, and two steps of the README's schedule)
+    assert step + 2 <= README_STEPS
+    assert T.main(["--resume", "--checkpoint-dir", str(d), "--steps", str(README_STEPS),
+                   "--stop-after", str(step + 2), "--eval-every", "0"]) == 0
     out = capsys.readouterr().out
     assert f"resumed from {d / str(step)} (step {step})" in out
-    assert f"--steps {step + 2} (the checkpoint's run had 500)" in out
+    assert f"--steps {README_STEPS} (the checkpoint's run had 500)" in out
     after = T.load_model(d)
     assert after.step == step + 2
     # the same parameters trained on: the update from the restored ones is a small step

@@ -21,11 +21,14 @@ from dilax.train import loop as L
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = load_corpus()
+# The model and the hyperparameters (--steps 80 included: the schedule is part of the compiled
+# step) of tests/test_train.py: one compiled train step for every run here and there (and the
+# session's compilation cache); runs end early with --stop-after.
 FLAGS = ["--d-model", "32", "--num-heads", "2", "--num-layers", "1", "--dim-feedforward", "64",
-         "--segment-lengths", "16,32", "--dilation-rates", "1,2", "--batch-size", "4",
-         "--seq-len", "32", "--lr", "1e-2", "--warmup", "3", "--eval-every", "0",
-         "--checkpoint-every", "1", "--keep-checkpoints", "2", "--sample-tokens", "0",
-         "--no-progress"]
+         "--segment-lengths", "16,32", "--dilation-rates", "1,2", "--steps", "80",
+         "--batch-size", "8", "--seq-len", "32", "--lr", "1e-2", "--warmup", "10",
+         "--eval-every", "0", "--checkpoint-every", "1", "--keep-checkpoints", "2",
+         "--sample-tokens", "0", "--no-progress"]
 HOLD_STEP = 5
 # The CLI with two holds, so that each signal lands where the test means it to: train step
 # HOLD_STEP waits (before it runs) until the first SIGINT has been handled (the CLI's handler
@@ -57,7 +60,7 @@ sys.exit(main(sys.argv[1:]))
 
 def _two_sigints(ckpt: Path) -> tuple[str, int]:
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-c", _HELD, *FLAGS, "--steps", "500",
+    proc = subprocess.Popen([sys.executable, "-c", _HELD, *FLAGS,
                              "--checkpoint-dir", str(ckpt)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
     lines, deadline = [], time.monotonic() + 240
@@ -92,7 +95,8 @@ def test_second_sigint_during_a_save_keeps_the_last_complete_checkpoint(tmp_path
     assert T.read_checkpoint_meta(ckpt)[0] == saved[-1]  # the previous one is intact
 
     # --resume says what it found and removes the unfinished save
-    rc = T.main([*FLAGS, "--steps", str(step + 1), "--checkpoint-dir", str(ckpt), "--resume"])
+    rc = T.main([*FLAGS, "--stop-after", str(step + 1), "--checkpoint-dir", str(ckpt),
+                 "--resume"])
     log = capsys.readouterr().out
     assert rc == 0, log
     assert (f"{held}/ is an unfinished save (of step {step}, interrupted before it completed), "
@@ -113,14 +117,14 @@ def test_no_checkpoint_found_names_the_unfinished_save(tmp_path):
 def test_stop_after_prints_the_resume_command_and_resumed_throughput_counts_its_steps(
         tmp_path, monkeypatch, capsys):
     ckpt = tmp_path / "run"
-    rc = T.main([*FLAGS, "--steps", "6", "--stop-after", "2", "--checkpoint-dir", str(ckpt)])
+    rc = T.main([*FLAGS, "--stop-after", "2", "--checkpoint-dir", str(ckpt)])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert (f"--stop-after 2: stopped after step 2 of 6; checkpoint saved in {ckpt / '2'}\n"
+    assert (f"--stop-after 2: stopped after step 2 of 80; checkpoint saved in {ckpt / '2'}\n"
             f"resume with: python -m dilax.train --resume --checkpoint-dir {ckpt}") in out, out
 
     # A fake clock: each train step takes 1 s, each checkpoint 1000 s. The summary's rate is
-    # that of the steps after the first (compiling) one of this run: 3 steps of 4 x 32 tokens
+    # that of the steps after the first (compiling) one of this run: 3 steps of 8 x 32 tokens
     # in 3 s (it was: every step of the run, over all the time since its first step).
     now = [0.0]
     monkeypatch.setattr(L, "_clock", lambda: now[0])
@@ -133,8 +137,8 @@ def test_stop_after_prints_the_resume_command_and_resumed_throughput_counts_its_
 
     monkeypatch.setattr(L, "train_step", ticking(L.train_step, 1.0))
     monkeypatch.setattr(L, "save_checkpoint", ticking(L.save_checkpoint, 1000.0))
-    rc = T.main([*FLAGS, "--checkpoint-dir", str(ckpt), "--resume"])
+    rc = T.main([*FLAGS, "--stop-after", "6", "--checkpoint-dir", str(ckpt), "--resume"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert f"4 steps in {4 + 4000:.1f} s, {3 * 4 * 32 / 3:,.0f} tokens/s after compilation" \
+    assert f"4 steps in {4 + 4000:.1f} s, {3 * 8 * 32 / 3:,.0f} tokens/s after compilation" \
         in out, out

@@ -18,14 +18,16 @@ from dilax.data import load_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = load_corpus()
-# Each step writes a checkpoint; 12 leaves 9 steps after the kill point, so the run cannot end
-# before the SIGKILL lands, and 9 steps to resume (was 30: the same checks, 2.5x the steps).
+# Each step writes a checkpoint; the run ends at step 12 (--stop-after): 9 steps after the
+# kill point, so the run cannot end before the SIGKILL lands, and 9 steps to resume. The model
+# and the hyperparameters (--steps 80 included: the schedule is part of the compiled step) are
+# those of tests/test_train.py: one compiled train step for both (and the session's cache).
 STEPS = 12
 FLAGS = ["--d-model", "32", "--num-heads", "2", "--num-layers", "1", "--dim-feedforward", "64",
-         "--segment-lengths", "16,32", "--dilation-rates", "1,2", "--steps", str(STEPS),
-         "--batch-size", "4", "--seq-len", "32", "--lr", "1e-2", "--warmup", "3",
-         "--eval-every", "0", "--checkpoint-every", "1", "--keep-checkpoints", "2",
-         "--sample-tokens", "0", "--no-progress"]
+         "--segment-lengths", "16,32", "--dilation-rates", "1,2", "--steps", "80",
+         "--stop-after", str(STEPS), "--batch-size", "8", "--seq-len", "32", "--lr", "1e-2",
+         "--warmup", "10", "--eval-every", "0", "--checkpoint-every", "1",
+         "--keep-checkpoints", "2", "--sample-tokens", "0", "--no-progress"]
 KILL_AFTER = 3  # SIGKILL once the log shows the checkpoint of this step
 
 
@@ -61,6 +63,9 @@ def test_killed_run_resumes_without_losing_a_completed_step(tmp_path):
     logged = _kill_after_checkpoint(ckpt)
     assert logged and logged[-1] >= KILL_AFTER
     tcfg, mcfg = T.configs_from_argv(FLAGS + ["--checkpoint-dir", str(ckpt), "--resume"], TEXT)
+    # from here on one checkpoint, the last (~0.2 s a save; checkpoint_every is not part of
+    # the trajectory): the one compared below
+    tcfg = dataclasses.replace(tcfg, checkpoint_every=STEPS)
     resumed = T.train(tcfg, mcfg, text=TEXT, progress=False, log=lambda s: None)
     # every step whose checkpoint was reported is kept: the run goes on after the last one
     assert resumed.start_step >= logged[-1]
@@ -88,5 +93,10 @@ def test_resume_with_another_config_is_refused(tmp_path, capsys):
     assert T.main(changed_lr) == 2
     err = capsys.readouterr().err
     assert "different training config (--lr" in err and "--allow-config-change" in err
-    assert T.main(changed_lr + ["--allow-config-change", "--stop-after", "3"]) == 0
-    assert "warning: training config differs" in capsys.readouterr().out
+    # another trajectory flag, allowed: --seed changes the batches, not the compiled step
+    changed_seed = FLAGS + ["--seed", "1", "--checkpoint-dir", d, "--resume"]
+    assert T.main(changed_seed) == 2
+    assert "different training config (--seed" in capsys.readouterr().err
+    assert T.main(changed_seed + ["--allow-config-change", "--stop-after", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: training config differs" in out and "'seed': (0, 1)" in out, out
