@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 
 import jax
@@ -288,11 +289,26 @@ def _count(module) -> int:
 
 
 def test_parameter_count_of_longnet_paper_defaults():
-    net = nnx.eval_shape(lambda: LongNet(rngs=nnx.Rngs(0)))  # abstract: nothing allocated
-    count = _count(net)
+    # LongNet builds its 12 + 12 layers as identical copies (one constructor call per layer,
+    # same config; only the MAGNETO gain value differs), so the paper-size count is the
+    # per-layer count times the default depths: one encoder and one decoder layer are built
+    # abstractly instead of all 24 (a whole multi-layer stack equals the closed form at small
+    # sizes: `stack` below).
+    defaults = inspect.signature(LongNet.__init__).parameters
+    n_enc = defaults["num_encoder_layers"].default
+    n_dec = defaults["num_decoder_layers"].default
+    assert (n_enc, n_dec) == (12, 12)
+    one = nnx.eval_shape(lambda: LongNet(num_encoder_layers=1, num_decoder_layers=1,
+                                         rngs=nnx.Rngs(0)))  # abstract: nothing allocated
+    assert one.config == LongNetConfig()  # the paper defaults, as LongNet() uses
+    assert one.decoder[0].cross_attn is not None  # encoder-decoder, as with 12 + 12 layers
+    count = n_enc * _count(one.encoder[0]) + n_dec * _count(one.decoder[0])
+    assert _count(one) == _count(one.encoder[0]) + _count(one.decoder[0])
     print(f"LongNet() paper defaults (d_model 768, 12 heads, 12+12 layers, ffn 3072, "
           f"segment_lengths {PAPER_SEGMENT_LENGTHS}): {count:,} parameters")
     assert count == closed_form_longnet(768, 12, 12, 12, 3072) == 198_660_096
+    stack = nnx.eval_shape(lambda: LongNet(32, 4, 3, 2, 48, WS, RS, rngs=nnx.Rngs(0)))
+    assert _count(stack) == closed_form_longnet(32, 4, 3, 2, 48)
     # decoder-only with GQA, and the LM (embedding, final norm, head) around it
     small = nnx.eval_shape(lambda: LongNet(32, 4, 0, 2, 48, WS, RS, num_kv_heads=2,
                                            rngs=nnx.Rngs(0)))
