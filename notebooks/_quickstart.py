@@ -62,7 +62,7 @@ Every fast path is tested against `implementation="reference"`, which builds the
 `n x n` mask from the rules (small `n` only). The same comparison here, on a short sequence:
 """),
     ("code", """
-m = 600  # any n works, not only multiples of the segment lengths
+m = 300  # any n works, not only multiples of the segment lengths
 qs, ks, vs = q[:, :m], k[:, :m], v[:, :m]
 for mode in ("mixture", "grouped"):
     cfg = dict(segment_lengths=(64, 128, 256), dilation_rates=(1, 2, 4), mode=mode,
