@@ -29,11 +29,11 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as Ps
-from oracle import attention as oracle_attention
+from ring_oracle import assert_matches
+from ring_oracle import block_sparse as block_sparse_oracle
 from test_pallas import STRICT
 from test_ring import _inputs
 from test_ring_pallas import _value_and_grads
-from tolerance import assert_scaled_close
 
 import dilax
 from dilax import patterns, registry
@@ -60,16 +60,8 @@ def _check(pattern, fn, q, k, v, g, is_causal, q_len=None, kv_len=None):
     float64 oracle of the expanded token mask AND the valid lengths."""
     lengths = () if q_len is None else (q_len, kv_len)
     out, grads = _value_and_grads(fn, q, k, v, g, *lengths, kernels_only=True)
-    n = q.shape[1]
-    w = pattern.expanded_mask(n, is_causal)[None].astype(np.float64)  # (1, H_pat, n, n)
-    if q_len is not None:
-        pos = np.arange(n)
-        w = (w * (pos[None] < q_len[:, None])[:, None, :, None]
-             * (pos[None] < kv_len[:, None])[:, None, None, :])
-    ref = oracle_attention(q, k, v, w, D ** -0.5, dout=g)
-    assert_scaled_close(out, ref.out)
-    for name, a, e in zip("qkv", grads, (ref.dq, ref.dk, ref.dv), strict=True):
-        assert_scaled_close(a, e, err_msg=f"d{name}")
+    ref = block_sparse_oracle(q, k, v, g, pattern, is_causal, q_len, kv_len)
+    assert_matches(out, grads, ref)
     return out
 
 
