@@ -16,10 +16,14 @@ from dilax.reference import dilated_counts
 from tests import oracle
 from tests.tolerance import FP32, HALF, assert_scaled_close
 
-WS, RS = (8, 16, 32), (1, 2, 4)
+# Two branches, a local one and a dilated one (compile time grows with the branch count, ~1.7
+# CPU-s per branch for forward and gradients; the merge of several branches and uneven grouped
+# head splits are the same code with or without documents, tested in test_dilated*.py).
+WS, RS = (8, 32), (1, 4)
 N, H, HK, D = 64, 4, 2, 8
-# Row 0: one-token documents, documents shorter than, equal to (16, 32) and longer than the
-# segments; row 1: one document past every segment, a one-token one and a short tail.
+# Row 0: one-token documents, documents shorter than both segments, between them (16), equal
+# to (32) and longer than one; row 1: one document past every segment, a one-token one and a
+# short tail.
 CUTS = ((0, 1, 2, 9, 25, 57), (0, 40, 41, 48))
 
 

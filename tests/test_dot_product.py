@@ -8,6 +8,8 @@ skip them and :func:`test_fully_masked_rows` pins both behaviours.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -245,6 +247,11 @@ def test_dilation_settings_call_dilated_attention():
                                     dilation_rates=(1,))
 
 
+_ERROR_NAMES = ("value dtype", "query head_dim", "query batch", "heads multiple", "mask dtype",
+                "mask rank", "bias rank", "lengths dtype", "lengths shape", "implementation")
+
+
+@functools.cache  # built at the first test, not at collection (in every xdist worker)
 def _errors():
     q, k, v, _ = _inputs(0)
     bad = {
@@ -263,8 +270,9 @@ def _errors():
     return {name: (args[:5], args[5] if len(args) > 5 else {}) for name, args in bad.items()}
 
 
-@pytest.mark.parametrize("name", list(_errors()))
+@pytest.mark.parametrize("name", _ERROR_NAMES)
 def test_errors_as_jax(name):
+    assert tuple(_errors()) == _ERROR_NAMES
     args, kw = _errors()[name]
     with pytest.raises(ValueError) as ours:
         dilax.dot_product_attention(*args, **kw)

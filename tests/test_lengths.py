@@ -101,8 +101,9 @@ def test_padded_prefix_equals_unpadded_sequence_and_none_is_todays_program():
     padded = dilax.dilated_attention(q, k, v, WS, RS, is_causal=True, local_window=1,
                                      query_seq_lengths=jnp.array([L, N]),
                                      key_value_seq_lengths=jnp.array([L, N]))
-    short = dilax.dilated_attention(q[:, :L], k[:, :L], v[:, :L], WS, RS, is_causal=True,
-                                    local_window=1)
+    # the unpadded L-token sequence by the float64 oracle (not a second compiled program)
+    short, _ = _oracle(q[:, :L], k[:, :L], v[:, :L], np.zeros(q[:, :L].shape), np.array([L, L]),
+                       np.array([L, L]), True, 1)
     assert_scaled_close(padded[0, :L], short[0], FP32)
     # Lengths None: the very program without lengths (same HLO text).
     f = lambda *a, **kw: dilax.dilated_attention(*a, WS, RS, **kw)
@@ -129,7 +130,9 @@ def test_length_and_window_errors_and_traced_clipping():
                                                             key_value_seq_lengths=kl))
     clipped = f(q, k, v, jnp.array([-3, 99]))
     assert np.all(np.asarray(clipped[0]) == 0)
-    assert_scaled_close(clipped[1], dilax.dilated_attention(q, k, v, WS, RS)[1], FP32)
+    unmasked, _ = _oracle(q, k, v, np.zeros(q.shape), np.array([N, N]), np.array([N, N]),
+                          False, None)  # float64 oracle of the op without lengths
+    assert_scaled_close(clipped[1], unmasked[1], FP32)
 
 
 def test_block_sparse_and_content_adaptive_lengths_match_reference():
@@ -154,9 +157,19 @@ def test_block_sparse_and_content_adaptive_lengths_match_reference():
         assert_trees_close(run(q, k, v, cot, q_len, kv_len),
                            (ref.out, (ref.dq, ref.dk, ref.dv)), FP32, depth=2)
     # content-adaptive: exact attention over its selection, restricted to the valid pairs
-    idx, cnt = CA.content_adaptive_selection(q, k, bs, 2, is_causal=True,
-                                             query_seq_lengths=q_len,
-                                             key_value_seq_lengths=kv_len)
+    # (the selection comes out of the attention's program: op by op it would compile each op)
+    @jax.jit
+    def run_ca(q, k, v, cot, q_len, kv_len):
+        f = lambda q, k, v: dilax.content_adaptive_attention(
+            q, k, v, bs, 2, is_causal=True, query_seq_lengths=q_len,
+            key_value_seq_lengths=kv_len)
+        out, vjp = jax.vjp(f, q, k, v)
+        selection = CA.content_adaptive_selection(q, k, bs, 2, is_causal=True,
+                                                  query_seq_lengths=q_len,
+                                                  key_value_seq_lengths=kv_len)
+        return (out, vjp(cot)), selection
+
+    got, (idx, cnt) = run_ca(q, k, v, cot, q_len, kv_len)
     idx, cnt = np.asarray(idx), np.asarray(cnt)
     nb = n // bs
     blocks = np.zeros((b, HK, nb, nb), bool)
@@ -165,18 +178,8 @@ def test_block_sparse_and_content_adaptive_lengths_match_reference():
     pos = np.arange(n) // bs
     mask = np.repeat(blocks, H // HK, axis=1)[:, :, pos][:, :, :, pos]
     mask = mask & np.tril(np.ones((n, n), bool)) & valid[:, None]
-
-    @jax.jit
-    def run_ca(q, k, v, cot, q_len, kv_len):
-        f = lambda q, k, v: dilax.content_adaptive_attention(
-            q, k, v, bs, 2, is_causal=True, query_seq_lengths=q_len,
-            key_value_seq_lengths=kv_len)
-        out, vjp = jax.vjp(f, q, k, v)
-        return out, vjp(cot)
-
     ref = attention_oracle(q, k, v, mask, 1 / np.sqrt(D), cot)
-    assert_trees_close(run_ca(q, k, v, cot, q_len, kv_len),
-                       (ref.out, (ref.dq, ref.dk, ref.dv)), FP32, depth=2)
+    assert_trees_close(got, (ref.out, (ref.dq, ref.dk, ref.dv)), FP32, depth=2)
 
 
 def test_attention_fn_padding_mask_equals_flax_attention():
@@ -200,7 +203,8 @@ def test_attention_fn_padding_mask_equals_flax_attention():
     assert_scaled_close(out, want_out, FP32)
     assert_scaled_close(grad, want_grad, FP32, depth=2)
     with pytest.raises(ValueError, match=r"key-padding `mask` of shape \(\.\.\., 1, 1, n\)"):
-        ours(x, mask=nnx.make_attention_mask(key_valid, key_valid))
+        # traced only: the refusal comes at trace time, nothing compiles
+        nnx.eval_shape(lambda m: m(x, mask=nnx.make_attention_mask(key_valid, key_valid)), ours)
 
 
 def test_modules_and_models_take_lengths_and_window():
@@ -209,15 +213,20 @@ def test_modules_and_models_take_lengths_and_window():
     lengths = jnp.array([7, n])
     mha = MultiheadDilatedAttention(e, 4, WS, RS, num_kv_heads=2, local_window=2,
                                     rngs=nnx.Rngs(0))
-    y = mha(x, is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths)
-    q, k, v = (t.reshape(b, n, -1, e // 4) for t in (mha.q_proj(x), mha.k_proj(x),
-                                                     mha.v_proj(x)))
-    att = dilax.dilated_attention(q, k, v, WS, RS, is_causal=True, local_window=2,
-                                  query_seq_lengths=lengths, key_value_seq_lengths=lengths,
-                                  implementation="reference")
     from dilax.nn._heads import output_projection
 
-    assert_scaled_close(y, output_projection(mha, att.reshape(b, n, e)), FP32)
+    @nnx.jit  # one program for the module and its composition (op by op: a compile per op)
+    def module_and_composition(mha, x, lengths):
+        y = mha(x, is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+        q, k, v = (t.reshape(b, n, -1, e // 4) for t in (mha.q_proj(x), mha.k_proj(x),
+                                                         mha.v_proj(x)))
+        att = dilax.dilated_attention(q, k, v, WS, RS, is_causal=True, local_window=2,
+                                      query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+                                      implementation="reference")
+        return y, output_projection(mha, att.reshape(b, n, e))
+
+    y, want = module_and_composition(mha, x, lengths)
+    assert_scaled_close(y, want, FP32)
     with pytest.raises(ValueError, match="local_window"):
         LongNetConfig(16, 4, 32, WS, RS, mode="grouped", local_window=2)
     # LongNetLM: a padded row equals the same row with other padding (non-causal, so the

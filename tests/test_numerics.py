@@ -34,6 +34,12 @@ IMPLS = ["reference", "xla", "pallas", "ring", "bs-reference", "bs-xla", "bs-pal
 WS, RS = (4, 8), (1, 2)
 BLOCK = 4
 BLOCK_MASK = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [1, 0, 1, 1]], bool)
+# The shared programs' configuration (n = 16, h = 2, scale 1): rows no key reaches.
+# Dilated: two branches (8, 2), (16, 4): head 0 (offset 0 in both) never selects odd
+# positions, head 1 (offset 1) never even ones; the rows 0 mod 4 of head 0 (1 mod 4 of head 1)
+# merge both branches. Block-sparse: query block 2 attends nothing.
+SHARED_WS, SHARED_RS = (8, 16), (2, 4)
+SHARED_BLOCK_MASK = BLOCK_MASK & np.array([1, 1, 0, 1], bool)[:, None]
 
 
 def _mesh() -> Mesh:
@@ -84,10 +90,17 @@ def fwd_bwd(fn):
 
 
 @functools.cache
+def shared_attention(impl: str):
+    """``attention(impl, 16, 2)`` (eager) of the shared configuration, scale 1."""
+    return attention(impl, 16, 2, ws=SHARED_WS, rs=SHARED_RS, block_mask=SHARED_BLOCK_MASK,
+                     scale=1.0, eager=True)
+
+
+@functools.cache
 def shared_fwd_bwd(impl: str):
-    """``fwd_bwd`` of ``impl`` at n = 16, h = 2, the default branches and pattern, scale 1:
-    one compiled program per implementation for the huge-logit and the determinism tests."""
-    return fwd_bwd(attention(impl, 16, 2, scale=1.0, eager=True)[0])
+    """``fwd_bwd`` of ``shared_attention(impl)``: one compiled program per implementation for
+    the huge-logit, the fully-masked-row and the determinism tests."""
+    return fwd_bwd(shared_attention(impl)[0])
 
 
 def assert_close(actual, expected, tol, what):
@@ -117,7 +130,7 @@ def test_logits_of_magnitude_1e4_fp32(impl):
     q = jnp.asarray(rng.integers(-40, 41, (b, n, h, d)), jnp.float32)
     k = jnp.asarray(rng.integers(-100, 101, (b, n, hk, d)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((b, n, hk, d)), jnp.float32)
-    weights = attention(impl, n, h, scale=1.0)[1]
+    weights = shared_attention(impl)[1]
     logits = np.einsum("bqhd,bkhd->bhqk", np.asarray(q), np.repeat(np.asarray(k), 2, 2))
     assert np.abs(logits).max() >= 5e3  # the case is what it says
     # Gradients to 10x FP32: the logits are exact integers, but an lse of magnitude ~1e4 is
@@ -178,12 +191,9 @@ def test_logits_at_the_half_precision_maximum(impl, dtype):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_fully_masked_rows_give_zero_with_zero_gradient(impl):
     n, h, hk, d = 16, 2, 1, 8
-    # dilated: one branch (8, 2): head 0 never selects odd positions, head 1 never even ones.
-    # block-sparse: query block 2 attends nothing.
-    mask = BLOCK_MASK.copy()
-    mask[2] = False
-    fn, weights = attention(impl, n, h, ws=(8,), rs=(2,), block_mask=mask, eager=True)
-    run = fwd_bwd(fn)
+    # the shared program (SHARED_WS / SHARED_BLOCK_MASK: rows with no key), scale 1
+    weights = shared_attention(impl)[1]
+    run = shared_fwd_bwd(impl)
     masked = weights.sum(-1) == 0  # (h, n)
     assert masked.any() and not masked.all()
     kq, kk, kv = jax.random.split(jax.random.key(3), 3)
@@ -198,7 +208,7 @@ def test_fully_masked_rows_give_zero_with_zero_gradient(impl):
     never_read = weights.sum((0, 1)) == 0  # keys no query attends (all heads share kv head 0)
     assert np.all(np.asarray(dk)[0, never_read] == 0.0)
     assert np.all(np.asarray(dv)[0, never_read] == 0.0)
-    _check_against_oracle(run, weights, q, k, v, 1 / np.sqrt(d), FP32)
+    _check_against_oracle(run, weights, q, k, v, 1.0, FP32)
 
 
 # ----------------------------------------------------------------------------- NaN isolation
@@ -258,7 +268,7 @@ def _bits(x):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_bitwise_identical_across_runs_and_jit(impl):
     n, h, hk, d = 16, 2, 1, 8
-    fn, _ = attention(impl, n, h, scale=1.0, eager=True)
+    fn = shared_attention(impl)[0]
     kq, kk, kv = jax.random.split(jax.random.key(6), 3)
     q = jax.random.normal(kq, (1, n, h, d))
     k = jax.random.normal(kk, (1, n, hk, d))
@@ -272,7 +282,7 @@ def test_bitwise_identical_across_runs_and_jit(impl):
     for other in compiled[1:]:
         for name, a, b in zip(("out", "dq", "dk", "dv"), compiled[0], other):
             np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"jit vs jit: {name}")
-    jitted = jax.jit(fn)(q, k, v)
+    # eager calls against the jitted output (the shared program's forward: no third compile)
     for _ in range(2):
-        np.testing.assert_array_equal(_bits(fn(q, k, v)), _bits(jitted),
+        np.testing.assert_array_equal(_bits(fn(q, k, v)), _bits(compiled[0][0]),
                                       err_msg="eager vs jit: out")

@@ -45,22 +45,33 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=["gqa-causal-band-perkey-f32", "mqa-band-bf16"])
-def test_band_lengths_and_key_mask_match_the_oracle(case):
-    """Two data sets per compiled function: traced offsets, kv_len, q_len (an empty head, a
-    row past every key, whole query tiles past q_len) and per-key validity."""
-    B, Lq, Lk, Hk, G, d, causal, window, dtype, per_key, cfg = case
-    rng = np.random.default_rng(Lq)
-    q, k, v = _grouped_inputs(B, Lq, Lk, Hk, G, d, jnp.dtype(dtype), seed=Lk)
-    scale = 1.0 / np.sqrt(d)
+@functools.cache
+def _band_program(i):
+    """``jit((q, k, v, (dout, dlse), offsets, kv_len, q_len, kv_valid) -> (out, lse, (dq, dk,
+    dv)))`` of ``CASES[i]``: one compiled program per case, shared by the tests below."""
+    B, Lq, Lk, Hk, G, d, causal, window, dtype, per_key, cfg = CASES[i]
 
     @jax.jit
     def run(q, k, v, cot, offs, kv_len, q_len, kv_valid):
-        f = functools.partial(flash_attention, scale=scale, is_causal=causal, window=window,
-                              q_offset=offs[0], k_offset=offs[1], kv_len=kv_len, q_len=q_len,
-                              kv_valid=kv_valid if per_key else None, block_sizes=cfg,
-                              interpret=STRICT)
+        f = functools.partial(flash_attention, scale=1.0 / np.sqrt(d), is_causal=causal,
+                              window=window, q_offset=offs[0], k_offset=offs[1], kv_len=kv_len,
+                              q_len=q_len, kv_valid=kv_valid if per_key else None,
+                              block_sizes=cfg, interpret=STRICT)
         return _vjp(f)(q, k, v, cot)
+
+    return run
+
+
+@pytest.mark.parametrize("i", range(len(CASES)), ids=["gqa-causal-band-perkey-f32",
+                                                      "mqa-band-bf16"])
+def test_band_lengths_and_key_mask_match_the_oracle(i):
+    """Two data sets per compiled function: traced offsets, kv_len, q_len (an empty head, a
+    row past every key, whole query tiles past q_len) and per-key validity."""
+    B, Lq, Lk, Hk, G, d, causal, window, dtype, per_key, cfg = CASES[i]
+    rng = np.random.default_rng(Lq)
+    q, k, v = _grouped_inputs(B, Lq, Lk, Hk, G, d, jnp.dtype(dtype), seed=Lk)
+    scale = 1.0 / np.sqrt(d)
+    run = _band_program(i)
 
     for offs in ((0, 6), (21, 3)):  # (0, 6): the first queries see no key
         kv_len = rng.integers(Lk // 2, Lk + 1, (B, Hk))
@@ -82,26 +93,28 @@ def test_band_lengths_and_key_mask_match_the_oracle(case):
 def test_band_and_query_lengths_skip_tiles():
     """NaN where only a visited tile could read it: keys outside a query tile's band (forward
     and dq), queries outside a key tile's band and query tiles wholly past ``q_len`` (dk/dv).
-    A visited tile would turn ``0 * NaN`` into NaN."""
-    L = 64
-    q, k, v = _grouped_inputs(1, L, L, 1, 1, 16, jnp.float32)
-    f = functools.partial(flash_attention, scale=0.25, window=3,
-                          block_sizes=KernelConfig(16, 16), interpret=True)
+    A visited tile would turn ``0 * NaN`` into NaN. On the compiled program of the MQA case
+    (L = 48, band 7 on both sides, 16 x 16 tiles, no per-key mask, bfloat16)."""
+    B, L, _, Hk, G, d = CASES[1][:6]
+    q, k, v = _grouped_inputs(B, L, L, Hk, G, d, jnp.bfloat16)
+    run = _band_program(1)
 
-    @jax.jit
-    def run(q, k, v, q_len):
-        (out, lse), vjp = jax.vjp(functools.partial(f, q_len=q_len), q, k, v)
-        return out, vjp((jnp.ones_like(out), jnp.zeros_like(lse)))
+    def call(q, k, v, q_len):
+        cot = (jnp.ones_like(q), jnp.zeros(q.shape[:-1], jnp.float32))
+        out, _, grads = run(q, k, v, cot, jnp.zeros(2, jnp.int32),
+                            jnp.full((B, Hk), L, jnp.int32), jnp.asarray(q_len, jnp.int32),
+                            jnp.ones((B, Hk, L), bool))
+        return np.asarray(out, np.float32), [np.asarray(g, np.float32) for g in grads]
 
     nan = lambda x, s: x.at[:, s].set(jnp.nan)  # noqa: E731
-    # keys 40..47 lie in no band of queries 0..15 (theirs end at key 18)
-    out, (dq, _, _) = run(q, nan(k, slice(40, 48)), nan(v, slice(40, 48)), jnp.array([[L]]))
-    assert np.isfinite(np.asarray(out)[:, :16]).all() and np.isfinite(np.asarray(dq)[:, :16]).all()
-    assert np.isnan(np.asarray(out)[:, 32:48]).all()  # ... the tiles that do read them
-    # queries 48..63: outside the band of keys 0..31, and past q_len = 40 for every key tile
-    out, (_, dk, dv) = run(nan(q, slice(48, 64)), k, v, jnp.array([[40]]))
-    assert np.isfinite(np.asarray(dk)).all() and np.isfinite(np.asarray(dv)).all()
-    assert not np.asarray(out)[:, 40:].any()
+    # keys 32..47 lie in no band of queries 0..15 (theirs end at key 22)
+    out, (dq, _, _) = call(q, nan(k, slice(32, 48)), nan(v, slice(32, 48)), [[L]])
+    assert np.isfinite(out[:, :16]).all() and np.isfinite(dq[:, :16]).all()
+    assert np.isnan(out[:, 25:48]).all()  # ... the queries that do read them
+    # queries 32..47: outside the band of keys 0..15, and past q_len = 32 for every key tile
+    out, (_, dk, dv) = call(nan(q, slice(32, 48)), k, v, [[32]])
+    assert np.isfinite(dk).all() and np.isfinite(dv).all()
+    assert not out[:, 32:].any()
 
 
 def test_pallas_core_takes_every_mask_field_but_a_dense_bias():

@@ -217,6 +217,8 @@ def assert_same_program(a, b, *args):
 # mixture/zigzag compiles the forward only (a zigzag causal backward is ~3x the compile of the
 # contiguous one), its gradients being those of the alias, which test_ring.py's
 # test_zigzag_layout checks (mixture, causal, zigzag, 4 devices) against the oracle.
+# Two devices: the entries' programs (the point here) and both kinds of branch (one within a
+# shard, one across them); the ring's hops over 4 and 8 devices run in test_ring.py and below.
 @pytest.mark.parametrize("mode, layout, grads", [("mixture", "zigzag", False),
                                                  ("grouped", "contiguous", True)])
 def test_sequence_parallel_equals_oracle_and_alias(mode, layout, grads):
@@ -225,7 +227,7 @@ def test_sequence_parallel_equals_oracle_and_alias(mode, layout, grads):
     equals the float64 oracle (fp32 tolerance; the single-device op is checked against the
     same oracle in test_dilated.py, so no second program is compiled here)."""
     q, k, v, g = _qkv()
-    sp = SequenceParallel(_mesh(), layout=layout)
+    sp = SequenceParallel(_mesh(2), layout=layout)
     settings = DilatedSettings(**CFG, mode=mode, is_causal=True)
     f_ring = lambda q, k, v: dilax.dilated_attention(  # noqa: E731
         q, k, v, settings=settings, sequence_parallel=sp)

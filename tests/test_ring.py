@@ -3,7 +3,7 @@
 Needs 8 host devices: ``tests/conftest.py`` sets ``XLA_FLAGS`` before jax is imported.
 Every check compares forward output and input gradients with the single-device function on the
 gathered inputs (SPEC.md, "Ring"), except the memory and communication checks, which inspect
-the compiled programs.
+the compiled programs, and the zigzag permutation's index check.
 """
 
 from __future__ import annotations
@@ -99,15 +99,17 @@ def _check(P, shape, ws, rs, mode, is_causal, layout="contiguous", seed=0, block
 
 # One local branch (w=8 fits every shard) and one spanning branch (w=64 = n, r=4): P=2 and 8
 # give rings over 2 devices (both neighbours the same device) and over 8; P=1 is the
-# single-device path. h=4 query heads read hk=2 kv heads (GQA). Rings over 4 devices, both
-# modes: test_user_block_sizes_with_head_groups (mixture, full and causal),
-# test_direct_call_under_shard_map_checks and test_zigzag_layout (mixture, causal), and
+# single-device path. h=4 query heads read hk=2 kv heads (GQA). Each P runs mixture causal
+# (one-way ring) and grouped full (both ways), so both modes and both causalities; the other
+# two pairs: at 8 devices test_irregular_geometries (mixture full, grouped causal, with local,
+# halo and ring branches), at 4 test_user_block_sizes_with_head_groups (mixture full) and
 # test_request.py's test_sequence_parallel_equals_oracle_and_alias[grouped-contiguous] (this
-# very configuration, grouped, causal, batch 2); P=1 runs one mode per causality (the
+# very configuration, grouped, causal, batch 2). Rings over 4 devices, mixture causal:
+# test_ring_lengths.py (direct call), test_zigzag_layout and the head-group test (the
 # single-device blockwise path itself is tested in test_dilated.py).
 MATRIX_SHAPE = (1, 64, 4, 2, 8)
-MATRIX = [(P, mode, is_causal) for P in (2, 8) for mode in ("mixture", "grouped")
-          for is_causal in (False, True)] + [(1, "mixture", True), (1, "grouped", False)]
+MATRIX = [(P, mode, is_causal) for P in (2, 8, 1)
+          for mode, is_causal in (("mixture", True), ("grouped", False))]
 
 
 @pytest.mark.parametrize("P, mode, is_causal", MATRIX,
@@ -147,47 +149,22 @@ def test_zigzag_layout():
     _check(4, (1, 96, 4, 2, 8), (8, 48), (2, 4), "mixture", True, layout="zigzag")
 
 
-def test_zigzag_permutation_and_direct_call():
-    """ring_dilated_attention(layout='zigzag') on pre-permuted shards = permuted reference.
-    Chunks of n/(2P) = 8: w=8 is local, w=64 (r=2) a ring over all chunks; zigzag ring
-    branches over part of the chunks are in test_zigzag_layout (compiled through the same
-    per-device ring, after the alias's relayout)."""
+def test_zigzag_permutation():
+    """zigzag_permutation: device i holds chunk i then chunk 2P - 1 - i (chunks of n/(2P)).
+    ring_dilated_attention(layout='zigzag') on shards permuted by it equals the reference
+    in test_ring_lengths.py's zigzag test (a user's shard_map, forward and gradients)."""
     P, n = 4, 64
     perm = zigzag_permutation(n, P)
     mc = n // (2 * P)
     expected = np.concatenate(
         [np.arange(v * mc, (v + 1) * mc) for i in range(P) for v in (i, 2 * P - 1 - i)])
     np.testing.assert_array_equal(perm, expected)
-    q, k, v, _ = _inputs(2, n, 4, 1, 8, seed=3)
-    mesh = _mesh((P,), ("sp",))
-    spec = Ps(None, "sp")
-    fn = jax.shard_map(
-        lambda q, k, v: ring_dilated_attention(q, k, v, (8, 64), (1, 2), axis_name="sp",
-                                               is_causal=True, layout="zigzag"),
-        mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
-    out = _run(fn, q[:, perm], k[:, perm], v[:, perm])
-    ref = dilated_oracle(q, k, v, (8, 64), (1, 2), "mixture", True).out  # NumPy: no compile
-    assert_scaled_close(out, ref[:, perm])
 
 
-@pytest.mark.parametrize("check_vma", [True, False], ids=["default_checks", "no_vma_check"])
-def test_direct_call_under_shard_map_checks(check_vma):
-    """``jax.shard_map(partial(ring_dilated_attention, ..., axis_name="sp"))`` as a user writes
-    it, with shard_map's default ``check_vma=True`` (every loop carry and cond typed as
-    device-varying) and without: forward and gradient equal the reference. n/P = 24: one
-    local branch (w=8), one halo branch (w=16) and one ring branch (w=96)."""
-    shape, ws, rs = (1, 96, 4, 2, 8), (8, 16, 96), (1, 2, 4)
-    q, k, v, g = _inputs(*shape)
-    spec = Ps(None, "sp")
-    fn = jax.shard_map(
-        functools.partial(ring_dilated_attention, segment_lengths=ws, dilation_rates=rs,
-                          axis_name="sp", is_causal=True),
-        mesh=_mesh((4,), ("sp",)), in_specs=(spec,) * 3, out_specs=spec, check_vma=check_vma)
-    out, grads = _value_and_grads(fn, q, k, v, g)
-    ref_out, ref_grads = _reference(shape, ws, rs, "mixture", True)
-    assert_scaled_close(out, ref_out)
-    for name, a, e in zip("qkv", grads, ref_grads, strict=True):
-        assert_scaled_close(a, e, err_msg=f"d{name}")
+# The direct call as a user writes it, ``jax.shard_map(ring_dilated_attention, ...)``, forward
+# and gradients, in test_ring_lengths.py: with shard_map's default checks (check_vma=True,
+# every loop carry and cond typed as device-varying; causal, local, halo and ring branches on
+# n/P = 24) and without (check_vma=False; zigzag on pre-permuted shards).
 
 
 def test_batch_axis_and_2d_mesh():
@@ -338,19 +315,19 @@ def test_communication_independent_of_n():
     """Bytes sent per device by collective-permutes (from the compiled HLO, loop trip counts
     included) do not grow with n, match the analytic count, and are unchanged when n and P
     double together; no all-gather of K/V (or any other collective) appears."""
-    ws, rs = (1024, 4096), (2, 4)
+    ws, rs = (128, 512), (2, 4)
 
     def block(rows, heads):  # bytes of a float32 (rows, heads, d=16) block
         return rows * heads * 16 * 4
 
-    # n=4096, P=8 (n/P=512): w=1024 spans 2 devices (1 hop), w=4096 spans 8 (7 hops); each hop
+    # n=512, P=8 (n/P=64): w=128 spans 2 devices (1 hop), w=512 spans 8 (7 hops); each hop
     # moves the dilated K and V blocks: n/P/r rows of (offset, kv head) pairs (4 here).
-    expected = 2 * (1 * block(512 // 2, 4) + 7 * block(512 // 4, 4))
-    fwd_4k = _comm(4096, 8, ws, rs)
-    assert fwd_4k == expected, (fwd_4k, expected)
-    fwd_8k = _comm(8192, 8, ws, rs)  # w=1024 is now local; w=4096 spans 4 devices
-    assert fwd_8k == 2 * 3 * block(1024 // 4, 4)
-    assert fwd_8k <= fwd_4k
+    expected = 2 * (1 * block(64 // 2, 4) + 7 * block(64 // 4, 4))
+    fwd_short = _comm(512, 8, ws, rs)
+    assert fwd_short == expected, (fwd_short, expected)
+    fwd_long = _comm(1024, 8, ws, rs)  # w=128 is now local; w=512 spans 4 devices
+    assert fwd_long == 2 * 3 * block(128 // 4, 4)
+    assert fwd_long <= fwd_short
     # Weak scaling: n and P double together -> identical bytes, forward and training step.
-    assert _comm(4096, 4, ws, rs) == fwd_8k
-    assert _comm(4096, 4, ws, rs, grad=True) == _comm(8192, 8, ws, rs, grad=True)
+    assert _comm(512, 4, ws, rs) == fwd_long
+    assert _comm(512, 4, ws, rs, grad=True) == _comm(1024, 8, ws, rs, grad=True)

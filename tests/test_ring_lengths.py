@@ -1,7 +1,7 @@
 """Ring attention with valid lengths and the local-window branch vs the float64 oracle of
 the mask-based definition with the same arguments (SPEC.md, "Valid lengths", "Local window
 branch", "Ring"; ``tests/ring_oracle.py``, nothing to compile): forward output and input
-gradients.
+gradients of ``ring_dilated_attention`` inside a user's ``jax.shard_map``.
 
 Needs 4 host devices (``tests/conftest.py`` sets ``XLA_FLAGS``). One geometry covers the three
 kinds of ring branch: on ``P = 4`` devices of ``n/P = 24`` positions, ``w = 12`` is local,
@@ -15,12 +15,14 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as Ps
 from ring_oracle import assert_matches
 from ring_oracle import dilated as dilated_oracle
 from test_ring import _FAST
 from test_ring import _inputs as ring_inputs
 
-from dilax import sharded_dilated_attention
+from dilax import ring_dilated_attention, sharded_dilated_attention
+from dilax.sp import zigzag_permutation
 
 P, N = 4, 96
 WS, RS = (12, 16, 40), (1, 2, 2)
@@ -49,13 +51,24 @@ def _value_and_grads(fn, q, k, v, g, q_len, kv_len):
     return jax.jit(run).lower(q, k, v, g, q_len, kv_len).compile(compiler_options=_FAST)
 
 
-def _check(is_causal, layout="contiguous", window=None, ws=WS, rs=RS):
+def _check(is_causal, layout="contiguous", window=None, ws=WS, rs=RS, check_vma=True):
+    """``ring_dilated_attention`` as a user calls it, inside their ``jax.shard_map`` (with its
+    default checks, ``check_vma=True``: every loop carry and cond typed as device-varying, or
+    without), the lengths replicated; zigzag: on shards the user permuted with
+    ``zigzag_permutation``, the result and gradients brought back to natural order."""
     q, k, v, g = _inputs()
     mesh = jax.make_mesh((P,), ("sp",), axis_types=(AxisType.Auto,),
                          devices=jax.devices()[:P])
-    ring = lambda q, k, v, ql, kl: sharded_dilated_attention(
-        q, k, v, ws, rs, mesh=mesh, is_causal=is_causal, layout=layout, local_window=window,
-        query_seq_lengths=ql, key_value_seq_lengths=kl)
+    spec = Ps(None, "sp")
+    per_device = jax.shard_map(
+        lambda q, k, v, ql, kl: ring_dilated_attention(
+            q, k, v, ws, rs, axis_name="sp", is_causal=is_causal, layout=layout,
+            local_window=window, query_seq_lengths=ql, key_value_seq_lengths=kl),
+        mesh=mesh, in_specs=(spec,) * 3 + (Ps(),) * 2, out_specs=spec, check_vma=check_vma)
+    perm = zigzag_permutation(N, P) if layout == "zigzag" else np.arange(N)
+    inverse = np.argsort(perm)
+    ring = lambda q, k, v, ql, kl: per_device(q[:, perm], k[:, perm], v[:, perm], ql,
+                                              kl)[:, inverse]
     compiled = _value_and_grads(ring, q, k, v, g, *LENGTHS[0])
     for q_len, kv_len in LENGTHS:
         out, grads = compiled(q, k, v, g, q_len, kv_len)
@@ -68,16 +81,20 @@ def _check(is_causal, layout="contiguous", window=None, ws=WS, rs=RS):
 
 
 # Two compiles, both with valid lengths and the local window (W = 5 <= the local chunk, 12 with
-# zigzag: halos from both neighbouring chunks, from the left one only when causal). Causal
-# contiguous: all three kinds of ring branch. Zigzag (two chunks per device, so chunk starts
-# that are not device starts): a local and a single-segment ring branch (the zigzag halo and
-# two-candidate ring programs take several times longer to compile on CPU).
-def test_lengths_and_window_contiguous_causal():
+# zigzag: halos from both neighbouring chunks, from the left one only when causal), both the
+# direct call as a user writes it (the alias runs this per-device ring in its own shard_map,
+# with check_vma=True for these XLA cores; the alias's lengths: test_ring_pallas.py's causal
+# test, its relayout: test_ring.py's test_zigzag_layout). Causal contiguous, with shard_map's
+# default checks: all three kinds of ring branch. Zigzag (two chunks per device, so chunk
+# starts that are not device starts), on pre-permuted shards with check_vma=False: a local and
+# a single-segment ring branch (the zigzag halo and two-candidate ring programs take several
+# times longer to compile on CPU).
+def test_lengths_and_window_contiguous_causal_direct_call():
     _check(True, window=5)
 
 
-def test_lengths_and_window_zigzag():
-    _check(False, layout="zigzag", window=5, ws=(12, 96), rs=(2, 4))
+def test_lengths_and_window_zigzag_direct_call_no_vma_check():
+    _check(False, layout="zigzag", window=5, ws=(12, 96), rs=(2, 4), check_vma=False)
 
 
 def test_errors():

@@ -1,7 +1,8 @@
 """Sequence-parallel modules and models (``sequence_parallel=dilax.SequenceParallel(...)``).
 
-The same parameters run once on one device and once as ring attention over a 4- or 8-device
-mesh (8 host CPU devices come from tests/conftest.py); outputs and gradients must agree.
+The same parameters run once on one device (the dilated modules there on the dense mask-based
+reference attention) and once as ring attention over a 2-, 4- or 8-device mesh (8 host CPU
+devices come from tests/conftest.py), both in one program; outputs and gradients must agree.
 The attention modules without parameters are checked against the float64 oracle instead
 (NumPy: only the ring is compiled). The ring itself is checked against the mask-based
 reference in test_ring.py; here the point is that the option reaches every attention of a
@@ -38,30 +39,18 @@ def _mesh(P=4, names=("sp",)):
     return jax.make_mesh((P,), names, axis_types=(AxisType.Auto,), devices=jax.devices()[:P])
 
 
-def _grads_and_out(model, x, loss):
-    graphdef, params = nnx.split(model, nnx.Param)
+def _outs_and_grads(one, ring, x, loss):
+    """Outputs and parameter gradients of ``loss`` for both modules, from ONE jitted program
+    (the two parameter trees are independent, so the summed loss gives each its own)."""
+    (g1, p1), (gr, pr) = nnx.split(one, nnx.Param), nnx.split(ring, nnx.Param)
 
-    def f(params):
-        out = nnx.merge(graphdef, params)(x)
-        return loss(out), out
+    def f(p1, pr):
+        out_1, out_r = nnx.merge(g1, p1)(x), nnx.merge(gr, pr)(x)
+        return loss(out_1) + loss(out_r), (out_1, out_r)
 
-    (_, out), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
-    return out, grads
-
-
-def test_multihead_module_sequence_parallel_equals_one_device():
-    sp = dilax.SequenceParallel(_mesh())
-    cfg = dict(embed_dim=32, num_heads=4, segment_lengths=(8, 64), dilation_rates=(1, 4),
-               num_kv_heads=2)
-    one = MultiheadDilatedAttention(**cfg, rngs=nnx.Rngs(0))
-    ring = MultiheadDilatedAttention(**cfg, sequence_parallel=sp, rngs=nnx.Rngs(0))
-    x = jax.random.normal(jax.random.PRNGKey(1), (2, 64, 32))
-    g = jax.random.normal(jax.random.PRNGKey(2), (2, 64, 32))
-    loss = lambda y: jnp.vdot(y, g)
-    out_1, grads_1 = _grads_and_out(one, x, loss)
-    out_r, grads_r = _grads_and_out(ring, x, loss)
-    assert_scaled_close(out_r, out_1)
-    assert_trees_close(grads_r, grads_1)
+    (_, (out_1, out_r)), (grads_1, grads_r) = jax.jit(
+        jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(p1, pr)
+    return out_1, grads_1, out_r, grads_r
 
 
 def test_longnet_lm_sequence_parallel_equals_one_device():
@@ -69,8 +58,10 @@ def test_longnet_lm_sequence_parallel_equals_one_device():
 
     One layer is compiled (each layer is the same code, unrolled by a Python loop, so a second
     one would only double the compile); that the option reaches every layer's attention is
-    checked on a two-layer model built abstractly (nnx.eval_shape: nothing runs)."""
-    sp = dilax.SequenceParallel(_mesh())
+    checked on a two-layer model built abstractly (nnx.eval_shape: nothing runs). Two shards
+    of 32 positions: branch (16, 1) stays within a shard, branch (64, 2) crosses them (the
+    ring's hops over 4 and 8 devices run in the other tests here and in test_ring.py)."""
+    sp = dilax.SequenceParallel(_mesh(2))
     cfg = dict(num_tokens=17, d_model=32, num_heads=4, num_encoder_layers=0,
                num_decoder_layers=1, dim_feedforward=64, segment_lengths=(16, 64),
                dilation_rates=(1, 2))
@@ -78,7 +69,7 @@ def test_longnet_lm_sequence_parallel_equals_one_device():
                                            sequence_parallel=sp, rngs=nnx.Rngs(0)))
     attns = [m for _, m in nnx.iter_graph(two) if isinstance(m, DilatedAttention)]
     assert len(attns) == 2 and all(a.sequence_parallel == sp for a in attns)
-    one = LongNetLM(**cfg, rngs=nnx.Rngs(0))
+    one = LongNetLM(**cfg, implementation="reference", rngs=nnx.Rngs(0))  # dense mask oracle
     ring = LongNetLM(**cfg, sequence_parallel=sp, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.PRNGKey(3), (1, 64), 0, 17)
     targets = jnp.roll(tokens, -1, axis=1)
@@ -87,21 +78,31 @@ def test_longnet_lm_sequence_parallel_equals_one_device():
         logp = jax.nn.log_softmax(logits.astype(jnp.float32))
         return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
-    logits_1, grads_1 = _grads_and_out(one, tokens, loss)
-    logits_r, grads_r = _grads_and_out(ring, tokens, loss)
+    logits_1, grads_1, logits_r, grads_r = _outs_and_grads(one, ring, tokens, loss)
     assert_scaled_close(logits_r, logits_1)
     assert_trees_close(grads_r, grads_1)
 
 
 def test_factory_ring_multihead_and_batch_axis():
-    mesh2d = jax.make_mesh((2, 4), ("dp", "sp"), axis_types=(AxisType.Auto,) * 2)
-    attn = dilax.create_attention(segment_lengths=(8, 32), dilation_rates=(1, 2), mesh=_mesh(),
-                                  embed_dim=16, num_heads=2, rngs=nnx.Rngs(0))
+    """A mesh: create_attention builds the multi-head module (GQA) on the ring; same output
+    and parameter gradients as the module on one device (both in one program). Then a batch
+    axis: DilatedAttention with the batch over "dp" and the sequence over "sp"."""
+    sp = dilax.SequenceParallel(_mesh())
+    cfg = dict(segment_lengths=(8, 64), dilation_rates=(1, 4), num_kv_heads=2)
+    attn = dilax.create_attention(**cfg, mesh=sp.mesh, embed_dim=32, num_heads=4,
+                                  rngs=nnx.Rngs(0))
     assert attn.choice.kind == "ring" and attn.choice.multihead
-    one = MultiheadDilatedAttention(16, 2, (8, 32), (1, 2), rngs=nnx.Rngs(0))
-    x = jax.random.normal(jax.random.PRNGKey(4), (2, 32, 16))
-    got, expected = nnx.jit(lambda attn, one, x: (attn(x), one(x)))(attn, one, x)  # one program
-    assert_scaled_close(got, expected)
+    assert isinstance(attn.inner, MultiheadDilatedAttention)
+    ring_attns = [m for _, m in nnx.iter_graph(attn) if isinstance(m, DilatedAttention)]
+    assert ring_attns and all(a.sequence_parallel == sp for a in ring_attns)
+    # one device: the dense mask-based reference attention (quick to compile, independent)
+    one = MultiheadDilatedAttention(32, 4, **cfg, implementation="reference", rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 64, 32))
+    g = jax.random.normal(jax.random.PRNGKey(2), (2, 64, 32))
+    out_1, grads_1, out_r, grads_r = _outs_and_grads(one, attn, x, lambda y: jnp.vdot(y, g))
+    assert_scaled_close(out_r, out_1)
+    assert_trees_close(grads_r["inner"], grads_1)  # the factory wraps the module
+    mesh2d = jax.make_mesh((2, 4), ("dp", "sp"), axis_types=(AxisType.Auto,) * 2)
     # batch over "dp", sequence over "sp"
     both = DilatedAttention((8, 32), (1, 2), is_causal=True,
                             sequence_parallel=dilax.SequenceParallel(mesh2d, "sp", "dp"))
@@ -113,14 +114,14 @@ def test_factory_ring_multihead_and_batch_axis():
 
 def test_factory_block_sparse_ring_multihead_equals_one_device():
     """A pattern and a mesh: create_attention builds the block-sparse multi-head module on the
-    block-sparse ring (8 devices, 32 positions each); same output and parameter gradients.
+    block-sparse ring (4 devices, 32 positions each); same output and parameter gradients.
 
     No projection biases: the gradient of k_proj's bias is exactly 0 (softmax ignores a
     constant added to all logits of a query), so its computed value is rounding noise of a
     sum over all b * n positions (~1e-5 here, next to gradients of ~100) and has no magnitude
     of its own to scale a tolerance with."""
-    mesh = _mesh(8)
-    pattern = patterns.local_window(256, 16, 40) | patterns.global_local(256, 16, 16, 0)
+    mesh = _mesh()
+    pattern = patterns.local_window(128, 16, 40) | patterns.global_local(128, 16, 16, 0)
     attn = dilax.create_attention(pattern=pattern, mesh=mesh, embed_dim=32, num_heads=4,
                                   num_kv_heads=2, use_bias=False, rngs=nnx.Rngs(0))
     assert attn.choice.kind == "ring" and "block-sparse ring" in attn.choice.reason
@@ -128,11 +129,10 @@ def test_factory_block_sparse_ring_multihead_equals_one_device():
     assert attn.inner.sequence_parallel == dilax.SequenceParallel(mesh)
     one = BlockSparseMultiheadAttention(32, 4, pattern, num_kv_heads=2, use_bias=False,
                                         rngs=nnx.Rngs(0))
-    x = jax.random.normal(jax.random.PRNGKey(7), (2, 256, 32))
-    g = jax.random.normal(jax.random.PRNGKey(8), (2, 256, 32))
+    x = jax.random.normal(jax.random.PRNGKey(7), (2, 128, 32))
+    g = jax.random.normal(jax.random.PRNGKey(8), (2, 128, 32))
     loss = lambda y: jnp.vdot(y, g)
-    out_1, grads_1 = _grads_and_out(one, x, loss)
-    out_r, grads_r = _grads_and_out(attn, x, loss)
+    out_1, grads_1, out_r, grads_r = _outs_and_grads(one, attn, x, loss)
     assert_scaled_close(out_r, out_1, FP32)
     assert_trees_close(grads_r["inner"], grads_1)  # the factory wraps the module
 

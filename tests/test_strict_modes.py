@@ -202,8 +202,12 @@ def test_modules_and_longnet_lm_training_step():
         opt = nnx.Optimizer(lm, steps.make_tx(10, 1e-2, 1, 0.1, 1.0), wrt=nnx.Param)
         loss = steps.train_step(lm, opt, tokens, targets, jax.random.key(0))
         after = nnx.to_pure_dict(nnx.state(lm, nnx.Param))
-    # the same parameters (same rngs), every attention the mask-based reference
-    ref_mha, ref_lm = build("reference")
+    # the same parameters, every attention the mask-based reference: built abstractly and given
+    # the strict modules' parameters (an eager init would compile each of its ops again); the
+    # assert checks that the copy reached every parameter (an abstract leaf left would fail it)
+    ref_mha, ref_lm = nnx.eval_shape(lambda: build("reference"))
+    nnx.update(ref_mha, nnx.state(mha))
+    nnx.update(ref_lm, jax.tree.map(jnp.asarray, before))
     jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(ref_lm, nnx.Param)),
                  before)
     y_ref, logits_ref = nnx.jit(lambda m, lm: (m(x, is_causal=True), lm(tokens)))(ref_mha,
