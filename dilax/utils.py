@@ -1,5 +1,6 @@
 """Small helpers every layer of dilax shares: ceiling division, the device-varying type of
-values under ``shard_map``, the backward's row term. Internal: not part of the public API.
+values under ``shard_map``, the backward's row term, dynamic slices of nonnegative starts.
+Internal: not part of the public API.
 
 Imports nothing of dilax (it sits beside :mod:`dilax.semantics` at the bottom).
 """
@@ -12,7 +13,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["cdiv", "mark_varying", "output_delta", "varying_axes", "varying_like"]
+__all__ = ["cdiv", "dynamic_slice", "dynamic_slice_in_dim", "dynamic_update_slice",
+           "dynamic_update_slice_in_dim", "mark_varying", "output_delta", "varying_axes",
+           "varying_like"]
 
 
 def cdiv(a, b):
@@ -56,3 +59,29 @@ def output_delta(out, dout, dlse):
     ``-delta``, and it is all a backward needs of ``out``."""
     f32 = jnp.float32
     return jnp.sum(dout.astype(f32) * out.astype(f32), axis=-1) - dlse.astype(f32)
+
+
+# lax's dynamic slices for starts that are never negative (every start dilax computes): lax's
+# default wraps a negative traced start around the dimension, which stages a compare, an add
+# and a select per index; a quarter of a dilated program's equations were those. Out-of-range
+# starts still clamp as in XLA; a negative static start raises.
+
+
+def dynamic_slice(x, starts, sizes):
+    """``lax.dynamic_slice`` of nonnegative ``starts``."""
+    return lax.dynamic_slice(x, starts, sizes, allow_negative_indices=False)
+
+
+def dynamic_update_slice(x, update, starts):
+    """``lax.dynamic_update_slice`` at nonnegative ``starts``."""
+    return lax.dynamic_update_slice(x, update, starts, allow_negative_indices=False)
+
+
+def dynamic_slice_in_dim(x, start, size, axis=0):
+    """``lax.dynamic_slice_in_dim`` of a nonnegative ``start``."""
+    return lax.dynamic_slice_in_dim(x, start, size, axis, allow_negative_indices=False)
+
+
+def dynamic_update_slice_in_dim(x, update, start, axis):
+    """``lax.dynamic_update_slice_in_dim`` at a nonnegative ``start``."""
+    return lax.dynamic_update_slice_in_dim(x, update, start, axis, allow_negative_indices=False)

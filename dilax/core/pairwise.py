@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dilax.utils import dynamic_slice, dynamic_update_slice
+
 _F32 = jnp.float32
 
 
@@ -78,7 +80,7 @@ def read_block(x, b, h0, nh, G, q0, bq, k0, bk):
     as ``(nh/G or 1, G or 1, bq or 1, bk or 1)``, broadcastable against a ``(U, G, bq, bk)``
     score block. Positions past ``Tx`` / ``Sx`` hold other rows' values (see module doc)."""
     starts, sizes = _starts_sizes(x.shape, b, h0, nh, q0, bq, k0, bk)
-    blk = _roll(lax.dynamic_slice(x, starts, sizes)[0], x.shape, q0, bq, k0, bk, -1)
+    blk = _roll(dynamic_slice(x, starts, sizes)[0], x.shape, q0, bq, k0, bk, -1)
     if x.shape[1] > 1:
         return blk.reshape(nh // G, G, *blk.shape[1:])
     return blk[None]
@@ -159,13 +161,13 @@ def grad_result(db: list, dtype):
 
 def _update(acc, starts, sizes, new, dtype):
     """``acc[starts : starts + sizes] += new`` (float32), ``acc`` float or ``dtype``'s bits."""
-    cur = lax.dynamic_slice(acc, starts, sizes)
+    cur = dynamic_slice(acc, starts, sizes)
     if acc.dtype == jnp.uint16 and acc.dtype != dtype:
         cur = lax.bitcast_convert_type(cur, dtype)
         out = lax.bitcast_convert_type((cur.astype(_F32) + new).astype(dtype), jnp.uint16)
     else:
         out = (cur.astype(_F32) + new).astype(acc.dtype)
-    return lax.dynamic_update_slice(acc, out, starts)
+    return dynamic_update_slice(acc, out, starts)
 
 
 def column_start(db: list, b) -> list:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from dilax.utils import cdiv
+from dilax.utils import cdiv, dynamic_slice
 
 EMPTY = jnp.iinfo(jnp.int32).max // 2  # the lower end of an empty range
 
@@ -34,7 +34,7 @@ def pad_range(rng, size):
 def range_rows(rng, b, u0, u1, start, size):
     """``(lo, hi)`` of rows ``start .. start + size`` of heads ``u0 .. u1``: ``(U, size)``."""
     at = tuple(jnp.asarray(i, jnp.int32) for i in (b, u0, start))
-    return tuple(lax.dynamic_slice(x, at, (1, u1 - u0, size))[0] for x in rng)
+    return tuple(dynamic_slice(x, at, (1, u1 - u0, size))[0] for x in rng)
 
 
 def range_mask(rng, k_start, block_k, floor=None):

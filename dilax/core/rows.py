@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dilax.utils import dynamic_slice
+
 
 def heads_of(index, num_heads: int, groups: int | None = None) -> np.ndarray:
     """The heads a view's flat ``slot * H + head`` indices read, ``(U,)`` or ``(U, G)``."""
@@ -61,7 +63,7 @@ class RowReader:
     @staticmethod
     def _block(rows, b, start, size, u0, u1):
         at = tuple(jnp.asarray(i, jnp.int32) for i in (b, u0, start))
-        return lax.dynamic_slice(rows, at, (1, u1 - u0, size))[0]
+        return dynamic_slice(rows, at, (1, u1 - u0, size))[0]
 
     def read_q(self, b, start, size, u0, u1):
         """``(U, G, size, d)``: the query rows ``start ..`` of virtual heads ``u0 .. u1``."""

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dilax.core.ranges import within
+from dilax.utils import dynamic_slice, dynamic_update_slice
 
 _F32 = jnp.float32
 
@@ -47,9 +48,9 @@ def tiled(row, tiles, size, block_q, length):
 def _write(buf, b, q0, keep, x):
     """``buf[b, q0:q0 + len(x)]`` set to ``x`` where ``keep``."""
     at = (b, q0) + (jnp.int32(0),) * (buf.ndim - 2)
-    old = lax.dynamic_slice(buf, at, (1,) + x.shape)[0]
+    old = dynamic_slice(buf, at, (1,) + x.shape)[0]
     keep = keep.reshape(keep.shape + (1,) * (x.ndim - 1))
-    return lax.dynamic_update_slice(buf, jnp.where(keep, x.astype(buf.dtype), old)[None], at)
+    return dynamic_update_slice(buf, jnp.where(keep, x.astype(buf.dtype), old)[None], at)
 
 
 def _result_shapes(row, block_q):

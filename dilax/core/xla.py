@@ -22,7 +22,7 @@ from dilax.core.block_mask import block_floor, block_mask, query_valid, zero_inv
 from dilax.core.blocks import BlockSizes
 from dilax.core.mask import Mask
 from dilax.core.view import SlotView, static_take
-from dilax.utils import cdiv, mark_varying, varying_axes
+from dilax.utils import cdiv, dynamic_slice, dynamic_update_slice, mark_varying, varying_axes
 
 _F32 = jnp.float32
 
@@ -79,7 +79,7 @@ def _key_valid_block(kv_valid, b, u0, u1, k_start, block_k):
     """``kv_valid[b, u0:u1, k_start:k_start+block_k]`` (padded: ``(B, U, nk*bk)``) or None."""
     if kv_valid is None:
         return None
-    return lax.dynamic_slice(kv_valid, _starts(b, u0, k_start), (1, u1 - u0, block_k))[0]
+    return dynamic_slice(kv_valid, _starts(b, u0, k_start), (1, u1 - u0, block_k))[0]
 
 
 def _scaled(qb, scale):
@@ -125,7 +125,7 @@ def _plain(x):
 def _slice_rows(x, b, start, size, dtype=None):
     """``x[b, start:start+size]`` for ``x: (B, L, ...)``, read as ``dtype`` (``x`` may hold
     the bits of a ``dtype`` array, :func:`_as_bits`)."""
-    x = lax.dynamic_slice(x, _starts(b, start, *(0,) * (x.ndim - 2)), (1, size) + x.shape[2:])[0]
+    x = dynamic_slice(x, _starts(b, start, *(0,) * (x.ndim - 2)), (1, size) + x.shape[2:])[0]
     return x if dtype is None or x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
 
 
@@ -332,8 +332,8 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
 
     def add_rows(x, b, start, block):
         at = _starts(b, start, *(0,) * (x.ndim - 2))
-        cur = lax.dynamic_slice(x, at, (1,) + block.shape)
-        return lax.dynamic_update_slice(x, cur + block[None], at)
+        cur = dynamic_slice(x, at, (1,) + block.shape)
+        return dynamic_update_slice(x, cur + block[None], at)
 
     key_major = pairwise.key_major(mask.bias, B)
 

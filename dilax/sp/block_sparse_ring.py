@@ -61,7 +61,12 @@ from dilax.sp.block_sparse_plan import (  # noqa: F401 - plan_ring: the ring's p
 from dilax.sp.config import SequenceParallel, check_sequence_parallel
 from dilax.sp.mesh import axis_size, check_sharded_shape, shard_sequence
 from dilax.sp.ring_vjp import backward_streams, stream_loop
-from dilax.utils import varying_axes, varying_like
+from dilax.utils import (
+    dynamic_slice_in_dim,
+    dynamic_update_slice_in_dim,
+    varying_axes,
+    varying_like,
+)
 
 _F32 = jnp.float32
 
@@ -118,8 +123,8 @@ class BlockSparseRing:
         L = None if aux is None else aux[1]
         res = []
         if tabs is not None:
-            idx = lax.dynamic_slice_in_dim(jnp.asarray(tabs.idx)[e], g * R, R, axis=1)
-            cnt = lax.dynamic_slice_in_dim(jnp.asarray(tabs.cnt)[e], g * R, R, axis=1)
+            idx = dynamic_slice_in_dim(jnp.asarray(tabs.idx)[e], g * R, R, axis=1)
+            cnt = dynamic_slice_in_dim(jnp.asarray(tabs.cnt)[e], g * R, R, axis=1)
             kv_len = cnt * B  # (Ui, R)
             if L is not None:  # gathered keys are ascending: the valid ones are a prefix
                 start = src * m + idx * B  # (Ui, R, A)
@@ -131,10 +136,10 @@ class BlockSparseRing:
                           Mask(_per_row(kv_len, b, p.U), q_len=q_len),
                           BlockSizes(block_q=B, block_k=min(self.block_k, idx.shape[-1] * B))))
         if diag is not None:
-            dl = lax.dynamic_slice_in_dim(jnp.asarray(diag)[me], g * R, R, axis=1)
+            dl = dynamic_slice_in_dim(jnp.asarray(diag)[me], g * R, R, axis=1)
             if L is not None:
                 dl = jnp.minimum(dl[None], jnp.clip(L[:, None, None] - first[None, None], 0, B))
-            rows = lambda x: lax.dynamic_slice_in_dim(x, g * R * B, R * B, axis=1).reshape(
+            rows = lambda x: dynamic_slice_in_dim(x, g * R * B, R * B, axis=1).reshape(
                 b * R, B, *x.shape[2:])
             res.append(fn(None, qr, rows(kb), rows(vb), self._diag_view(kb.shape[2]),
                           Mask(_per_row(dl, b, p.U), 0, 0, True, q_len),
@@ -162,15 +167,15 @@ class BlockSparseRing:
 
         def group(g, state):
             out, lse = state
-            rows = lambda x: lax.dynamic_slice_in_dim(x, g * RB, RB, axis=1)
+            rows = lambda x: dynamic_slice_in_dim(x, g * RB, RB, axis=1)
             parts = self._group(call, rows(q), kb, vb, aux, tabs, e, src, g, diag)
             o, l = parts[0]
             for o2, l2 in parts[1:]:
                 o, l = merge_attention_states(o, l, o2, l2)
             o, l = merge_attention_states(rows(out), rows(lse), o.reshape(rows(out).shape),
                                           l.reshape(rows(lse).shape))
-            return (lax.dynamic_update_slice_in_dim(out, o, g * RB, axis=1),
-                    lax.dynamic_update_slice_in_dim(lse, l, g * RB, axis=1))
+            return (dynamic_update_slice_in_dim(out, o, g * RB, axis=1),
+                    dynamic_update_slice_in_dim(lse, l, g * RB, axis=1))
 
         steps = q.shape[1] // RB
         return group(0, state) if steps == 1 else lax.fori_loop(0, steps, group, state)
@@ -191,7 +196,7 @@ class BlockSparseRing:
 
         def group(g, acc):
             dq, dk, dv = acc
-            rows = lambda x: lax.dynamic_slice_in_dim(x, g * RB, RB, axis=1)
+            rows = lambda x: dynamic_slice_in_dim(x, g * RB, RB, axis=1)
             flat = lambda x: rows(x).reshape(-1, B, *x.shape[2:])
 
             def call(idx, qr, kr, vr, view, mask, blocks):
@@ -207,10 +212,10 @@ class BlockSparseRing:
                     sk, sv = scatter(idx)((gk, gv))
                     dk, dv = dk + sk, dv + sv
                 else:  # the diagonal blocks are the rows' own, read in place
-                    put = lambda a, x: lax.dynamic_update_slice_in_dim(
+                    put = lambda a, x: dynamic_update_slice_in_dim(
                         a, rows(a) + x.reshape(rows(a).shape), g * RB, axis=1)
                     dk, dv = put(dk, gk), put(dv, gv)
-            return lax.dynamic_update_slice_in_dim(dq, dq_g, g * RB, axis=1), dk, dv
+            return dynamic_update_slice_in_dim(dq, dq_g, g * RB, axis=1), dk, dv
 
         steps = q.shape[1] // RB
         return group(0, acc) if steps == 1 else lax.fori_loop(0, steps, group, acc)

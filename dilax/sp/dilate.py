@@ -19,6 +19,7 @@ from jax import lax
 from dilax.layout import BranchPlan, merge_slots, split_slots
 from dilax.sp.layout import lookup, vshift
 from dilax.sp.schedule import Geometry
+from dilax.utils import dynamic_slice_in_dim, dynamic_update_slice_in_dim
 
 
 def _ctx_rows(geo: Geometry) -> int:
@@ -56,7 +57,7 @@ def dilate(x: jax.Array, plan: BranchPlan, heads, slots, geo: Geometry, axis_nam
         ext = jnp.concatenate([ctx, xc, pad], axis=2)  # row e <-> position v*mc - lc + e
         phase = _chunk_phase(geo, idx)
         xs = jnp.stack(
-            [lax.dynamic_slice_in_dim(ext[:, c], lc - phase[c], R * r, axis=1) for c in range(C)],
+            [dynamic_slice_in_dim(ext[:, c], lc - phase[c], R * r, axis=1) for c in range(C)],
             axis=1,
         ).reshape(b * C, R * r, H, d)
     return split_slots(xs, loc, heads, slots, R * r).reshape(b, C, R, len(heads), d)
@@ -79,7 +80,7 @@ def undilate(y: jax.Array, plan: BranchPlan, geo: Geometry, axis_name, fill, com
     size = lc + max(mc, R * r)
     base = jnp.full((b, size, *tail), fill, z.dtype)
     buf = jnp.stack(
-        [lax.dynamic_update_slice_in_dim(base, z[:, c], lc - phase[c], axis=1) for c in range(C)],
+        [dynamic_update_slice_in_dim(base, z[:, c], lc - phase[c], axis=1) for c in range(C)],
         axis=1,
     )  # row e <-> position v*mc - lc + e
     own = buf[:, :, lc: lc + mc]

@@ -36,7 +36,7 @@ from dilax.sp.ring_vjp import (
     ring_forward,
 )
 from dilax.sp.schedule import Geometry, geometry, ring_streams
-from dilax.utils import varying_like
+from dilax.utils import dynamic_slice_in_dim, dynamic_update_slice_in_dim, varying_like
 
 _F32 = jnp.float32
 
@@ -57,7 +57,7 @@ def _halo_branch(qd, kd, vd, geo: Geometry, n_u, axis_name, scale, is_causal, bl
     def tails(x):
         if geo.regular:
             return x[:, :, R - Lm1:]
-        return jnp.stack([lax.dynamic_slice_in_dim(x[:, c], cnt[c] - Lm1, Lm1, axis=1)
+        return jnp.stack([dynamic_slice_in_dim(x[:, c], cnt[c] - Lm1, Lm1, axis=1)
                           for c in range(C)], axis=1)
 
     def window(x, left, right, c):
@@ -67,8 +67,8 @@ def _halo_branch(qd, kd, vd, geo: Geometry, n_u, axis_name, scale, is_causal, bl
                          jnp.zeros((b, Lm1, *x.shape[3:]), x.dtype))
         buf = jnp.concatenate(parts, axis=1)
         if right is not None:
-            buf = lax.dynamic_update_slice_in_dim(buf, right[:, c], Lm1 + cnt[c], axis=1)
-        return lax.dynamic_slice_in_dim(buf, Lm1 - F[c] % L, s_w * L, axis=1)
+            buf = dynamic_update_slice_in_dim(buf, right[:, c], Lm1 + cnt[c], axis=1)
+        return dynamic_slice_in_dim(buf, Lm1 - F[c] % L, s_w * L, axis=1)
 
     halos = {}
     for name, x in (("k", kd), ("v", vd)):
@@ -90,9 +90,9 @@ def _halo_branch(qd, kd, vd, geo: Geometry, n_u, axis_name, scale, is_causal, bl
                          block_sizes=block_sizes)
     out = out.reshape(b, C, s_w * L, U, G, d)
     lse = lse.reshape(b, C, s_w * L, U, G)
-    out = jnp.stack([lax.dynamic_slice_in_dim(out[:, c], F[c] % L, R, axis=1)
+    out = jnp.stack([dynamic_slice_in_dim(out[:, c], F[c] % L, R, axis=1)
                      for c in range(C)], axis=1)
-    lse = jnp.stack([lax.dynamic_slice_in_dim(lse[:, c], F[c] % L, R, axis=1)
+    lse = jnp.stack([dynamic_slice_in_dim(lse[:, c], F[c] % L, R, axis=1)
                      for c in range(C)], axis=1)
     return out, lse
 

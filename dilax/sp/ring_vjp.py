@@ -45,7 +45,7 @@ from dilax.core.view import SplitView
 from dilax.layout import BranchPlan, slot_layout, slot_view, unslot
 from dilax.sp.layout import lookup
 from dilax.sp.schedule import Geometry, Stream
-from dilax.utils import varying_like
+from dilax.utils import dynamic_slice_in_dim, dynamic_update_slice_in_dim, varying_like
 
 _F32 = jnp.float32
 
@@ -75,14 +75,14 @@ def _shift_rows(x, lo):
     """Rows ``[lo, lo + R)`` of ``x: (b, R, ...)`` (zeros past the end)."""
     R = x.shape[1]
     widths = [(0, 0), (0, R)] + [(0, 0)] * (x.ndim - 2)
-    return lax.dynamic_slice_in_dim(jnp.pad(x, widths), lo, R, axis=1)
+    return dynamic_slice_in_dim(jnp.pad(x, widths), lo, R, axis=1)
 
 
 def _unshift_rows(x, lo):
     """Inverse of :func:`_shift_rows` for gradients: row ``t`` goes back to ``lo + t``."""
     R = x.shape[1]
     buf = jnp.zeros((x.shape[0], 2 * R, *x.shape[2:]), x.dtype)
-    return lax.dynamic_update_slice_in_dim(buf, x, lo, axis=1)[:, :R]
+    return dynamic_update_slice_in_dim(buf, x, lo, axis=1)[:, :R]
 
 
 def _candidates(cfg: RingConfig, Fq, cq, Fk, ck, ok, R, n_u=None):
@@ -214,12 +214,12 @@ def _fold_pair(cfg: RingConfig, q, k, v, Fq, cq, Fk, ck, ok, state, n_u=None):
     def body(i, carry):
         out, lse = carry
         s = i * rc
-        rows = lambda x: lax.dynamic_slice_in_dim(x, s, rc, axis=1)
+        rows = lambda x: dynamic_slice_in_dim(x, s, rc, axis=1)
         o, l = _pair_forward(cfg, rows(q), k, v, Fq + s, jnp.clip(cq - s, 0, rc), Fk, ck, ok,
                              n_u)
         o, l = merge_attention_states(rows(out), rows(lse), o, l)
-        return (lax.dynamic_update_slice_in_dim(out, o, s, axis=1),
-                lax.dynamic_update_slice_in_dim(lse, l, s, axis=1))
+        return (dynamic_update_slice_in_dim(out, o, s, axis=1),
+                dynamic_update_slice_in_dim(lse, l, s, axis=1))
 
     return lax.fori_loop(0, R // rc, body, (out, lse))
 
