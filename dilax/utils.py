@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["cdiv", "dynamic_slice", "dynamic_slice_in_dim", "dynamic_update_slice",
+__all__ = ["cdiv", "div_rem", "dynamic_slice", "dynamic_slice_in_dim", "dynamic_update_slice",
            "dynamic_update_slice_in_dim", "mark_varying", "output_delta", "varying_axes",
            "varying_like"]
 
@@ -21,6 +21,15 @@ __all__ = ["cdiv", "dynamic_slice", "dynamic_slice_in_dim", "dynamic_update_slic
 def cdiv(a, b):
     """``ceil(a / b)`` for ints ``b > 0`` (Python or traced ``a``)."""
     return (a + b - 1) // b
+
+
+def div_rem(x, d):
+    """``(x // d, x % d)`` for a traced integer ``x >= 0`` and a static int ``d > 0``: lax's
+    truncating division, without the sign fix-ups that ``//`` and ``%`` stage (about ten
+    operations each) for negative operands."""
+    x = jnp.asarray(x)
+    d = lax.convert_element_type(d, x.dtype)
+    return lax.div(x, d), lax.rem(x, d)
 
 
 def varying_axes(*refs) -> tuple[Hashable, ...]:

@@ -41,8 +41,10 @@ def query_valid(q_start, block_q, q_len):
 
 
 def block_floor(x, block, limit):
-    """``clip(x // block, 0, limit)`` for a possibly negative traced ``x``."""
-    return jnp.clip(jnp.where(x >= 0, x // block, 0), 0, limit)
+    """``clip(x // block, 0, limit)`` for a possibly negative traced int ``x`` (divided after
+    ``max(x, 0)``, so lax's truncating division is the floor: no sign fix-ups staged)."""
+    x = jnp.maximum(x, 0)
+    return jnp.minimum(lax.div(x, lax.convert_element_type(block, x.dtype)), limit)
 
 
 def zero_invalid_keys(x, k_start, kv_len, k_valid=None):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dilax.core.ranges import within
-from dilax.utils import dynamic_slice, dynamic_update_slice
+from dilax.utils import div_rem, dynamic_slice, dynamic_update_slice
 
 _F32 = jnp.float32
 
@@ -30,7 +30,7 @@ def tiled(row, tiles, size, block_q, length):
     lse = jnp.full((B, size) + shapes[1].shape[1:], -jnp.inf, _F32)
 
     def step(carry, idx):
-        b, t = idx // T, idx % T
+        b, t = div_rem(idx, T)
         start, end = starts[b, t], ends[b, t]
         q0 = jnp.clip(start, 0, size - block_q)
 

@@ -22,7 +22,14 @@ from dilax.core.block_mask import block_floor, block_mask, query_valid, zero_inv
 from dilax.core.blocks import BlockSizes
 from dilax.core.mask import Mask
 from dilax.core.view import SlotView, static_take
-from dilax.utils import cdiv, dynamic_slice, dynamic_update_slice, mark_varying, varying_axes
+from dilax.utils import (
+    cdiv,
+    div_rem,
+    dynamic_slice,
+    dynamic_update_slice,
+    mark_varying,
+    varying_axes,
+)
 
 _F32 = jnp.float32
 
@@ -169,7 +176,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
     def row_heads(idx, view, u0, u1, tile):
         U = u1 - u0
         if tile is None:
-            bi, qi = idx // nq, idx % nq
+            bi, qi = div_rem(idx, nq)
             q0 = qi * block_q
         else:  # rows q0 .. q0 + bq; only those in [start, end) are kept (dilax.core.tiles)
             bi, q0, start, end = tile
@@ -189,10 +196,9 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
         lo = 0
         if is_causal:
             last = q_first + block_q - 1 - k_offset
-            hi = jnp.clip(jnp.where(last >= 0, last // block_k + 1, 0), 0, hi)
+            hi = block_floor(last + block_k, block_k, hi)  # blocks up to the last query's key
             # Key blocks entirely at or before the first query need no causal mask.
-            full = jnp.clip(jnp.where(q_first - k_offset + 1 >= 0,
-                                      (q_first - k_offset + 1) // block_k, 0), 0, hi)
+            full = block_floor(q_first - k_offset + 1, block_k, hi)
         else:
             full = hi
         if window is not None:  # only the key blocks that meet the band, all masked
@@ -339,7 +345,7 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
 
     def column(carry, idx):
         dq, dk_acc, dv_acc, *db = carry  # db: the bias gradient's carry, or []
-        bi, kj = (idx % B, idx // B) if key_major else (idx // nk, idx % nk)
+        kj, bi = div_rem(idx, B) if key_major else div_rem(idx, nk)[::-1]
         db = pairwise.column_start(db, bi)
         k0 = kj * block_k
         kl = None if kv_len is None else kv_len[bi]
@@ -355,7 +361,7 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
         if ql is not None:  # query blocks wholly past the valid rows are skipped
             hi = jnp.minimum(hi, cdiv(jnp.max(ql), block_q))
         if is_causal:
-            lo = jnp.clip((k_offset + k0 - q_offset) // block_q, 0, nq)
+            lo = block_floor(k_offset + k0 - q_offset, block_q, nq)
             # Query blocks whose first query sees the whole key block need no causal mask.
             full_lo = jnp.clip(cdiv(k_offset + k0 + block_k - 1 - q_offset, block_q), lo, nq)
         else:
