@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from dilax.core.block_mask import block_floor
 from dilax.utils import cdiv, dynamic_slice
 
 EMPTY = jnp.iinfo(jnp.int32).max // 2  # the lower end of an empty range
@@ -88,5 +89,5 @@ def key_blocks(rows, end, block, limit, inner_end=None, keep=None):
     if inner_end is None:
         return base, inner_lo, inner_lo, count
     last = jnp.minimum(hi_min, inner_end) - base
-    inner_hi = jnp.clip(jnp.where(last >= 0, last // block, 0), inner_lo, count)
+    inner_hi = jnp.maximum(block_floor(last, block, count), inner_lo)  # inner_lo <= count
     return base, inner_lo, inner_hi, count

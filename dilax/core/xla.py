@@ -196,7 +196,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
         lo = 0
         if is_causal:
             last = q_first + block_q - 1 - k_offset
-            hi = block_floor(last + block_k, block_k, hi)  # blocks up to the last query's key
+            hi = block_floor(last + block_k, block_k, hi)  # through the last query's block
             # Key blocks entirely at or before the first query need no causal mask.
             full = block_floor(q_first - k_offset + 1, block_k, hi)
         else:
