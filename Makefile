@@ -50,7 +50,7 @@ $(GPU_STAMP): pyproject.toml $(STAMP)
 	@touch $(GPU_STAMP)
 
 ## make gpu-check: compile every public op for an H100 and an A100 without a GPU
-## (benchmarks/gpu_compile.py); fails if a supported configuration does not compile
+## (tools/gpu/compile.py); fails if a supported configuration does not compile
 ## or a Pallas attention program has an XLA matmul (or no kernel call)
 gpu-check: $(GPU_STAMP)
 	$(GPU_PY) -m benchmarks gpu-compile --out $(GPU_OUT)

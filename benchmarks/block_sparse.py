@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dilax import patterns
-from dilax.block_sparse import block_sparse_attention
+from dilax.block_sparse.api import block_sparse_attention
 
 DEFAULT_BLOCK_SIZE = 256  # best of 64/128/256 on the 2-core CPU (n = 8192 trial)
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks import common
-from benchmarks.common import memory_limit
+from benchmarks.common import default_out, memory_limit
 from benchmarks.max_seq import cmd_max_seq
 from benchmarks.report import write_outputs
 from benchmarks.rows import (  # noqa: F401 - the FLOP constants re-exported (they lived here)
@@ -198,12 +198,6 @@ def _csv(values) -> str:
     return ",".join(map(str, values))
 
 
-def default_out(command: str) -> str:
-    """``benchmarks/runs/<date>-<time>-<command>``: a fresh, git-ignored folder per run."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return os.path.join(os.path.dirname(__file__), "runs", f"{stamp}-{command}")
-
-
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Every flag's help ends with its default, unless the help already states it."""
 
@@ -290,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["gpu-compile"]:  # its own flags; compiles in child processes
-        from benchmarks import gpu_compile
+        from tools.gpu import compile as gpu_compile
 
         return gpu_compile.main(argv[1:])
     if argv[:1] == ["gpu"]:  # its own flags (benchmarks/gpu.py)

@@ -189,3 +189,9 @@ def memory_limit() -> int:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.75)
     except (ValueError, OSError, AttributeError):
         return 16 << 30
+
+
+def default_out(command: str) -> str:
+    """``benchmarks/runs/<date>-<time>-<command>``: a fresh, git-ignored folder per run."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return os.path.join(os.path.dirname(__file__), "runs", f"{stamp}-{command}")

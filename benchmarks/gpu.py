@@ -3,7 +3,7 @@
 Installs nothing and needs nothing beyond dilax and the machine's jax (``pip install
 --no-deps -e .``); sized for at most 8 minutes on one H100 (``--budget``). Three sections:
 
-1. **check** (:mod:`benchmarks.gpu_check`): every implementation (``pallas``, ``cudnn``,
+1. **check** (:mod:`tools.gpu.check`): every implementation (``pallas``, ``cudnn``,
    ``xla``) of every attention path -- dilated, causal + GQA, valid lengths, local window,
    block-sparse, a decode step, the ring over all local devices -- forward and gradients in
    bf16, fp16 and fp32, against the reference; refusals recorded with their reason.
@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.gpu_check import CASES, IMPLS
+from tools.gpu.check import CASES, IMPLS
 
 DEFAULT_N = (8192, 16384, 32768, 65536, 131072)
 DEFAULT_DECODE_N = (8192, 32768, 131072)
@@ -114,7 +114,6 @@ def run(args) -> dict[str, Any]:
     import jax
 
     from benchmarks import common
-    from benchmarks.gpu_check import run_checks, summary
     from benchmarks.gpu_time import (
         DILATED_RS,
         DILATED_RS_TINY,
@@ -125,6 +124,7 @@ def run(args) -> dict[str, Any]:
         decode_rows,
         time_rows,
     )
+    from tools.gpu.check import run_checks, summary
 
     log = (lambda _: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     budget = Budget(args.budget, log)
@@ -180,10 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from benchmarks import common
-    from benchmarks.cli import default_out
 
     args = resolve(build_parser().parse_args(argv))
-    out_dir = args.out or default_out("gpu")
+    out_dir = args.out or common.default_out("gpu")
     t0 = time.time()
     platforms = jax.config.jax_platforms
     try:

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 
 import dilax
 from benchmarks import common
-from benchmarks.gpu_check import REFUSALS
 from benchmarks.rows import FWD_BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR
-from dilax.layout import attended_pairs
+from dilax.branch.plan import attended_pairs
+from tools.gpu.check import REFUSALS
 
 PEAK_TFLOPS = 989.4  # H100 SXM5, dense bf16/fp16 tensor cores (no sparsity)
 JAX_ROWS = ("jax-cudnn", "jax-mha", "jax-mgpu")

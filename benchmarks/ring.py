@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from benchmarks.hlo import collective_permute_bytes
 from dilax import dilated_attention, sharded_dilated_attention
+from tools.gpu.hlo import collective_permute_bytes
 
 
 def _memory(compiled) -> int:

@@ -1,6 +1,6 @@
 """``python -m benchmarks ring --plan``: the ring at scales past this machine, on paper.
 
-The model lives in :mod:`dilax.sp.plan` (built from the ring's own geometry); this module is
+The model lives in :mod:`benchmarks.ring_model` (built from the ring's own geometry); this module is
 what the CLI (:mod:`benchmarks.ring_plan_cli`), the validation
 (:mod:`benchmarks.ring_plan_validate`) and the tests read it through, plus the report's
 byte formatting.
@@ -8,7 +8,7 @@ byte formatting.
 
 from __future__ import annotations
 
-from dilax.sp.plan import (
+from benchmarks.ring_model import (
     F32,
     PACKING,
     Branch,

@@ -1,4 +1,4 @@
-"""``python -m benchmarks ring --plan``: the plan table (:mod:`dilax.sp.plan`) and its
+"""``python -m benchmarks ring --plan``: the plan table (:mod:`benchmarks.ring_model`) and its
 validation against compiled programs (:mod:`benchmarks.ring_plan_validate`), as the CLI's
 result dict and Markdown."""
 

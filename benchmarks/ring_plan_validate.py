@@ -1,4 +1,4 @@
-"""Checks the ring plan's model (:mod:`dilax.sp.plan`) against compiled programs.
+"""Checks the ring plan's model (:mod:`benchmarks.ring_model`) against compiled programs.
 
 Compiles the forward and the training step (grad of ``sum(out)`` w.r.t. q, k, v, as
 :mod:`benchmarks.ring` does) of ``sharded_dilated_attention`` on 8..64 fake host devices (one
@@ -25,7 +25,7 @@ _CHILD = r"""
 import json, shutil, sys, tempfile
 import jax, jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
-from benchmarks.hlo import collective_permute_bytes
+from tools.gpu.hlo import collective_permute_bytes
 from benchmarks.ring_plan_validate import live_peak
 from dilax import sharded_dilated_attention
 for case in json.loads(sys.argv[1]):
@@ -139,7 +139,7 @@ def compile_cases(todo: list[dict[str, Any]], timeout: int = 3600,
     return done
 
 
-# XLA:CPU computes (and sends) bfloat16 work in float32: see dilax.sp.plan.Config.work_s.
+# XLA:CPU computes (and sends) bfloat16 work in float32: see benchmarks.ring_model.Config.work_s.
 CPU_WORK_ITEMSIZE = 4
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import dilax
 from benchmarks import common
 from benchmarks.common import memory_limit, progress
-from dilax.layout import attended_pairs
+from dilax.branch.plan import attended_pairs
 from dilax.memory import format_bytes, memory_report
 
 FWD_FLOPS_PER_PAIR = 4  # x head_dim: QK^T and PV, 2 FLOPs per multiply-add

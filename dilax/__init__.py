@@ -10,27 +10,42 @@ after a plain ``import dilax``).
 
 from dilax import memory, patterns
 from dilax._version import __version__  # noqa: F401 - dilax.__version__
-from dilax.attention_fn import attention_fn
-from dilax.attention_mask import AttentionMask
-from dilax.backend import describe
-from dilax.block_sparse import block_sparse_attention
-from dilax.content_adaptive import content_adaptive_attention
+from dilax.attention_mask import AttentionMask, document_positions
+from dilax.block_sparse.api import block_sparse_attention
+from dilax.block_sparse.content_adaptive import content_adaptive_attention
+from dilax.block_sparse.ring import ring_block_sparse_attention
 from dilax.core import BlockSizes, attention_core, merge_attention_states
-from dilax.decode import KVCache, dilated_attention_decode
-from dilax.dilated import dilated_attention
-from dilax.dot_product import dot_product_attention
+from dilax.dilated.api import dilated_attention
+from dilax.dilated.decode import KVCache, dilated_attention_decode
+from dilax.dilated.ring import ring_dilated_attention
+from dilax.dilated.settings import DilatedSettings
+from dilax.dropin.attention_fn import attention_fn
+from dilax.dropin.dot_product import dot_product_attention
+from dilax.registry import describe
 from dilax.semantics import dilated_counts
-from dilax.settings import DilatedSettings
-from dilax.sp import (
-    SequenceParallel,
-    ring_block_sparse_attention,
-    ring_dilated_attention,
-    sharded_block_sparse_attention,
-    sharded_dilated_attention,
-)
+from dilax.sp.config import SequenceParallel
 
 # Submodules that import Flax (or are rarely needed): attributes of dilax on first access.
 _LAZY_SUBMODULES = ("data", "factory", "models", "nn", "sample", "train")
+
+
+# Old doors, kept working: each warns and names its replacement (one door per op).
+_DEPRECATED = {
+    "sharded_dilated_attention": ("dilax.dilated.ring", "dilated_attention(..., "
+                                  "sequence_parallel=dilax.SequenceParallel(mesh, axis))"),
+    "sharded_block_sparse_attention": ("dilax.block_sparse.ring", "block_sparse_attention(..., "
+                                       "sequence_parallel=dilax.SequenceParallel(mesh, axis))"),
+}
+
+
+def _deprecated(name: str):
+    import importlib
+    import warnings
+
+    module, replacement = _DEPRECATED[name]
+    warnings.warn(f"dilax.{name} is deprecated: use dilax.{replacement}", DeprecationWarning,
+                  stacklevel=3)
+    return getattr(importlib.import_module(module), name)
 
 
 def __getattr__(name: str):
@@ -41,6 +56,8 @@ def __getattr__(name: str):
 
         globals()[name] = create_attention
         return create_attention
+    if name in _DEPRECATED:
+        return _deprecated(name)
     if name in _LAZY_SUBMODULES:
         import importlib
 
@@ -67,12 +84,11 @@ __all__ = [
     "dilated_attention",
     "dilated_attention_decode",
     "dilated_counts",
+    "document_positions",
     "dot_product_attention",
     "memory",
     "merge_attention_states",
     "patterns",
     "ring_block_sparse_attention",
     "ring_dilated_attention",
-    "sharded_block_sparse_attention",
-    "sharded_dilated_attention",
 ]

@@ -15,8 +15,7 @@ import jax.numpy as jnp
 
 from dilax import _validation as V
 
-__all__ = ["AttentionMask"]
-
+__all__ = ["AttentionMask", "document_bounds", "document_positions"]
 
 
 def check_segment_ids(segment_ids: Any, batch: int, n: int) -> jax.Array | None:
@@ -33,6 +32,28 @@ def check_segment_ids(segment_ids: Any, batch: int, n: int) -> jax.Array | None:
         raise ValueError(f"segment_ids must have shape (b, n) = ({batch}, {n}), got "
                          f"{tuple(arr.shape)}")
     return arr.astype(jnp.int32)
+
+
+def document_bounds(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(start, end)``, int32 ``(b, n)``: the first position of ``p``'s document and one past
+    its last (a document is a maximal run of equal ids)."""
+    ids = jnp.asarray(segment_ids)
+    n = ids.shape[-1]
+    pos = jnp.arange(n, dtype=jnp.int32)
+    change = ids[..., 1:] != ids[..., :-1]
+    first = jnp.concatenate([jnp.ones_like(change[..., :1]), change], axis=-1)
+    last = jnp.concatenate([change, jnp.ones_like(change[..., :1])], axis=-1)
+    start = jax.lax.cummax(jnp.where(first, pos, 0), axis=ids.ndim - 1)
+    end = jax.lax.cummin(jnp.where(last, pos + 1, n), axis=ids.ndim - 1, reverse=True)
+    return start.astype(jnp.int32), end.astype(jnp.int32)
+
+
+def document_positions(segment_ids: jax.Array) -> jax.Array:
+    """int32 ``(b, n)``: each position's index inside its document (``0`` at every start;
+    the positions a model's rotary code uses for packed rows)."""
+    start, _ = document_bounds(segment_ids)
+    pos = jnp.arange(start.shape[-1], dtype=jnp.int32)
+    return pos.reshape((1,) * (start.ndim - 1) + pos.shape) - start  # rank-promotion safe
 
 
 def _same_runs(a: jax.Array, b: jax.Array) -> jax.Array:

@@ -16,9 +16,9 @@ from flax import nnx
 
 from dilax import _validation as V
 from dilax import registry
-from dilax.backend import current_backend, gpu_choice
 from dilax.core import BlockSizes
 from dilax.nn.attention import DilatedAttention
+from dilax.registry import current_platform, gpu_choice
 from dilax.sp import SequenceParallel
 
 KINDS = ("auto", "dilated", "block_sparse", "ring")
@@ -124,7 +124,7 @@ def create_attention(
         (:mod:`dilax.registry`: ``"xla"`` off GPU; on GPU ``"pallas"``, ``"xla"`` for the
         rings, or ``"cudnn"`` for a multi-head dilated module
         without a window with a bf16/fp16 ``dtype`` and a head dim cuDNN supports,
-        :func:`dilax.backend.gpu_choice`), or one of ``"reference"``, ``"xla"``,
+        :func:`dilax.registry.gpu_choice`), or one of ``"reference"``, ``"xla"``,
         ``"pallas"``, ``"cudnn"``, which must serve every branch. ``.choice.branches`` lists
         ``(branch, implementation, why)``; when they differ, ``.choice.implementation`` joins
         the names (``"pallas+xla"``) and the module gets ``implementation=None``.
@@ -148,7 +148,7 @@ def create_attention(
     is_causal = V.check_bool(is_causal, "is_causal")
     if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    backend = current_backend() if backend is None else backend
+    backend = current_platform() if backend is None else backend
     dilated_cfg = segment_lengths is not None or dilation_rates is not None
     if dilated_cfg and (segment_lengths is None or dilation_rates is None):
         raise _fail("segment_lengths and dilation_rates must be given together")

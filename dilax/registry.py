@@ -21,10 +21,14 @@ target. ``implementation=None`` follows the runtime backend (``CoreRequest.platf
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
+from typing import TextIO
 
 import jax
 import numpy as np
+
+from dilax.core.platform import cuda_plugin_available
 
 IMPLEMENTATIONS = ("reference", "xla", "pallas", "cudnn")
 OPS = ("dilated_branch", "window", "block_sparse", "ring_hop", "decode", "dense")
@@ -165,12 +169,19 @@ def _cudnn(r: CoreRequest) -> str | None:
         return "cuDNN's fused attention here has no per-key mask (key_padding_mask)"
     if r.dtype is not None and r.dtype not in _HALF:
         return f"cuDNN attention takes bf16/fp16 only, got {r.dtype}"
-    if r.head_dim is not None and (r.head_dim % 8 or r.head_dim > 256):
-        return (f"cuDNN needs head_dim % 8 == 0 and <= 128 (256 on Hopper), got "
-                f"head_dim={r.head_dim}")
+    if (reason := cudnn_head_dim_problem(r.head_dim, hopper=True)) is not None:
+        return reason
     if r.platform is not None and r.platform not in ("gpu", "cuda"):
         return f"cuDNN's fused attention compiles for CUDA GPUs only, not {r.platform!r}"
     return None
+
+
+def cudnn_head_dim_problem(head_dim: int | None, *, hopper: bool) -> str | None:
+    """cuDNN's head-dim rule, the one place it is written: ``% 8 == 0`` and ``<= 128`` on every
+    GPU, ``<= 256`` on Hopper (``hopper=True``: what compiles on some GPU)."""
+    if head_dim is None or (head_dim % 8 == 0 and head_dim <= (256 if hopper else 128)):
+        return None
+    return f"cuDNN needs head_dim % 8 == 0 and <= 128 (256 on Hopper), got head_dim={head_dim}"
 
 
 _RULES = {"reference": _reference, "xla": _xla, "pallas": _pallas, "cudnn": _cudnn}
@@ -278,7 +289,7 @@ class Auto:
 def branch_cores(core, plans, *, dtype, head_dim: int, is_causal: bool,
                  key_padding: bool = False, lengths: bool = False,
                  documents: bool = False) -> tuple:
-    """The core of each :class:`~dilax.layout.BranchPlan` of a dilated call.
+    """The core of each :class:`~dilax.branch.plan.BranchPlan` of a dilated call.
 
     ``core``: a :class:`dilax.core.Core` (an explicit implementation: every branch must be
     one it serves, else ``ValueError`` with the reason) or :class:`Auto` (choose per branch).
@@ -317,3 +328,105 @@ def table(platform: str | None = None, interpret: bool = False) -> list[tuple[st
         name, why = choose(None, request)
         rows.append((op, name, why))
     return rows
+
+
+# -- what users ask: the default, the GPU choice, describe() ------------------------------
+
+def default_implementation(backend: str | None = None) -> str:
+    """What ``implementation=None`` runs for a plain dilated branch on ``backend``
+    (:mod:`dilax.registry`): ``"pallas"`` on GPU, ``"xla"`` otherwise."""
+    backend = current_platform() if backend is None else backend
+    return choose(None, CoreRequest("dilated_branch", platform=backend))[0]
+
+
+def resolve_implementation(implementation: str | None, *, interpret: bool = False,
+                           allowed: tuple[str, ...] = IMPLEMENTATIONS,
+                           backend: str | None = None) -> str:
+    """Validates ``implementation`` and resolves ``None`` for a plain request (no window,
+    no per-key mask) with :mod:`dilax.registry`.
+
+    ``None`` follows the runtime backend (``backend``, default :func:`current_platform`).
+    An explicit ``"pallas"`` or ``"cudnn"`` follows the *compile target*: it is accepted
+    here whatever the runtime backend, and the program fails at lowering, with a
+    ``ValueError`` naming ``interpret=True`` and ``"xla"``, when it is lowered for a platform
+    the kernels do not support (:mod:`pallas_kernels.platform`). So a CPU process can compile
+    the GPU kernels for a CUDA target (``jax.jit(f).lower(<arguments placed on a CUDA
+    device>).compile()``, e.g. a deviceless ``jax.experimental.topologies`` target), and a
+    CPU program that asks for them still gets a clear error. Ops whose requests differ per
+    branch (a local window, a key padding mask) ask the registry per branch.
+
+    Raises:
+      ValueError: unknown name.
+    """
+    implementation = check_name(implementation, allowed)
+    if implementation is not None:
+        return implementation
+    backend = current_platform() if backend is None else backend
+    request = CoreRequest("dilated_branch", platform=backend, interpret=interpret)
+    return choose(None, request, allowed)[0]
+
+
+def kernels_available() -> dict[str, str]:
+    """What each implementation needs and whether this process can compile or run it."""
+    on_gpu = current_platform() in ("gpu", "cuda", "rocm")
+    plugin = cuda_plugin_available()
+    return {
+        "reference": "available (dense mask, small n only)",
+        "xla": "available (blockwise core, any backend)",
+        "pallas": ("available: Pallas kernels through jax's Triton lowering (forward, dq and "
+                   "dk/dv kernels)" if on_gpu else
+                   "interpret mode here (interpret=True); compiles for CUDA/ROCm targets "
+                   "(jax.jit(...).lower(<arrays on a GPU device>).compile(); "
+                   "make gpu-check does it without a GPU)"),
+        "cudnn": ("available: cuDNN fused attention forward via jax.nn.dot_product_attention, "
+                  "bf16/fp16, XLA-core backward" if on_gpu else
+                  "compiles for CUDA targets only" + (
+                      " (jax's CUDA plugin is installed)" if plugin else
+                      "; needs jax's CUDA plugin (pip install 'jax[cuda12]')")),
+    }
+
+
+def gpu_choice(*, kind: str = "dilated", dtype=None, head_dim: int | None = None,
+               window: bool = False) -> tuple[str, str]:
+    """The implementation ``"auto"`` picks on a GPU for one request, and why (see
+    :func:`create_attention <dilax.factory.create_attention>`).
+
+    :mod:`dilax.registry`'s choice (the Pallas kernels: forward *and* backward kernels, any
+    dtype, the local-window branch included), except that a bf16/fp16 dilated branch with a
+    head dim cuDNN supports on every GPU (``% 8 == 0``, ``<= 128``) takes cuDNN's fused
+    forward when the caller says so by passing ``dtype`` and ``head_dim`` (inference-style
+    use, where only cuDNN's forward runs; its backward is the XLA core)."""
+    if kind != "dilated":
+        name, why = choose(None, CoreRequest("block_sparse", platform="gpu"))
+        return name, f"{kind}: cuDNN has no such attention; {why}"
+    request = CoreRequest("window" if window else "dilated_branch", dtype, head_dim,
+                                   platform="gpu")
+    name, why = choose(None, request)
+    if dtype is None or head_dim is None:
+        return name, f"{why}; pass dtype and head_dim to consider cuDNN"
+    reason = supports("cudnn", request) or cudnn_head_dim_problem(head_dim, hopper=False)
+    if reason is not None:
+        return name, f"{why}; not 'cudnn': {reason}"
+    return "cudnn", (f"GPU, {request.dtype}, head_dim={head_dim}: cuDNN's fused forward (its "
+                     "backward is the XLA core; use 'pallas' for training)")
+
+
+def describe(file: TextIO | None = None) -> None:
+    """Prints the backend, devices, available kernels and the core ``implementation=None``
+    runs for each op (:mod:`dilax.registry`) (to ``file``, default stdout).
+
+    Returns ``None``, like :func:`help`, so a REPL or notebook shows the text once.
+    """
+    from dilax._version import __version__
+
+    lines = [
+        f"dilax {__version__}, jax {jax.__version__}",
+        f"backend: {current_platform()}  default implementation: {default_implementation()}",
+        f"devices ({jax.device_count()}): " + ", ".join(str(d) for d in jax.devices()[:8])
+        + (" ..." if jax.device_count() > 8 else ""),
+        "kernels:",
+    ]
+    lines += [f"  {name:10s} {status}" for name, status in kernels_available().items()]
+    lines.append("implementation=None runs (dilax.registry):")
+    lines += [f"  {op:14s} {name!r}: {why}" for op, name, why in table()]
+    print("\n".join(lines), file=file or sys.stdout)

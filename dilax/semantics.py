@@ -1,8 +1,8 @@
 """The semantics of a dilated configuration (docs/semantics.md), in plain Python and NumPy.
 
 The bottom layer of dilax: which heads run which branch ``(w, r)`` with which offset, and the
-explicit count matrix ``C`` they define. The layout planner (:mod:`dilax.layout`), decoding
-(:mod:`dilax.decode`), the block-sparse pattern constructors (:mod:`dilax.patterns`) and the
+explicit count matrix ``C`` they define. The layout planner (:mod:`dilax.branch.plan`), decoding
+(:mod:`dilax.dilated.decode`), the block-sparse pattern constructors (:mod:`dilax.patterns`) and the
 mask-based reference (:mod:`dilax.reference`) all read it here. Imports nothing of dilax.
 """
 

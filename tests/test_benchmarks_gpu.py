@@ -10,7 +10,7 @@ import json
 import pytest
 
 from benchmarks import gpu
-from benchmarks.gpu_check import check_shape, tolerance
+from tools.gpu.check import check_shape, tolerance
 
 
 @pytest.fixture(scope="module")

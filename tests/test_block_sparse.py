@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 from tolerance import FP32, HALF, assert_scaled_close
 
 import dilax
-from dilax import block_sparse as BS
-from dilax import block_sparse_tables as BT
-from dilax import content_adaptive as CA
 from dilax import patterns as P
+from dilax.block_sparse import api as BS
+from dilax.block_sparse import content_adaptive as CA
+from dilax.block_sparse import tables as BT
 from dilax.nn import BlockSparseAttention, BlockSparseMultiheadAttention
 from dilax.reference import masked_attention
 

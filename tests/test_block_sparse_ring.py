@@ -30,8 +30,8 @@ from tolerance import FP32
 
 from dilax import SequenceParallel, ring_block_sparse_attention, sharded_block_sparse_attention
 from dilax import patterns as P
-from dilax.block_sparse import block_sparse_attention
-from dilax.sp.block_sparse_ring import plan_ring
+from dilax.block_sparse.api import block_sparse_attention
+from dilax.block_sparse.ring import plan_ring
 
 N, BSZ, D = 128, 8, 8
 

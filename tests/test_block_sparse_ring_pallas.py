@@ -37,9 +37,9 @@ from test_ring_pallas import _value_and_grads
 
 import dilax
 from dilax import patterns, registry
+from dilax.block_sparse.ring import hop_core, plan_ring, ring_block_sparse_core
+from dilax.block_sparse.ring_plan import hop_request
 from dilax.core import PallasCore
-from dilax.sp.block_sparse_plan import hop_request
-from dilax.sp.block_sparse_ring import hop_core, plan_ring, ring_block_sparse_core
 
 P, N, B, D = 4, 64, 8, 8  # n/P = 16 positions per device: 2 pattern blocks
 

@@ -83,7 +83,7 @@ def _local_window_counts(n, h, window):
 def test_decode_local_window_matches_mask_oracle(monkeypatch):
     # Tiny gather budget: chunks go through per-query windows in blocks (lax.map), as long
     # prefills do.
-    monkeypatch.setattr("dilax.decode._MAX_GATHERED_ROWS", 8)
+    monkeypatch.setattr("dilax.dilated.decode._MAX_GATHERED_ROWS", 8)
     q, k, v = _inputs(seed=1)
     window = 3
     # the rows of causal dilated attention with the same window (SPEC: decode honours

@@ -352,7 +352,7 @@ def test_no_gather_and_nothing_quadratic_in_hlo():
 @pytest.mark.parametrize("mode", ["mixture", "grouped"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_attended_pairs_equals_reference_mask_count(mode, causal):
-    from dilax.layout import attended_pairs
+    from dilax.branch.plan import attended_pairs
 
     for n, h, ws, rs in [(37, 5, (8, 16), (1, 2)), (50, 6, (6, 12, 24), (1, 2, 3)),
                          (19, 3, (64, 4), (4, 2))]:

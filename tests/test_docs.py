@@ -51,8 +51,7 @@ def test_public_name_has_docstring(qualname, obj):
 
 FUNCTIONAL_OPS = ["dilax.dilated_attention", "dilax.block_sparse_attention",
                   "dilax.content_adaptive_attention", "dilax.ring_dilated_attention",
-                  "dilax.sharded_dilated_attention", "dilax.ring_block_sparse_attention",
-                  "dilax.sharded_block_sparse_attention", "dilax.attention_fn"]
+                  "dilax.ring_block_sparse_attention", "dilax.attention_fn"]
 
 
 @pytest.mark.parametrize("qualname", FUNCTIONAL_OPS)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import dilax
-from dilax.documents import document_bounds, document_positions, run_tiles, sequence_bounds
+from dilax.attention_mask import document_bounds, document_positions
+from dilax.dilated.documents import run_tiles, sequence_bounds
 from dilax.reference import dilated_counts
 from tests import oracle
 from tests.tolerance import FP32, HALF, assert_scaled_close

@@ -3,7 +3,7 @@
 ``implementation="pallas"`` / ``"cudnn"`` trace on any backend; lowering the program for a
 platform the kernels do not support raises a ``ValueError`` that says what to do instead
 (``interpret=True``, ``implementation="xla"``). The GPU side (that the same programs compile
-for CUDA targets) is ``make gpu-check`` (benchmarks/gpu_compile.py), which needs jax's CUDA
+for CUDA targets) is ``make gpu-check`` (tools/gpu/compile.py), which needs jax's CUDA
 plugin; this CPU suite checks the refusal side, and the counter that check runs on each
 compiled program's HLO (kernel calls, XLA matmuls) on canned HLO text.
 """
@@ -17,7 +17,7 @@ import pytest
 
 import dilax
 from dilax import patterns
-from dilax.backend import cuda_plugin_available, resolve_implementation
+from dilax.registry import cuda_plugin_available, resolve_implementation
 from pallas_kernels.platform import require_platform
 
 X = jnp.ones((1, 32, 2, 16), jnp.float32)
@@ -90,7 +90,7 @@ def test_factory_auto_on_gpu_picks_per_configuration_and_says_why():
     for kwargs, impl, why in cases:
         choice = dilax.create_attention(**kwargs).choice
         assert choice.implementation == impl and why in choice.reason, choice
-    text = dilax.backend.kernels_available()
+    text = dilax.registry.kernels_available()
     assert "make gpu-check" in text["pallas"] and "CUDA" in text["cudnn"]
 
 
@@ -154,7 +154,7 @@ CANNED_HLO = "\n".join([
 
 
 def test_program_counts_on_canned_hlo():
-    from benchmarks.hlo import program_counts
+    from tools.gpu.hlo import program_counts
 
     counts = program_counts(CANNED_HLO)
     # a shared computation counts once per call site; a loop body once (not by trip count)
@@ -172,9 +172,9 @@ def test_program_counts_on_canned_hlo():
 
 
 def test_pallas_attention_cases_require_no_xla_matmul():
-    from benchmarks.gpu_cases import cases
-    from benchmarks.gpu_compile import program_problem
-    from benchmarks.gpu_report import _count_cells, _zero_matmul_summary
+    from tools.gpu.cases import cases
+    from tools.gpu.compile import program_problem
+    from tools.gpu.report import _count_cells, _zero_matmul_summary
 
     by_name = {c.name: c for c in cases()}
     # every Pallas attention program is checked; XLA/cuDNN attention and the model step not
@@ -201,8 +201,8 @@ def test_no_spill_rule_for_half_precision_kernels_up_to_head_dim_128():
     """Issue 29: a dilax kernel of a bf16/fp16 program at d <= 128 must not spill; fp32,
     d > 128 and jax's own kernels are reported only. The whole Pallas attention programs the
     acceptance lists carry a report (their kernels' resources)."""
-    from benchmarks.gpu_cases import cases
-    from benchmarks.gpu_compile import spill_problem
+    from tools.gpu.cases import cases
+    from tools.gpu.compile import spill_problem
 
     clean = dict(kernel="dilax_flash_fwd", spill_stores=0, spill_loads=0)
     spilled = dict(kernel="dilax_flash_dkdv", spill_stores=40, spill_loads=36)

@@ -19,8 +19,8 @@ from oracle import attention as attention_oracle
 from tolerance import FP32, assert_scaled_close, assert_trees_close
 
 import dilax
-from dilax import content_adaptive as CA
 from dilax import patterns as P
+from dilax.block_sparse import content_adaptive as CA
 from dilax.core import BlockSizes
 from dilax.models import LongNetConfig, LongNetLM
 from dilax.nn import MultiheadDilatedAttention

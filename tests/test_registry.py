@@ -29,8 +29,8 @@ from tolerance import FP32, assert_scaled_close
 
 import dilax
 from dilax import patterns, registry
+from dilax.branch.plan import dilated_branches, window_plan
 from dilax.core import PallasCore, XlaCore
-from dilax.layout import dilated_branches, window_plan
 from dilax.nn import DilatedAttention
 from dilax.reference import dilated_counts
 
@@ -65,7 +65,7 @@ class Case:
         return out
 
     def allowed(self) -> tuple[str, ...]:
-        return dilax.block_sparse.IMPLEMENTATIONS if self.op == "block_sparse" else \
+        return dilax.block_sparse.api.IMPLEMENTATIONS if self.op == "block_sparse" else \
             registry.IMPLEMENTATIONS
 
     def serving(self) -> tuple[str, ...]:

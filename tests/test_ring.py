@@ -19,10 +19,10 @@ from jax.sharding import PartitionSpec as Ps
 from oracle import dilated as dilated_oracle
 from tolerance import HALF, assert_scaled_close
 
-from benchmarks.hlo import collective_permute_bytes
 from dilax import dilated_attention, ring_dilated_attention, sharded_dilated_attention
 from dilax.core import BlockSizes
 from dilax.sp import zigzag_permutation
+from tools.gpu.hlo import collective_permute_bytes
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -266,7 +266,7 @@ def test_memory_per_device(grad):
     regressions. Both programs differentiate ``sum(out)``.
 
     What holds it: all branches and the merge are one custom_vjp
-    (:func:`dilax.branches.attend_branches`) whose backward forms each branch's cotangents
+    (:func:`dilax.branch.runner.attend_branches`) whose backward forms each branch's cotangents
     only when that branch runs and adds its float32 dq, dk, dv into one accumulator; spanning
     branches run first and one after the other (fenced, so the scheduler cannot hoist every
     branch's dilated copies to the start); partial results are merged into the ring state a

@@ -41,7 +41,7 @@ from test_ring import _inputs as ring_inputs
 import dilax
 from dilax import AttentionMask, DilatedSettings, registry
 from dilax.core import PallasCore
-from dilax.sp.dilated_ring import ring_cores
+from dilax.dilated.ring import ring_cores
 
 P, N = 4, 64  # n/P = 16 positions per device
 

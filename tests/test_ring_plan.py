@@ -6,9 +6,9 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from benchmarks import ring_plan as RP
-from benchmarks.hlo import collective_permute_bytes
 from benchmarks.ring_plan_validate import live_peak
 from dilax import sharded_dilated_attention
+from tools.gpu.hlo import collective_permute_bytes
 
 
 def test_plan_at_one_billion_tokens_closed_form():
@@ -88,10 +88,10 @@ def test_committed_plan_markdown_is_its_json():
 
 
 def test_plan_branches_are_the_ring_ops():
-    """The plan's branches are the ops the ring builds (dilax.sp.ring_branches.branch_op on the
-    plans of dilax.layout.dilated_branches): same kind, same streams, same blocks."""
-    from dilax.layout import dilated_branches
-    from dilax.sp.ring_branches import branch_op
+    """The plan's branches are the ops the ring builds (dilax.dilated.ring_branches.branch_op on the
+    plans of dilax.branch.plan.dilated_branches): same kind, same streams, same blocks."""
+    from dilax.branch.plan import dilated_branches
+    from dilax.dilated.ring_branches import branch_op
 
     for n, P, ws, rs in [(1536, 4, (128, 1536), (1, 4)), (1536, 4, (256,), (2,)),
                          (4096, 8, (256, 1024, 4096), (1, 4, 16))]:

@@ -68,7 +68,7 @@ class BlockSparsePallasCore:
 
     def _tables(self, n: int, h: int, is_causal: bool):
         """The kernels' tables of ``pattern`` (a subclass may give prepared ones: the
-        block-sparse ring's hops, :mod:`dilax.sp.block_sparse_plan`)."""
+        block-sparse ring's hops, :mod:`dilax.block_sparse.ring_plan`)."""
         from pallas_kernels.block_sparse import sparse_tables  # lazy: optional kernels
 
         return sparse_tables(*self.pattern.tables(is_causal), n=n,

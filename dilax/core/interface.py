@@ -245,7 +245,7 @@ _NO_MASK = Mask()
 
 def core_for(implementation: str, *, interpret: bool = False) -> Core:
     """The :class:`Core` of a resolved implementation name (``"xla"``, ``"pallas"``,
-    ``"cudnn"``); see :func:`dilax.backend.resolve_implementation`."""
+    ``"cudnn"``); see :func:`dilax.registry.resolve_implementation`."""
     if implementation == "xla":
         return XLA
     if implementation == "pallas":

@@ -1,5 +1,5 @@
 """Which platform a core compiles for: the cuDNN check (:class:`dilax.core.CudnnCore`), read
-by :mod:`dilax.backend` too. Below the cores, so that they need not import the backend."""
+by :mod:`dilax.registry` too. Below the cores, so that they need not import the backend."""
 
 from __future__ import annotations
 

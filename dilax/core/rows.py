@@ -3,7 +3,7 @@
 of the inputs. The core then reads each block's rows where they lie (one gather of the
 block, no gathered copy of the inputs) and adds gradients into the inputs' own layout (one
 scatter-add per block). Packed documents use it: a branch's document-dilated sequence
-(:mod:`dilax.documents`) is a different selection of positions for every offset."""
+(:mod:`dilax.dilated.documents`) is a different selection of positions for every offset."""
 
 from __future__ import annotations
 

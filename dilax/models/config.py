@@ -18,10 +18,10 @@ import jax.numpy as jnp
 
 from dilax import _validation as V
 from dilax.core import BlockSizes
+from dilax.dilated.settings import DilatedSettings
 from dilax.models.positions import check_position_scheme
 from dilax.nn._heads import check_dropout, check_heads
 from dilax.nn.attention import check_sequence_parallel
-from dilax.settings import DilatedSettings
 from dilax.sp import SequenceParallel
 
 Dtype = Any

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dilax import _validation as V
-from dilax.decode import KVCache
-from dilax.documents import document_positions
+from dilax.attention_mask import document_positions
+from dilax.dilated.decode import KVCache
 from dilax.models.config import Branches, LongNetConfig, LongNetOptions, resolve_config
 from dilax.models.positions import check_positions, check_xpos_length, rotary_qk
 from dilax.nn._heads import layer_norm, linear_factory, output_projection, project_qkv

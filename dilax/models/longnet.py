@@ -14,9 +14,8 @@ import jax
 from flax import nnx
 
 from dilax import _validation as V
-from dilax.attention_mask import check_segment_ids
-from dilax.decode import KVCache
-from dilax.documents import document_positions
+from dilax.attention_mask import check_segment_ids, document_positions
+from dilax.dilated.decode import KVCache
 from dilax.models.config import (
     DEFAULT_DILATION_RATES,
     PAPER_SEGMENT_LENGTHS,
@@ -76,7 +75,7 @@ class LongNet(nnx.Module):
     rotary code (``config.position_scheme``; default ``0 .. n - 1``). ``segment_ids``:
     optional int ``(b, n)``, packed documents (docs/semantics.md, "Packed documents"): a
     maximal run of equal ids is a document, no attention crosses documents and the positions
-    restart at 0 at each (:func:`dilax.documents.document_positions`, unless ``positions``
+    restart at 0 at each (:func:`dilax.document_positions`, unless ``positions``
     are given), so every document's rows equal the model applied to that document alone.
     """
 

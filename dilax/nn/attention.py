@@ -17,8 +17,9 @@ from flax import nnx
 from dilax import _validation as V
 from dilax.attention_mask import AttentionMask
 from dilax.core import BlockSizes
-from dilax.decode import KVCache, dilated_attention_decode
-from dilax.dilated import dilated_attention
+from dilax.dilated.api import dilated_attention
+from dilax.dilated.decode import KVCache, dilated_attention_decode
+from dilax.dilated.settings import DilatedSettings, settings_from_keywords
 from dilax.nn._heads import (
     check_dropout_and_gain,
     check_heads,
@@ -27,7 +28,6 @@ from dilax.nn._heads import (
     project_qkv,
     xavier_normal,
 )
-from dilax.settings import DilatedSettings, settings_from_keywords
 from dilax.sp import SequenceParallel
 from dilax.sp.config import check_sequence_parallel
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dilax import _validation as V
-from dilax.block_sparse import IMPLEMENTATIONS, block_sparse_attention
+from dilax.block_sparse.api import IMPLEMENTATIONS, block_sparse_attention
 from dilax.nn._heads import (
     check_dropout_and_gain,
     check_heads,

@@ -1,9 +1,9 @@
 """The ring regime of a dilated branch: segments that span several devices.
 
 Each device dilates its own K/V first (keeps the ``1/r`` of its rows that the head's offset
-selects, :mod:`dilax.sp.dilate`), then those dilated chunks travel between the devices that
-share segments (:mod:`dilax.sp.schedule` streams) with ``lax.ppermute`` while every device
-folds them into the float32 online-softmax state of its queries with
+selects, :mod:`dilax.dilated.ring_dilate`), then those dilated chunks travel between the
+devices that share segments (:mod:`dilax.sp.schedule` streams) with ``lax.ppermute`` while every
+device folds them into the float32 online-softmax state of its queries with
 the ring's core (``RingConfig.core``, chosen by :mod:`dilax.registry` for a ``"ring_hop"``:
 the XLA core's ``forward``/``backward`` or the Pallas flash kernels, each hop's traced
 query/key offsets and the ring's key bounds as its mask) and
@@ -12,7 +12,7 @@ entirely in the future (causal) or in another segment are skipped with ``lax.con
 Communication per device is ``O(w / r)`` rows per branch, independent of ``n``.
 
 The backward pass (:func:`ring_backward`, called from the one custom_vjp of all branches,
-:func:`dilax.branches.attend_branches`) is a second ring that sends K, V and the dK, dV
+:func:`dilax.branch.runner.attend_branches`) is a second ring that sends K, V and the dK, dV
 accumulators, so it also keeps ``O(n / P)`` memory per device. The hops run in a
 ``lax.fori_loop`` whose body sends the next chunk while it computes the current one: one chunk
 in use and one in flight per device. Every pair's gradients are added by the core into the
@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dilax.branch.plan import BranchPlan, slot_layout, slot_view, unslot
 from dilax.core import (
     XLA,
     BlockSizes,
@@ -42,7 +43,6 @@ from dilax.core import (
     merge_attention_states,
 )
 from dilax.core.view import SplitView
-from dilax.layout import BranchPlan, slot_layout, slot_view, unslot
 from dilax.sp.layout import lookup
 from dilax.sp.schedule import Geometry, Stream
 from dilax.utils import dynamic_slice_in_dim, dynamic_update_slice_in_dim, varying_like

@@ -4,7 +4,7 @@ Both sequence-parallel rings (dilated and block-sparse) move K/V chunks between 
 a mesh axis with ``lax.ppermute`` while every device folds the visiting chunk into its queries'
 online-softmax state. Which chunks a device needs is static: a boolean ``needs[i, j]`` (device
 ``i`` needs the chunk of device ``j``, ``i != j``), from the dilated geometry
-(:func:`ring_streams`) or from the block mask (``dilax.sp.block_sparse_ring``).
+(:func:`ring_streams`) or from the block mask (``dilax.block_sparse.ring``).
 :func:`plan_streams` turns it into the fewest hops of one of two kinds:
 
 * cyclic rings inside the groups of devices that need each other's chunks (connected

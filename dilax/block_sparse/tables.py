@@ -1,9 +1,9 @@
 """The table-driven gather + core of block-sparse attention, below both of its users.
 
 :func:`dilax.block_sparse_attention` (one device) runs :func:`sparse_attention_tables` on
-tables read off the pattern, the block-sparse ring (:mod:`dilax.sp.block_sparse_ring`) the same
+tables read off the pattern, the block-sparse ring (:mod:`dilax.block_sparse.ring`) the same
 gather (:func:`gather_key_blocks`) at every hop; the method is described in
-:mod:`dilax.block_sparse`. This module
+:mod:`dilax.block_sparse.api`. This module
 imports neither, so the public op can dispatch to the ring without an import cycle.
 """
 
@@ -234,7 +234,7 @@ def sparse_attention_tables(
       diag_len: ``(Bi, Ui, nq)`` causal diagonal-block keys (``B`` or 0), or None (no diagonal
         call). Requires ``nq == nk``.
       q_len: ``(Bi, 1, nq)`` valid query rows of each query block, or None (all valid).
-      doc: packed documents, ``(start, end)`` int32 ``(b, nq*B)`` (:mod:`dilax.documents`),
+      doc: packed documents, ``(start, end)`` int32 ``(b, nq*B)`` (:mod:`dilax.dilated.documents`),
         or None: a query attends only keys of its own document.
     Returns:
       ``out (b, nq*B, h, d)`` float32 and ``lse (b, nq*B, h)`` float32.

@@ -1,4 +1,4 @@
-"""Static plans of the block-sparse ring (:mod:`dilax.sp.block_sparse_ring`) and its hops on
+"""Static plans of the block-sparse ring (:mod:`dilax.block_sparse.ring`) and its hops on
 the Pallas block-sparse kernel.
 
 :func:`plan_ring`: which device needs which chunk, the schedule, and the key-block tables of
@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 
 from dilax import registry
-from dilax.block_sparse_tables import head_layout
+from dilax.block_sparse.tables import head_layout
 from dilax.core import Mask, identity_view
 from dilax.core.block_sparse import BlockSparsePallasCore
 from dilax.patterns import BlockSparsePattern, mask_tables

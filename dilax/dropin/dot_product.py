@@ -17,10 +17,9 @@ import numpy as np
 
 from dilax import _validation as V
 from dilax import registry
-from dilax.attention_mask import check_segment_ids
+from dilax.attention_mask import check_segment_ids, document_bounds
 from dilax.core import Core, Mask, attention, identity_view
-from dilax.documents import document_bounds
-from dilax.settings import DilatedSettings
+from dilax.dilated.settings import DilatedSettings
 
 _F32 = jnp.float32
 
@@ -272,7 +271,7 @@ def _dilated(q, k, v, bias, mask, q_len, kv_len, window, return_residual, segmen
              segment_ids=None):
     """The dilated call: :func:`dilax.dilated_attention` on the 4-d operands (with
     ``settings``, a :class:`dilax.DilatedSettings`, instead of the keywords)."""
-    from dilax.dilated import dilated_attention  # lazy: dilated imports this module's peers
+    from dilax.dilated.api import dilated_attention  # lazy: dilated imports this module's peers
 
     for name, given in (("bias", bias is not None), ("local_window_size", window is not None),
                         ("return_residual", return_residual)):

@@ -12,7 +12,7 @@ import re
 import shutil
 import subprocess
 
-from benchmarks.gpu_cases import TARGETS, Target
+from tools.gpu.cases import TARGETS, Target
 
 # --------------------------------------------------------------------------------------------
 # Kernel resources (XLA's dump and ptxas)
@@ -170,7 +170,7 @@ def markdown(result: dict) -> str:
         f"{result['date']}, jax {result['jax']}, {result['wall_seconds']:.0f} s wall for "
         f"{sum(len(t['cases']) for t in result['targets'])} compiles on "
         f"{result['cores']} cores. Targets: " + "; ".join(
-            f"{t['target_name']} (`benchmarks/gpu_targets/{TARGETS[t['target']].spec}`)"
+            f"{t['target_name']} (`tools/gpu/targets/{TARGETS[t['target']].spec}`)"
             for t in result["targets"]) + ". Status: **"
         + ("all passed" if result["passed"] else "FAILED") + "**.",
         "",
@@ -194,7 +194,7 @@ def markdown(result: dict) -> str:
         "Every kernel of the `report:` programs and of the whole Pallas attention programs "
         "that carry a report (the padded + windowed dilated op, both rings on 8 GPUs). A "
         "dilax kernel of a bf16/fp16 program at head dim <= 128 must not spill registers "
-        "(`benchmarks.gpu_compile.spill_problem`: the run fails otherwise).",
+        "(`tools.gpu.compile.spill_problem`: the run fails otherwise).",
         "",
         "| target | program | kernel | grid | threads | shared mem (KiB) | registers | spills "
         "(st/ld B) | tensor cores | est. fraction of peak† | bound |",
@@ -216,7 +216,7 @@ def markdown(result: dict) -> str:
               + " ".join(roofline.__doc__.split("\n\n", 1)[1].split()), ""]
     lines += ["## Configurations", "",
               "Kernel calls and XLA matmuls: call sites in the compiled program's optimized HLO "
-              "(`benchmarks.hlo.program_counts`; a loop body counted once, every branch of a "
+              "(`tools.gpu.hlo.program_counts`; a loop body counted once, every branch of a "
               "conditional). Kernel calls: Pallas kernels (Triton custom-calls), and cuDNN "
               "fused-attention custom-calls. XLA matmuls: every HLO `dot`/`convolution`, alone "
               "or inside a fusion (XLA's own Triton/cuDNN GEMM fusions), and cuBLAS GEMM "

@@ -12,7 +12,7 @@ Chunks of many new positions (prefill) would make per-query windows expensive (`
 gathered keys), so a branch whose per-query windows would read more than the chunk's own
 segments reads those segments instead -- at most ``ceil((w - 1 + t) / w)`` of them, aligned
 to the segment grid of each row -- and runs them in the slot layout of
-:mod:`dilax.layout`, as :func:`dilax.dilated_attention` does.
+:mod:`dilax.branch.plan`, as :func:`dilax.dilated_attention` does.
 
 With ``implementation="pallas"`` (the default on GPU) every branch runs in one split-K
 kernel instead (:mod:`pallas_kernels.decode`): each query reads its branches' windows straight
@@ -35,10 +35,10 @@ from jax import lax
 
 from dilax import _validation as V
 from dilax import registry
+from dilax.branch.plan import expand_slots, plan_branch, slot_layout, slot_view
 from dilax.core import XLA, BlockSizes, Mask, identity_view, merge_attention_states
-from dilax.layout import expand_slots, plan_branch, slot_layout, slot_view
+from dilax.dilated.settings import DilatedSettings, settings_from_keywords
 from dilax.semantics import branch_heads, effective_segment_length
-from dilax.settings import DilatedSettings, settings_from_keywords
 
 __all__ = ["KVCache", "dilated_attention_decode"]
 

@@ -1,10 +1,10 @@
 """Dilated (LongNet) attention: the two modes of docs/semantics.md on one attention core.
 
 Each branch ``(w, r)`` is one core call over all of its segments and heads, read in place
-through the slot layout (:mod:`dilax.layout`); the branches run through the one branch runner
-(:func:`dilax.branches.attend_branches`, one custom_vjp with the merge fused in) and are
+through the slot layout (:mod:`dilax.branch.plan`); the branches run through the one branch runner
+(:func:`dilax.branch.runner.attend_branches`, one custom_vjp with the merge fused in) and are
 merged in float32 with their log-sum-exp weights
-(mixture) or scaled by ``1/G`` (grouped) (:func:`dilax.branches.combine_branches`).
+(mixture) or scaled by ``1/G`` (grouped) (:func:`dilax.branch.runner.combine_branches`).
 """
 
 from __future__ import annotations
@@ -16,19 +16,18 @@ import jax
 import jax.numpy as jnp
 
 from dilax import _validation as V
-from dilax.attention_mask import AttentionMask
-from dilax.backend import resolve_core, resolve_implementation
+from dilax.attention_mask import AttentionMask, document_bounds
 from dilax.batch_dims import fold_batch_dims
-from dilax.branches import CoreBranch, attend_branches
+from dilax.branch.plan import dilated_branches, window_plan
+from dilax.branch.runner import CoreBranch, attend_branches
 from dilax.core import XLA, BlockSizes, Core
-from dilax.documents import DocumentBranch, document_bounds
-from dilax.layout import dilated_branches, window_plan
+from dilax.dilated.documents import DocumentBranch
+from dilax.dilated.ring import check_sharded, sharded_dilated
+from dilax.dilated.ring_documents import sharded_documents
+from dilax.dilated.settings import DilatedSettings, check_dilated_request, settings_from_keywords
 from dilax.reference import dilated_attention_reference
-from dilax.registry import branch_cores
-from dilax.settings import DilatedSettings, check_dilated_request, settings_from_keywords
+from dilax.registry import branch_cores, resolve, resolve_implementation
 from dilax.sp.config import SequenceParallel, check_sequence_parallel
-from dilax.sp.dilated_ring import check_sharded, sharded_dilated
-from dilax.sp.documents_ring import sharded_documents
 
 
 def dilated_attention_core(q, k, v, mask: AttentionMask, settings: DilatedSettings,
@@ -199,7 +198,7 @@ def dilated_validated(q, k, v, mask: AttentionMask, settings: DilatedSettings) -
 # result as calls under jax.jit (op-by-op dispatch would fuse, and round, differently).
 @functools.partial(jax.jit, static_argnames=("settings",))
 def _dilated_jit(q, k, v, mask: AttentionMask, settings: DilatedSettings):
-    core = resolve_core(settings.implementation, interpret=settings.interpret)
+    core = resolve(settings.implementation, interpret=settings.interpret)
     if core is None:
         return dilated_attention_reference(
             q, k, v, settings.segment_lengths, settings.dilation_rates,

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from dilax import _validation as V
-from dilax.dilated import dilated_attention
+from dilax.dilated.api import dilated_attention
+from dilax.dilated.settings import DilatedSettings
 from dilax.semantics import dilated_counts, window_mask
-from dilax.settings import DilatedSettings
 
 _OPTIONS = ("mode", "is_causal", "scale", "implementation", "block_sizes")
 

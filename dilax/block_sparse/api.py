@@ -6,7 +6,7 @@ from the compact tables into a contiguous ``(count * B)`` key sequence and
 :func:`dilax.core.attention_core` runs over it with ``kv_len = count * B`` per row and head,
 so the core's key loop stops after the row's own active blocks. Work is proportional to the
 number of active blocks; the gathered K/V is ``max_active`` blocks per row (processed a few
-rows at a time, see :mod:`dilax.block_sparse_tables`), never ``n x n``.
+rows at a time, see :mod:`dilax.block_sparse.tables`), never ``n x n``.
 
 Causal (exact and cheap): the key blocks strictly before the query block (``j < i``) are fully
 visible, so they go through one non-causal core call; the diagonal block (``j == i``) goes
@@ -37,15 +37,14 @@ import numpy as np
 
 from dilax import _validation as V
 from dilax import registry
-from dilax.attention_mask import check_segment_ids
+from dilax.attention_mask import check_segment_ids, document_bounds
 from dilax.batch_dims import fold_batch_dims
-from dilax.block_sparse_tables import check_pattern, head_layout, sparse_attention_tables
+from dilax.block_sparse.ring import check_sharded_block_sparse, sharded_block_sparse
+from dilax.block_sparse.tables import check_pattern, head_layout, sparse_attention_tables
 from dilax.core import Mask, attention, identity_view
 from dilax.core.block_sparse import BlockSparsePallasCore
-from dilax.documents import document_bounds
 from dilax.patterns import BlockSparsePattern, mask_tables
 from dilax.reference import length_mask, masked_attention
-from dilax.sp.block_sparse_ring import check_sharded_block_sparse, sharded_block_sparse
 from dilax.sp.config import SequenceParallel, check_sequence_parallel
 from dilax.utils import cdiv
 

@@ -1,5 +1,5 @@
-"""The branch kinds of ring dilated attention (:mod:`dilax.sp.dilated_ring`), each a
-:class:`dilax.branches.BranchOp` on the local shard, and :func:`branch_op`, which picks one
+"""The branch kinds of ring dilated attention (:mod:`dilax.dilated.ring`), each a
+:class:`dilax.branch.runner.BranchOp` on the local shard, and :func:`branch_op`, which picks one
 per branch statically (:func:`branch_kind`):
 
 * :class:`_LocalBranch` -- every segment lies inside one chunk of the shard: the single-device
@@ -21,11 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dilax.branches import CoreBranch
+from dilax.branch.plan import BranchPlan, slot_view
+from dilax.branch.plan import plan_branch as _plan_branch
+from dilax.branch.runner import CoreBranch
 from dilax.core import XLA, BlockSizes, Core, Mask, attention, identity_view, static_take
-from dilax.layout import BranchPlan, slot_view
-from dilax.layout import plan_branch as _plan_branch
-from dilax.sp.dilate import dilate, undilate, valid_rows
+from dilax.dilated.ring_dilate import dilate, undilate, valid_rows
 from dilax.sp.layout import lookup, vblock, vshift
 from dilax.sp.ring_vjp import (
     RING_BACKWARD_BLOCKS,
@@ -99,7 +99,7 @@ def _halo_branch(qd, kd, vd, geo: Geometry, n_u, axis_name, scale, is_causal, bl
 
 @dataclasses.dataclass(frozen=True)
 class _SpanningBranch:
-    """A branch whose segments span several devices, as a :class:`dilax.branches.BranchOp`:
+    """A branch whose segments span several devices, as a :class:`dilax.branch.runner.BranchOp`:
     the ring (:mod:`dilax.sp.ring_vjp`) or, for short unaligned segments, the halo exchange
     (:func:`_halo_branch`). Results in the dilated layout of ``result_plan``."""
 
@@ -204,7 +204,7 @@ class _SpanningBranch:
 
 @dataclasses.dataclass(frozen=True)
 class _LocalBranch:
-    """A local branch: ``op`` (a :class:`~dilax.branches.CoreBranch` folded over the chunks)
+    """A local branch: ``op`` (a :class:`~dilax.branch.runner.CoreBranch` folded over the chunks)
     with the chunks' own key lengths, ``aux[1]`` (``(b * C,)`` in chunk coordinates)."""
 
     op: CoreBranch
@@ -298,10 +298,10 @@ class WindowBranch:
 def branch_op(plan: BranchPlan, P, C, m, h, hk, axis_name, scale, is_causal, block_sizes,
               core: Core = XLA, hop_core: Core = XLA):
     """Branch ``plan`` on local shards of ``m`` positions as a
-    :class:`dilax.branches.BranchOp`: a :class:`~dilax.branches.CoreBranch` of ``core`` over
-    the ``C`` chunks of the shard when every segment lies inside one chunk, else a spanning
-    branch whose hops (ring or halo) run on ``hop_core``. The XLA core gets the ring's small
-    default tiles (:data:`RING_BLOCKS`, :func:`ring_blocks`); a kernel core ``block_sizes`` as
+    :class:`dilax.branch.runner.BranchOp`: a :class:`~dilax.branch.runner.CoreBranch` of
+    ``core`` over the ``C`` chunks of the shard when every segment lies inside one chunk, else a
+    spanning branch whose hops (ring or halo) run on ``hop_core``. The XLA core gets the ring's
+    small default tiles (:data:`RING_BLOCKS`, :func:`ring_blocks`); a kernel core ``block_sizes`` as
     given (``None``: the kernels' per-shape defaults)."""
     n = P * m
     geo = geometry(n, P, C, plan.w, plan.r)

@@ -2,7 +2,7 @@
 
 No GPU is needed. With ``jax[cuda12]`` installed (the same jax version), XLA:GPU compiles
 ahead of time for a device described by a ``GpuTargetConfigProto`` (our own spec files from
-NVIDIA's public figures, ``benchmarks/gpu_targets/*.txtpb``)::
+NVIDIA's public figures, ``tools/gpu/targets/*.txtpb``)::
 
     topo = jax.experimental.topologies.get_topology_desc(
         platform="cuda", topology="1x1x1", target_config=<spec text>)
@@ -19,7 +19,7 @@ Two things come out of one run (``python -m benchmarks gpu-compile``, or ``make 
   naming the rule, never leave it to the compiler). Any other outcome fails the run (exit 1).
 * **the program check**: in the optimized HLO of every compiled program, its kernel calls
   (Pallas, cuDNN fused attention) and its XLA matmuls (``dot``s, fused or not, and cuBLAS
-  GEMMs), :func:`benchmarks.hlo.program_counts`. A case marked ``no_xla_matmul`` (every
+  GEMMs), :func:`tools.gpu.hlo.program_counts`. A case marked ``no_xla_matmul`` (every
   Pallas attention program) fails unless it calls a kernel and has no XLA matmul at all.
 * **the resource report** of every Pallas kernel (dilax's and jax's reference Triton
   attention, compiled in the same run): from XLA's dump (``xla_dump_to``) the launch grid,
@@ -47,7 +47,7 @@ import time
 import traceback
 from typing import Any
 
-from benchmarks.gpu_cases import (  # noqa: F401 - Target, Case, report_cases re-exported
+from tools.gpu.cases import (  # noqa: F401 - Target, Case, report_cases re-exported
     TARGETS,
     Case,
     Target,
@@ -55,8 +55,8 @@ from benchmarks.gpu_cases import (  # noqa: F401 - Target, Case, report_cases re
     loss_grad,
     report_cases,
 )
-from benchmarks.gpu_report import kernel_resources, markdown, ptxas_path, roofline
-from benchmarks.hlo import program_counts
+from tools.gpu.hlo import program_counts
+from tools.gpu.report import kernel_resources, markdown, ptxas_path, roofline
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPEC_DIR = os.path.join(HERE, "gpu_targets")
@@ -84,7 +84,7 @@ def work_items(targets: list[str], only: str | None = None) -> list[tuple[str, i
 
 def program_problem(row: dict) -> str | None:
     """Why a compiled program fails its case's expectation on kernel calls and XLA matmuls
-    (``row``: :func:`benchmarks.hlo.program_counts` plus the case's ``no_xla_matmul``);
+    (``row``: :func:`tools.gpu.hlo.program_counts` plus the case's ``no_xla_matmul``);
     ``None`` when it meets it. A Pallas attention program must call a kernel and have no
     XLA matmul: one would be attention (or part of it) left to XLA."""
     if row.get("no_xla_matmul") and (row["xla_matmuls"] or not row["kernel_calls"]):
@@ -199,7 +199,7 @@ def run(targets: list[str], out_dir: str, only: str | None = None, jobs: int = 2
     children = []
     for shard in range(jobs):
         path = os.path.join(tmp, f"shard{shard}.json")
-        cmd = [sys.executable, "-m", "benchmarks.gpu_compile", "--child", f"{shard}/{jobs}",
+        cmd = [sys.executable, "-m", "tools.gpu.compile", "--child", f"{shard}/{jobs}",
                "--targets", ",".join(targets), "--json", path]
         if only:
             cmd += ["--only", only]

@@ -4,7 +4,8 @@ The sequence axis of ``q, k, v`` is split over the ``P`` devices of a mesh axis.
 ``(w, r)`` of the configuration is computed in one of three ways, chosen statically:
 
 * **local** -- every segment lies inside one device's shard (``(n/P) % w == 0``): the
-  single-device path (:func:`dilax.branches.attend_branches`) runs on the shard, no communication.
+  single-device path (:func:`dilax.branch.runner.attend_branches`) runs on the shard, no
+  communication.
 * **halo** -- segments are shorter than a shard but not aligned with shard boundaries: after
   dilation each device receives the ``w/r - 1`` dilated rows on either side from its neighbours,
   cuts a segment-aligned window and runs the local path on it.
@@ -49,6 +50,7 @@ device-varying; the Pallas kernels' outputs carry no such type, so with them cal
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Hashable
 
 import jax
@@ -59,14 +61,14 @@ from jax.sharding import Mesh
 from dilax import _validation as V
 from dilax import registry
 from dilax.attention_mask import AttentionMask
-from dilax.branches import attend_branches
+from dilax.branch.plan import dilated_branches, window_plan
+from dilax.branch.runner import attend_branches
 from dilax.core import BlockSizes, Core
-from dilax.layout import dilated_branches, window_plan
-from dilax.settings import DilatedSettings, check_dilated_request, settings_from_keywords
+from dilax.dilated.ring_branches import WindowBranch, branch_op, chunk_starts, is_local
+from dilax.dilated.settings import DilatedSettings, check_dilated_request, settings_from_keywords
 from dilax.sp.config import SequenceParallel, check_ring_hops, check_sequence_parallel
 from dilax.sp.layout import check_layout, relayout
 from dilax.sp.mesh import axis_size, check_sharded_shape, shard_sequence
-from dilax.sp.ring_branches import WindowBranch, branch_op, chunk_starts, is_local
 from dilax.sp.ring_vjp import RING_BLOCKS
 from dilax.utils import varying_axes
 
@@ -311,6 +313,9 @@ def sharded_dilated_attention(
         size, ``local_window`` longer than a local chunk, and every input error of
         :func:`dilax.dilated_attention`.
     """
+    warnings.warn("dilax.sharded_dilated_attention is deprecated: use dilax.dilated_attention(..., "
+                  "sequence_parallel=dilax.SequenceParallel(mesh, seq_axis))",
+                  DeprecationWarning, stacklevel=2)
     settings = settings_from_keywords(
         settings, segment_lengths, dilation_rates, is_causal=is_causal, mode=mode, scale=scale,
         block_sizes=block_sizes, local_window=local_window)

@@ -5,7 +5,7 @@ as ``(b, S, w/r, r, h, d)`` (segment, dilated index, offset slot, head), each he
 slot of its offset, and all segments of all heads that share the branch go through one core
 call with the segments folded into the batch. Branch results live in the *dilated layout*
 ``(b*S, w/r, H', ...)`` (heads ascending); :func:`expand_slots` puts them back at their
-positions. Shared by the single-device op (:mod:`dilax.branches`) and the ring
+positions. Shared by the single-device op (:mod:`dilax.branch.runner`) and the ring
 (:mod:`dilax.sp`).
 """
 

@@ -3,7 +3,7 @@ figures of an H100 and an A100) and :func:`cases`, a covering list of (op, dtype
 implementation) cases, each with its expected outcome (``ok`` or ``refused``), plus the
 kernel-level :func:`report_cases` for the resource report.
 
-Nothing here imports jax at module level: ``python -m benchmarks.gpu_compile`` sets its
+Nothing here imports jax at module level: ``python -m tools.gpu.compile`` sets its
 environment (``JAX_PLATFORMS=cpu``, ...) after its imports, before jax starts, so every case
 builds its program lazily."""
 
@@ -22,7 +22,7 @@ from typing import Any
 class Target:
     key: str
     name: str
-    spec: str  # file in benchmarks/gpu_targets
+    spec: str  # file in tools/gpu/targets
     sm: str  # ptxas --gpu-name
     tensor_family: str  # the tensor-core instruction family Triton emits there
     sms: int
@@ -66,7 +66,7 @@ class Case:
     ``model`` dict that :func:`roofline` needs. ``devices``: 1, or 8 for the ring (sharded
     over the sequence). ``no_xla_matmul``: the compiled program is attention on Pallas
     kernels only, so it must call at least one kernel and contain no XLA matmul (see
-    ``benchmarks.hlo.program_counts``); the run fails otherwise. Left ``None``, it is derived:
+    ``tools.gpu.hlo.program_counts``); the run fails otherwise. Left ``None``, it is derived:
     true for every ``ok`` case of an attention op (:data:`ATTENTION_OPS`) whose name says
     ``pallas``, and for the kernel-level programs (``flash``, ``reference``, ``report:``
     cases); a whole model step (``train``: its projections are XLA matmuls) is reported,

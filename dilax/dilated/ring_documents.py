@@ -2,7 +2,7 @@
 
 Documents may cross shard boundaries. Each device finds the global bounds of the documents
 of its positions from a ``P``-entry summary of every shard (:func:`global_document_bounds`),
-then every branch runs on its *document-dilated sequence* (:mod:`dilax.documents`) in global
+then every branch runs on its *document-dilated sequence* (:mod:`dilax.dilated.documents`) in global
 row coordinates: device ``i`` holds rows ``[c_i, c_i + m_i)`` of it (``c_i``: the rows of the
 shards before it, one ``all_gather`` of ``P`` counts), and the key range of every row is
 computed in closed form from its document and segment. The key chunks (K, V, their validity
@@ -27,18 +27,18 @@ import jax.numpy as jnp
 from jax import lax
 
 from dilax.attention_mask import AttentionMask
-from dilax.branches import attend_branches
+from dilax.branch.plan import dilated_branches, window_plan
+from dilax.branch.runner import attend_branches
 from dilax.core import Mask, merge_attention_states
-from dilax.documents import (
+from dilax.dilated.documents import (
     EMPTY_RANGE,
     DocumentBranch,
     document_bounds,
     heads_into,
     offset_table,
 )
-from dilax.layout import dilated_branches, window_plan
+from dilax.dilated.settings import DilatedSettings
 from dilax.registry import CoreRequest, select
-from dilax.settings import DilatedSettings
 from dilax.sp.config import SequenceParallel
 from dilax.sp.mesh import shard_sequence
 from dilax.utils import cdiv, varying_like
@@ -119,7 +119,7 @@ def _ring_tables(start, end, axis_name, w: int, r: int, offset: int, window, is_
 
 @dataclasses.dataclass(frozen=True)
 class DocumentRingBranch(DocumentBranch):
-    """:class:`~dilax.documents.DocumentBranch` on the local shard of a ring: ``n`` is the
+    """:class:`~dilax.dilated.documents.DocumentBranch` on the local shard of a ring: ``n`` is the
     shard length, ``aux = (q_len, kv_len, start, end)`` with global lengths and document
     bounds (:func:`global_document_bounds`)."""
 

@@ -12,15 +12,15 @@ zigzag: causal work is unbalanced across devices).
 The hops run on the core :mod:`dilax.registry` picks (a ``"ring_hop"`` request with the
 pattern's block size; :func:`hop_core`). The XLA core: every device gathers, per local query
 block, the active key blocks of the visiting chunk
-(:func:`dilax.block_sparse_tables.gather_key_blocks`) and runs one core call on them; the
+(:func:`dilax.block_sparse.tables.gather_key_blocks`) and runs one core call on them; the
 causal diagonal blocks of the own chunk are a second, causal call read in place. The Pallas
 block-sparse kernel (``implementation="pallas"``, or None on GPU): ONE kernel call per
-visiting chunk, read in place through per-hop tables (:class:`dilax.sp.block_sparse_plan.
+visiting chunk, read in place through per-hop tables (:class:`dilax.block_sparse.ring_plan.
 KernelHops`), the own chunk's causal diagonal included; no XLA matmul is left. Results merge
 into a float32 online-softmax state. A device with no block in the visiting chunk skips it
 with ``lax.cond``.
 
-The ring is one branch of the one branch runner (:func:`dilax.branches.attend_branches`),
+The ring is one branch of the one branch runner (:func:`dilax.branch.runner.attend_branches`),
 differentiated by hand like the dilated ring: the backward is a second ring
 (:func:`dilax.sp.ring_vjp.backward_streams`) in which K, V and their float32 dK/dV
 accumulators travel together and every device adds ``core.backward`` of its queries into
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Hashable
 
 import jax
@@ -45,12 +46,7 @@ from jax.sharding import Mesh
 
 from dilax import _validation as V
 from dilax import registry
-from dilax.block_sparse_tables import check_pattern, default_block_k, gather_key_blocks
-from dilax.branches import attend_branches
-from dilax.core import XLA, BlockSizes, Core, Mask, SlotView, identity_view, merge_attention_states
-from dilax.layout import BranchPlan, plan_branch
-from dilax.patterns import BlockSparsePattern
-from dilax.sp.block_sparse_plan import (  # noqa: F401 - plan_ring: the ring's plan, re-exported
+from dilax.block_sparse.ring_plan import (  # noqa: F401 - plan_ring: the ring's plan, re-exported
     KernelHops,
     RingPlan,
     hop_request,
@@ -58,6 +54,11 @@ from dilax.sp.block_sparse_plan import (  # noqa: F401 - plan_ring: the ring's p
     plan_ring,
     rows_per_step,
 )
+from dilax.block_sparse.tables import check_pattern, default_block_k, gather_key_blocks
+from dilax.branch.plan import BranchPlan, plan_branch
+from dilax.branch.runner import attend_branches
+from dilax.core import XLA, BlockSizes, Core, Mask, SlotView, identity_view, merge_attention_states
+from dilax.patterns import BlockSparsePattern
 from dilax.sp.config import SequenceParallel, check_sequence_parallel
 from dilax.sp.mesh import axis_size, check_sharded_shape, shard_sequence
 from dilax.sp.ring_vjp import backward_streams, stream_loop
@@ -79,12 +80,12 @@ def _per_row(x, b: int, U: int):
 
 @dataclasses.dataclass(frozen=True)
 class BlockSparseRing:
-    """The ring on the local shards, as the one :class:`dilax.branches.BranchOp` of
-    :func:`dilax.branches.attend_branches`: ``q (b, n/P, h, d)``, ``k, v (b, n/P, hk, d)``;
+    """The ring on the local shards, as the one :class:`dilax.branch.runner.BranchOp` of
+    :func:`dilax.branch.runner.attend_branches`: ``q (b, n/P, h, d)``, ``k, v (b, n/P, hk, d)``;
     results in the shard's own layout. ``aux``: None or the global valid lengths
     ``(q_len, kv_len)`` (each ``(b,)`` or None). ``rows``: query blocks per step.
     ``hops``: the Pallas block-sparse kernel runs every hop (one call per chunk, tables of
-    :class:`~dilax.sp.block_sparse_plan.KernelHops`), else ``core`` on gathered blocks."""
+    :class:`~dilax.block_sparse.ring_plan.KernelHops`), else ``core`` on gathered blocks."""
 
     plan: RingPlan
     result_plan: BranchPlan
@@ -478,6 +479,10 @@ def sharded_block_sparse_attention(
         cannot serve the ring's hops, and every input error of
         :func:`dilax.block_sparse_attention`.
     """
+    warnings.warn("dilax.sharded_block_sparse_attention is deprecated: use "
+                  "dilax.block_sparse_attention(..., "
+                  "sequence_parallel=dilax.SequenceParallel(mesh, seq_axis))",
+                  DeprecationWarning, stacklevel=2)
     sp = SequenceParallel(mesh, seq_axis, batch_axis)
     interpret = V.check_bool(interpret, "interpret")
     q, k, v = V.check_qkv(q, k, v)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dilax.layout import BranchPlan, merge_slots, split_slots
+from dilax.branch.plan import BranchPlan, merge_slots, split_slots
 from dilax.sp.layout import lookup, vshift
 from dilax.sp.schedule import Geometry
 from dilax.utils import dynamic_slice_in_dim, dynamic_update_slice_in_dim

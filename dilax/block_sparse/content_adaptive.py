@@ -12,7 +12,7 @@ from jax import lax
 
 from dilax import _validation as V
 from dilax.batch_dims import fold_batch_dims
-from dilax.block_sparse import attend_tables, pad_seq
+from dilax.block_sparse.api import attend_tables, pad_seq
 from dilax.utils import cdiv
 
 

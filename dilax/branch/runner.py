@@ -3,7 +3,7 @@
 :func:`attend_branches` computes several branches and merges them under ONE ``custom_vjp``.
 A branch is any object with the :class:`BranchOp` methods: :class:`CoreBranch` (one core call
 on the local sequence; the single-device op and the ring's local branches) or the ring's
-spanning branches (:mod:`dilax.sp.dilated_ring`). Forward: every branch fenced behind the
+spanning branches (:mod:`dilax.dilated.ring`). Forward: every branch fenced behind the
 previous one (:func:`dilax.core.when`), so only one branch's working set exists at a time,
 then one fused merge (mixture: LongNet Eq. 10; grouped: head groups side by side). Backward:
 the merge's backward is fused with the branches' -- each branch's cotangents
@@ -22,9 +22,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dilax.branch.plan import (
+    BranchPlan,
+    branch_io,
+    expand_slots,
+    gather_dilated,
+    slot_layout,
+    unslot,
+)
 from dilax.core import XLA, BlockSizes, Core, fence_after, merge_attention_states, when
 from dilax.core.interface import sum_invariant_axes
-from dilax.layout import BranchPlan, branch_io, expand_slots, gather_dilated, slot_layout, unslot
 
 _F32 = jnp.float32
 
@@ -52,7 +59,7 @@ class CoreBranch:
 
     ``fold``: the sequence is ``fold`` independent pieces of ``n / fold`` (the ring's local
     branches: the chunks of a shard); ``plan`` is the plan of one piece. ``aux``: ``None`` or
-    the valid lengths ``(q_len, kv_len, key_valid)`` of :func:`dilax.layout.branch_io`; with
+    the valid lengths ``(q_len, kv_len, key_valid)`` of :func:`dilax.branch.plan.branch_io`; with
     ``fold > 1`` those of the pieces, ``(b * fold,)`` in piece coordinates (piece ``c`` of
     batch row ``i`` is row ``i * fold + c``)."""
 

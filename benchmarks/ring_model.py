@@ -2,16 +2,16 @@
 scales past this machine, on paper (``python -m benchmarks ring --plan`` prints it).
 
 Everything here is computed from shapes and the STATIC ring schedule, built from the ring's
-own geometry (:func:`~dilax.sp.ring_branches.branch_kind`,
-:func:`~dilax.sp.ring_branches.ring_blocks`, :func:`~dilax.sp.ring_vjp.row_chunk`,
+own geometry (:func:`~dilax.dilated.ring_branches.branch_kind`,
+:func:`~dilax.dilated.ring_branches.ring_blocks`, :func:`~dilax.sp.ring_vjp.row_chunk`,
 :func:`~dilax.sp.schedule.ring_streams`); nothing is compiled
 (:mod:`benchmarks.ring_plan_validate` checks the model against compiled programs).
 
 Configuration: ``b, n, h, hk, d``, branches ``(w_i, r_i)``, causal, contiguous layout, P
 devices, mixture mode (every branch covers all ``h`` heads). Per device ``m = n / P``. Branch
-kinds as in :func:`dilax.sp.ring_branches.branch_op`: *local* (``m % w == 0``), *halo* or
+kinds as in :func:`dilax.dilated.ring_branches.branch_op`: *local* (``m % w == 0``), *halo* or
 *ring*. A branch has ``R = ceil(m / r)`` dilated rows per device (modelled for ``r | m``),
-``U`` virtual kv heads of ``G`` query heads (``U G = h``, :func:`dilax.layout.plan_branch`).
+``U`` virtual kv heads of ``G`` query heads (``U G = h``, :func:`dilax.branch.plan.plan_branch`).
 
 Communication (exact, from :func:`dilax.sp.schedule.ring_streams`): a ring branch's stream of
 ``H`` hops sends the dilated K and V chunk ``b R U d`` (itemsize ``sw``) ``H`` times forward; the
@@ -84,11 +84,11 @@ import functools
 import math
 from typing import Any
 
+from dilax.branch.plan import plan_branch
 from dilax.core import BlockSizes
 from dilax.core.xla import backward_reads_bits
-from dilax.layout import plan_branch
+from dilax.dilated.ring_branches import branch_kind, ring_blocks
 from dilax.semantics import effective_segment_length
-from dilax.sp.ring_branches import branch_kind, ring_blocks
 from dilax.sp.ring_vjp import RING_BLOCKS, row_chunk
 from dilax.sp.schedule import geometry, ring_streams
 
@@ -136,7 +136,7 @@ class Branch:
     G: int
     hops: tuple[int, ...]  # per stream (ring)
     L: int  # w / r
-    # the core's blocks: a ring branch's (dilax.sp.ring_branches.ring_blocks); local and
+    # the core's blocks: a ring branch's (dilax.dilated.ring_branches.ring_blocks); local and
     # halo branches are modelled with the local branches' RING_BLOCKS
     blocks: BlockSizes = RING_BLOCKS
 
@@ -157,10 +157,10 @@ def _heads(h: int, hk: int, r: int) -> tuple[int, int]:
 
 def branches(cfg: Config) -> list[Branch]:
     """The branches in execution order (spanning, largest r first, then local), each as
-    :func:`dilax.sp.ring_branches.branch_op` runs it on the contiguous layout: its kind
-    (:func:`~dilax.sp.ring_branches.branch_kind`), the streams of its ring
+    :func:`dilax.dilated.ring_branches.branch_op` runs it on the contiguous layout: its kind
+    (:func:`~dilax.dilated.ring_branches.branch_kind`), the streams of its ring
     (:func:`dilax.sp.schedule.ring_streams` of its :func:`~dilax.sp.schedule.geometry`) and
-    the ring's blocks (:func:`~dilax.sp.ring_branches.ring_blocks`)."""
+    the ring's blocks (:func:`~dilax.dilated.ring_branches.ring_blocks`)."""
     out = []
     for w, r in zip(cfg.ws, cfg.rs, strict=True):
         w_eff = effective_segment_length(cfg.n, w, r)
@@ -353,7 +353,7 @@ def local_backward_work(cfg: Config, br: Branch) -> dict[str, int]:
 
 def row_statistics_pass(cfg: Config, brs: list[Branch], held: int) -> dict[str, int]:
     """XLA:CPU only (``xla_cpu``): the backward's first pass (the row statistics
-    ``<g, o_i>`` of :func:`dilax.branches._attend_bwd`) materializes every branch's dilated
+    ``<g, o_i>`` of :func:`dilax.branch.runner._attend_bwd`) materializes every branch's dilated
     cotangent widened to float32 ``b R h d 4`` before its reduction, all of them before the
     first reduction (none for ``r = 1`` in float32: the cotangent itself), beside the
     finished results and the cotangent."""

@@ -10,7 +10,7 @@ ranges (:class:`dilax.core.Mask` ``key_range``): cost follows the documents' own
 pairs plus the edges of their runs, never ``n x n``.
 
 :class:`DocumentBranch` is that branch for the one branch runner
-(:func:`dilax.branches.attend_branches`): it gathers the rows of its offsets, runs the core and
+(:func:`dilax.branch.runner.attend_branches`): it gathers the rows of its offsets, runs the core and
 puts the results back at their positions (the merge then reads them like any branch's).
 """
 
@@ -23,39 +23,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dilax.attention_mask import document_bounds
+from dilax.branch.plan import BranchPlan, plan_branch
 from dilax.core import XLA, BlockSizes, Core, Mask, SlotView, static_take
 from dilax.core.blocks import default_block_sizes
 from dilax.core.ranges import EMPTY
-from dilax.layout import BranchPlan, plan_branch
 
 _F32 = jnp.float32
 EMPTY_RANGE = EMPTY  # the lower end of an empty key range: the core's own (dilax.core.ranges)
 
-__all__ = ["EMPTY_RANGE", "DocumentBranch", "OffsetTable", "document_bounds", "document_positions",
-           "document_tables", "heads_into", "offset_table", "run_tiles",
-           "sequence_bounds"]
-
-
-def document_bounds(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(start, end)``, int32 ``(b, n)``: the first position of ``p``'s document and one past
-    its last (a document is a maximal run of equal ids)."""
-    ids = jnp.asarray(segment_ids)
-    n = ids.shape[-1]
-    pos = jnp.arange(n, dtype=jnp.int32)
-    change = ids[..., 1:] != ids[..., :-1]
-    first = jnp.concatenate([jnp.ones_like(change[..., :1]), change], axis=-1)
-    last = jnp.concatenate([change, jnp.ones_like(change[..., :1])], axis=-1)
-    start = jax.lax.cummax(jnp.where(first, pos, 0), axis=ids.ndim - 1)
-    end = jax.lax.cummin(jnp.where(last, pos + 1, n), axis=ids.ndim - 1, reverse=True)
-    return start.astype(jnp.int32), end.astype(jnp.int32)
-
-
-def document_positions(segment_ids: jax.Array) -> jax.Array:
-    """int32 ``(b, n)``: each position's index inside its document (``0`` at every start;
-    the positions a model's rotary code uses for packed rows)."""
-    start, _ = document_bounds(segment_ids)
-    pos = jnp.arange(start.shape[-1], dtype=jnp.int32)
-    return pos.reshape((1,) * (start.ndim - 1) + pos.shape) - start  # rank-promotion safe
+__all__ = ["EMPTY_RANGE", "DocumentBranch", "OffsetTable", "document_tables", "heads_into",
+           "offset_table", "run_tiles", "sequence_bounds"]
 
 
 def _take_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -191,7 +169,7 @@ def run_tiles(start: jax.Array, end: jax.Array, w: int, block: int
 @dataclasses.dataclass(frozen=True)
 class DocumentBranch:
     """Branch ``plan`` over packed documents as one core call (a :class:`BranchOp` of
-    :func:`dilax.branches.attend_branches`).
+    :func:`dilax.branch.runner.attend_branches`).
 
     ``aux`` = ``(q_len, kv_len, key_valid, start, end)``: valid lengths ``(b,)`` or ``None``,
     per-key validity ``(b, n)`` or ``None``, and the documents' :func:`document_bounds`.

@@ -1,0 +1,1 @@
+"""Developer tools that check rather than measure (not installed with dilax)."""

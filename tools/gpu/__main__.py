@@ -1,0 +1,5 @@
+import sys
+
+from tools.gpu.compile import main
+
+sys.exit(main(sys.argv[1:]))
