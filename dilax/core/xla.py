@@ -18,7 +18,13 @@ from dilax.core import pairwise
 from dilax.core import ranges as RG
 from dilax.core import rows as R
 from dilax.core import tiles as TL
-from dilax.core.block_mask import block_floor, block_mask, query_valid, zero_invalid_keys
+from dilax.core.block_mask import (
+    block_mask,
+    key_blocks,
+    query_blocks,
+    query_valid,
+    zero_invalid_keys,
+)
 from dilax.core.blocks import BlockSizes
 from dilax.core.mask import Mask
 from dilax.core.view import SlotView, static_take
@@ -139,6 +145,33 @@ def _slice_rows(x, b, start, size, dtype=None):
 # forward and backward are ~90 lines each on purpose: their loop bodies are closures over the
 # padded inputs, the view and the static tiles, and the causal/ragged loop bounds sit next to
 # the body they bound; split apart, every level would pass the same dozen arguments down.
+def online_softmax_step(m, l, acc, s, v):
+    """One key block folded into the float32 online-softmax state of a query block (the
+    step the Pallas kernels name the same, :func:`pallas_kernels.common.online_softmax_step`).
+
+    ``m``, ``l``: running max and denominator ``(..., bq)``; ``acc``: unnormalized output
+    ``(..., bq, d)``; ``s``: float32 logits ``(U, G, bq, bk)`` or ``(U, G * bq, bk)``
+    (``-inf`` = masked); ``v``: values ``(U, bk, d)``. A row with no key so far keeps
+    ``m = -inf`` and adds nothing (its max is taken as 0, so no ``inf - inf``)."""
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_safe[..., None])
+    corr = jnp.exp(m - m_safe)
+    l = l * corr + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("hgqk,hkd->hgqd" if s.ndim == 4 else "hqk,hkd->hqd", p, v.astype(_F32),
+                    preferred_element_type=_F32)
+    return m_new, l, acc * corr[..., None] + pv
+
+
+def online_softmax_result(m, l, acc):
+    """``(out, lse)`` of a finished online-softmax state: float32 ``acc / l`` and
+    ``m + log l``; a row with no key gets 0 and ``lse = -inf`` (never NaN)."""
+    has_key = l > 0
+    out = acc / jnp.where(has_key, l, 1.0)[..., None]
+    lse = jnp.where(has_key, m + jnp.log(jnp.where(has_key, l, 1.0)), -jnp.inf)
+    return out, lse
+
+
 def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: BlockSizes,
             out_dtype=None):
     """``(out, lse)`` of the queries of ``view``: ``out (B, Lq, H_out, d)`` in ``out_dtype``
@@ -190,22 +223,8 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
         q_valid = query_valid(q0, block_q, ql)
         q_first = q_offset + q0
         q_pos = q_first + lax.iota(jnp.int32, block_q)
-        hi = nk if kl is None else jnp.minimum(nk, cdiv(jnp.max(kl), block_k))
-        if ql is not None:  # a query block wholly past the valid rows reads no key block
-            hi = jnp.where(q0 < jnp.max(ql), hi, 0)
-        lo = 0
-        if is_causal:
-            last = q_first + block_q - 1 - k_offset
-            hi = block_floor(last + block_k, block_k, hi)  # through the last query's block
-            # Key blocks entirely at or before the first query need no causal mask.
-            full = block_floor(q_first - k_offset + 1, block_k, hi)
-        else:
-            full = hi
-        if window is not None:  # only the key blocks that meet the band, all masked
-            left, right = pairwise.band(window)
-            hi = jnp.minimum(hi, block_floor(q_first + block_q - 1 + right - k_offset,
-                                              block_k, nk - 1) + 1)
-            lo = full = jnp.minimum(block_floor(q_first - left - k_offset, block_k, nk), hi)
+        lo, full, hi = key_blocks(q0, q_first, block_q, block_k, nk, kl, ql, k_offset,
+                                  is_causal, window)
         rows, pre, base = None, None, None
         if ranged:  # only the blocks the rows' ranges meet, from their lowest key on
             rows = RG.range_rows(key_range, bi, u0, u1, q0, block_q)
@@ -247,14 +266,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
                         mask = jnp.broadcast_to(mask, (U, G, block_q, block_k)).reshape(s.shape)
                     s = jnp.where(mask, s, -jnp.inf)
                     vb = zero_invalid_keys(vb, k0, kl, kvb)
-                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                p = jnp.exp(s - m_safe[..., None])
-                corr = jnp.exp(m - m_safe)
-                l = l * corr + jnp.sum(p, axis=-1)
-                pv = jnp.einsum("hgqk,hkd->hgqd" if not flat else "hqk,hkd->hqd", p,
-                                vb.astype(_F32), preferred_element_type=_F32)
-                return m_new, l, acc * corr[..., None] + pv
+                return online_softmax_step(m, l, acc, s, vb)
 
             return body
 
@@ -280,9 +292,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
         if flat:
             m, l, acc = m.reshape(U, G, block_q), l.reshape(U, G, block_q), \
                 acc.reshape(U, G, block_q, d)
-        has_key = l > 0
-        out = acc / jnp.where(has_key, l, 1.0)[..., None]
-        lse = jnp.where(has_key, m + jnp.log(jnp.where(has_key, l, 1.0)), -jnp.inf)
+        out, lse = online_softmax_result(m, l, acc)
         return view.expand_q(out.astype(out_dtype or q.dtype)), view.expand_q(lse)
 
     if mask.q_tiles is not None:  # tiles of rows aligned to the key runs
@@ -357,20 +367,8 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
             kb, vb = gathered.read_kv(bi, k0, block_k, 0, U)
         kb, vb = (zero_invalid_keys(x, k0, kl, kvb) for x in (kb, vb))
         ql = None if q_len is None else q_len[bi]
-        hi = nq if kl is None else jnp.where(k0 < jnp.max(kl), nq, 0)
-        if ql is not None:  # query blocks wholly past the valid rows are skipped
-            hi = jnp.minimum(hi, cdiv(jnp.max(ql), block_q))
-        if is_causal:
-            lo = block_floor(k_offset + k0 - q_offset, block_q, nq)
-            # Query blocks whose first query sees the whole key block need no causal mask.
-            full_lo = jnp.clip(cdiv(k_offset + k0 + block_k - 1 - q_offset, block_q), lo, nq)
-        else:
-            lo = full_lo = 0
-        if window is not None:  # only the query blocks that meet the band, all masked
-            left, right = pairwise.band(window)
-            lo = jnp.maximum(lo, block_floor(k_offset + k0 - right - q_offset, block_q, nq))
-            hi = jnp.minimum(hi, block_floor(k_offset + k0 + block_k - 1 + left - q_offset,
-                                              block_q, nq - 1) + 1)
+        lo, full_lo, hi = query_blocks(k0, block_q, block_k, nq, kl, ql, q_offset, k_offset,
+                                       is_causal, window)
         q_base, inner = None, None
         if ranged:  # only the query rows that may attend this key block, masked unless
             # inside every key's (exact) query range
