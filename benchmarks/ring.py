@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from dilax import dilated_attention, sharded_dilated_attention
+from dilax import SequenceParallel, dilated_attention
 from tools.gpu.hlo import collective_permute_bytes
 
 
@@ -83,8 +83,9 @@ def rows(
             mesh = jax.make_mesh((P,), ("sp",), axis_types=(AxisType.Auto,),
                                  devices=jax.devices()[:P])
             sharding = NamedSharding(mesh, PartitionSpec(None, "sp"))
-            fn = jax.jit(lambda q, k, v, mesh=mesh: sharded_dilated_attention(
-                q, k, v, ws, rs, mesh=mesh, is_causal=is_causal), in_shardings=(sharding,) * 3)
+            fn = jax.jit(lambda q, k, v, mesh=mesh: dilated_attention(
+                q, k, v, ws, rs, is_causal=is_causal,
+                sequence_parallel=SequenceParallel(mesh, "sp")), in_shardings=(sharding,) * 3)
             args = [jax.device_put(x, sharding) for x in inputs]
         compiled = fn.lower(*args).compile()
         # Training step (gradients of a scalar w.r.t. q, k, v): compiled for memory only.
@@ -99,7 +100,7 @@ def rows(
             times.append((time.perf_counter() - t0) * 1e3)
         out.append(dict(
             name="ring", P=P, n=n,
-            impl="sharded_dilated_attention" if P > 1 else "dilated_attention",
+            impl="dilated_attention(sequence_parallel=)" if P > 1 else "dilated_attention",
             ms_median=statistics.median(times),
             memory_bytes_per_device=_memory(compiled),
             train_step_memory_bytes_per_device=train_bytes,

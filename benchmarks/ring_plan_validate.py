@@ -1,10 +1,10 @@
 """Checks the ring plan's model (:mod:`benchmarks.ring_model`) against compiled programs.
 
 Compiles the forward and the training step (grad of ``sum(out)`` w.r.t. q, k, v, as
-:mod:`benchmarks.ring` does) of ``sharded_dilated_attention`` on 8..64 fake host devices (one
-child process with ``--xla_force_host_platform_device_count``; nothing is run) and compares
-``memory_analysis`` (temp + argument + output - alias) and the collective-permute bytes of
-the optimized HLO with the model.
+:mod:`benchmarks.ring` does) of ``dilated_attention(..., sequence_parallel=)`` on 8..64 fake
+host devices (one child process with ``--xla_force_host_platform_device_count``; nothing is
+run) and compares ``memory_analysis`` (temp + argument + output - alias) and the
+collective-permute bytes of the optimized HLO with the model.
 """
 
 from __future__ import annotations
@@ -27,14 +27,15 @@ import jax, jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from tools.gpu.hlo import collective_permute_bytes
 from benchmarks.ring_plan_validate import live_peak
-from dilax import sharded_dilated_attention
+from dilax import SequenceParallel, dilated_attention
 for case in json.loads(sys.argv[1]):
     P, n = case["P"], case["n"]
     ws, rs = tuple(case["ws"]), tuple(case["rs"])
     mesh = jax.make_mesh((P,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:P])
     sh = NamedSharding(mesh, PartitionSpec(None, "sp"))
     dt = jnp.dtype(case["dtype"])
-    f = lambda q, k, v: sharded_dilated_attention(q, k, v, ws, rs, mesh=mesh, is_causal=True)
+    f = lambda q, k, v: dilated_attention(q, k, v, ws, rs, is_causal=True,
+                                          sequence_parallel=SequenceParallel(mesh, "sp"))
     if case["train"]:
         f = jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32)),
                      argnums=(0, 1, 2))

@@ -8,7 +8,7 @@ LONG_CONTEXT = [
 Dilated attention costs `n * w / r` (query, key) pairs per branch and head — linear in `n` — and
 dilax never materializes anything `n x n`, so a quarter-million-token sequence fits in a few
 hundred MiB on a laptop CPU. The second half splits a sequence over 8 devices with
-`dilax.sharded_dilated_attention` and checks it against the single-device op.
+`dilax.dilated_attention(..., sequence_parallel=)` and checks it against the single-device op.
 
 The notebook kernel is a fresh process, so the first cell asks XLA for 8 host (CPU) devices
 *before* jax is imported. On a machine with 8 accelerators, leave the flag out.
@@ -85,7 +85,8 @@ assert err < 1e-5
     ("md", """
 ## Ring attention on 8 devices
 
-`sharded_dilated_attention` shards the sequence axis over the mesh axis `"sp"`: each device holds
+`dilated_attention(..., sequence_parallel=dilax.SequenceParallel(mesh, "sp"))` shards the
+sequence axis over the mesh axis `"sp"`: each device holds
 `n / 8` consecutive positions. Branches whose segments fit in one shard run locally; longer
 ones pass dilated K/V blocks around the devices that share a segment (`lax.ppermute`). The
 result equals the single-device op on the gathered arrays.
@@ -98,8 +99,8 @@ n_ring = 16_384
 ring_cfg = dict(segment_lengths=(1024, 16_384), dilation_rates=(1, 4), is_causal=True)
 qr, kr, vr = q[:, :n_ring], k[:, :n_ring], v[:, :n_ring]
 
-ring = jax.jit(functools.partial(dilax.sharded_dilated_attention, mesh=mesh, seq_axis="sp",
-                                 **ring_cfg))
+ring = jax.jit(functools.partial(dilax.dilated_attention, **ring_cfg,
+                                 sequence_parallel=dilax.SequenceParallel(mesh, "sp")))
 single = jax.jit(functools.partial(dilax.dilated_attention, **ring_cfg))
 per_device = memory_report(ring, qr, kr, vr)  # compiles; the calls below reuse it
 one_device = memory_report(single, qr, kr, vr)

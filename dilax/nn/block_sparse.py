@@ -52,8 +52,8 @@ class BlockSparseAttention(nnx.Module):
         :func:`dilax.block_sparse_attention`).
       sequence_parallel: a :class:`dilax.SequenceParallel` (mesh and axes,
         ``layout="contiguous"``) to run as ring block-sparse attention over the devices
-        (:func:`dilax.sharded_block_sparse_attention`; ``implementation`` None, ``"xla"``
-        or ``"pallas"`` runs its hops); None: one device.
+        (``dilax.block_sparse_attention(..., sequence_parallel=)``; ``implementation`` None,
+        ``"xla"`` or ``"pallas"`` runs its hops); None: one device.
 
     ``__call__(q, k, v)`` returns ``(b, n, h, d)`` in ``q.dtype``.
 
@@ -64,7 +64,7 @@ class BlockSparseAttention(nnx.Module):
         (``"reference"``) with ``sequence_parallel``; a zigzag
         ``sequence_parallel.layout``; at call time, the errors of
         :func:`dilax.block_sparse_attention` (shapes, pattern that does not fit ``n``) or
-        :func:`dilax.sharded_block_sparse_attention` (mesh divisibility).
+        ``dilax.block_sparse_attention(..., sequence_parallel=)`` (mesh divisibility).
     """
 
     def __init__(self, pattern: BlockSparsePattern, *, is_causal: bool = False,

@@ -27,7 +27,7 @@ class SequenceParallel:
       mesh: the device mesh.
       seq_axis: mesh axis the sequence is split over (``n`` must be divisible by its size).
       batch_axis: optional mesh axis the batch is split over.
-      layout: ``"contiguous"`` or ``"zigzag"`` (see :func:`dilax.sharded_dilated_attention`).
+      layout: ``"contiguous"`` or ``"zigzag"`` (see :func:`dilax.ring_dilated_attention`).
 
     Raises:
       TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.

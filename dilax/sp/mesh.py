@@ -1,7 +1,7 @@
 """The mesh side of both rings: axis size, mesh/axis checks and the ``shard_map`` around them.
 
-Shared by :func:`dilax.sharded_dilated_attention` and
-:func:`dilax.sharded_block_sparse_attention` (global view) and their per-device ops (inside
+Shared by ``dilated_attention(..., sequence_parallel=)`` and
+``block_sparse_attention(..., sequence_parallel=)`` (global view) and their per-device ops (inside
 ``shard_map``), so that both rings accept the same meshes and fail with the same messages.
 """
 

@@ -205,13 +205,13 @@ def _ring(kind, *, n=16384, h=8, hk=2, d=64, dtype="bfloat16", grad=True, impl=N
                 return dilax.dilated_attention(
                     q, k, v, (2048, 4096, 16384), (1, 2, 4), is_causal=True,
                     implementation=impl, sequence_parallel=dilax.SequenceParallel(mesh, "sp"))
+            sp = dilax.SequenceParallel(mesh, "sp")
             if kind == "dilated":
-                return dilax.sharded_dilated_attention(q, k, v, (2048, 4096, 16384), (1, 2, 4),
-                                                       mesh=mesh, seq_axis="sp",
-                                                       is_causal=True)
-            return dilax.sharded_block_sparse_attention(
-                q, k, v, patterns.local_window(n, 128, 256), mesh=mesh, seq_axis="sp",
-                is_causal=True, implementation=impl)
+                return dilax.dilated_attention(q, k, v, (2048, 4096, 16384), (1, 2, 4),
+                                               is_causal=True, sequence_parallel=sp)
+            return dilax.block_sparse_attention(
+                q, k, v, patterns.local_window(n, 128, 256), is_causal=True,
+                implementation=impl, sequence_parallel=sp)
 
         return f, _qkv(1, n, h, hk, d, dtype), grad
 
