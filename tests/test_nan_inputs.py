@@ -89,3 +89,13 @@ def test_an_infinite_value_acts_like_nan_blockwise_and_reaches_every_query_on_th
     np.testing.assert_array_equal(~np.isfinite(out["xla"]).all(-1),
                                   _poisoned("v", 10, ws, rs, True, "xla"))
     assert not np.isfinite(out["reference"]).any(-1).any()
+
+
+def test_dense_reference_keeps_the_reference_rule_for_a_causal_nan_value():
+    """dot_product_attention's dense reference shares the dilated one's softmax
+    (dilax.reference.dense_attention): a NaN value reaches exactly the queries that attend it."""
+    q, k, v = _qkv()
+    out = dilax.dot_product_attention(q, k, v.at[0, 10].set(jnp.nan), is_causal=True,
+                                      implementation="reference")
+    got = ~np.isfinite(np.asarray(out)[0]).all(-1)
+    np.testing.assert_array_equal(got, _attending(10, (N,), (1,), True))

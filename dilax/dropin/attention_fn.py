@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from dilax import _validation as V
 from dilax.dilated.api import dilated_attention
 from dilax.dilated.settings import DilatedSettings
-from dilax.semantics import dilated_counts, window_mask
+from dilax.reference import masked_softmax
+from dilax.semantics import dilated_counts
 
 _OPTIONS = ("mode", "is_causal", "scale", "implementation", "block_sizes")
 
@@ -211,26 +212,16 @@ def dilated_weights(q: jax.Array, k: jax.Array, key_valid: jax.Array | None,
     """The attention weights ``P (b, h, n, n)`` float32 of :func:`dilax.dilated_attention`
     on ``q (b, n, h, d)``, ``k (b, n, hk, d)``: ``out = sum_t P[., p, t] v_t`` (mixture: the
     branch multiplicities ``C`` of the SPEC weight ``e^s``; grouped: divided by the number of
-    branches). Materialized only for inspection (``sow_weights=True``): O(n^2) memory."""
-    b, n, h, d = q.shape
+    branches). Materialized only for inspection (``sow_weights=True``): O(n^2) memory; the
+    softmax is :func:`dilax.reference.masked_softmax`."""
+    n, h, d = q.shape[1:]
     ws, rs, mode = settings.segment_lengths, settings.dilation_rates, settings.mode
-    counts = dilated_counts(n, h, ws, rs, mode, settings.is_causal)  # (h, n, n)
-    if settings.local_window is not None:  # one more branch: +1 where the band allows
-        counts = counts + window_mask(n, settings.local_window, settings.is_causal)[None]
-    counts = jnp.asarray(counts)[None]  # (1, h, n, n)
+    counts = jnp.asarray(dilated_counts(n, h, ws, rs, mode, settings.is_causal,
+                                        settings.local_window))[None]  # (1, h, n, n)
     if key_valid is not None:
         counts = jnp.where(key_valid[:, None, None, :], counts, 0.0)
-    scale = settings.scale_for(d)
-    kr = jnp.repeat(k, h // k.shape[2], axis=2)
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, kr, preferred_element_type=jnp.float32,
-                   precision=jax.lax.Precision.HIGHEST) * scale
-    allowed = counts > 0
-    s = jnp.where(allowed, s + jnp.log(jnp.where(allowed, counts, 1.0)), -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    e = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))  # masked: exp(-inf) = 0, no NaN
-    den = jnp.sum(e, axis=-1, keepdims=True)
-    groups = len(ws) if mode == "grouped" else 1
-    return e / (jnp.where(den > 0, den, 1.0) * groups)
+    p, _ = masked_softmax(q, k, counts, settings.scale_for(d))
+    return p / len(ws) if mode == "grouped" else p
 
 
 def sow_weights(module: Any, weights: jax.Array) -> None:

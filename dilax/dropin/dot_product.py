@@ -20,8 +20,7 @@ from dilax import registry
 from dilax.attention_mask import check_segment_ids, document_bounds
 from dilax.core import Core, Mask, attention, identity_view
 from dilax.dilated.settings import DilatedSettings
-
-_F32 = jnp.float32
+from dilax.reference import dense_attention
 
 
 def _ensure_4d(x: jax.Array) -> jax.Array:
@@ -228,15 +227,11 @@ def _dense(q, k, v, bias, mask, q_len, kv_len, segment_ids, *, scale: float, is_
 
 
 def _reference(q, k, v, bias, mask, q_len, kv_len, scale, is_causal, window,
-               segment_ids=None):
-    """Dense mask-based attention: the ``(B, N, T, S)`` logits, masked with ``-inf``; rows
-    that see no key give ``out = 0``, ``lse = -inf`` (and zero gradient)."""
-    T, N, S, K = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
-    kr, vr = (jnp.repeat(x, N // K, axis=2) for x in (k, v))
-    s = jnp.einsum("btnh,bsnh->bnts", q, kr, preferred_element_type=_F32,
-                   precision=jax.lax.Precision.HIGHEST) * scale
-    if bias is not None:
-        s = s + bias.astype(_F32)
+               segment_ids=None) -> tuple[jax.Array, jax.Array]:
+    """Dense mask-based attention (:func:`dilax.reference.dense_attention` on the allowed
+    ``(B, N or 1, T, S)`` pairs): rows that see no key give ``out = 0``, ``lse = -inf`` (and
+    zero gradient)."""
+    T, S = q.shape[1], k.shape[1]
     i = jnp.arange(T)[None, None, :, None]  # rank 4 throughout: no implicit rank promotion
     t = jnp.arange(S)[None, None, None, :]
     allowed = jnp.ones((1, 1, T, S), bool)
@@ -255,15 +250,7 @@ def _reference(q, k, v, bias, mask, q_len, kv_len, scale, is_causal, window,
             [jnp.zeros_like(segment_ids[:, :1]),
              (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(segment_ids.dtype)], 1), 1)
         allowed = allowed & (change[:, None, :, None] == change[:, None, None, :])
-    s = jnp.where(allowed, s, -jnp.inf)
-    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.exp(s - m)
-    den = jnp.sum(e, axis=-1, keepdims=True)
-    p = e / jnp.where(den > 0, den, 1.0)
-    out = jnp.einsum("bnts,bsnh->btnh", p, vr.astype(_F32), precision=jax.lax.Precision.HIGHEST)
-    lse = jnp.where(den > 0, jnp.log(jnp.where(den > 0, den, 1.0)) + m, -jnp.inf)
-    return out.astype(q.dtype), jnp.moveaxis(lse[..., 0], 1, 2)
+    return dense_attention(q, k, v, allowed, scale, bias)
 
 
 def _dilated(q, k, v, bias, mask, q_len, kv_len, window, return_residual, segment_lengths,
