@@ -15,7 +15,28 @@ import jax.numpy as jnp
 
 from dilax import _validation as V
 
-__all__ = ["AttentionMask", "document_bounds", "document_positions"]
+__all__ = ["AttentionMask", "document_bounds", "document_positions", "take_attention_mask"]
+
+
+def take_attention_mask(attention_mask: Any, mask: Any, op: str) -> Any:
+    """The :class:`AttentionMask` of a call to ``op``: ``attention_mask=``, or the old spelling
+    ``mask=``, which still works with a ``DeprecationWarning``. In dilax as in jax.nn and Flax,
+    ``mask=`` means a dense boolean array; an ``AttentionMask`` is ``attention_mask=``."""
+    if mask is None:
+        return attention_mask
+    if not isinstance(mask, AttentionMask):
+        raise TypeError(f"{op}: mask= takes no {type(mask).__name__}; pass a "
+                        f"dilax.AttentionMask as attention_mask= (a dense boolean (B, N, T, S) "
+                        f"mask is dilax.dot_product_attention's mask=)")
+    if attention_mask is not None:
+        raise TypeError(f"{op}: give the AttentionMask once, as attention_mask= (mask= is its "
+                        f"deprecated spelling)")
+    import warnings
+
+    warnings.warn(f"{op}(mask=AttentionMask) is deprecated: pass it as attention_mask= (mask= "
+                  f"means a dense boolean array, as in jax.nn and Flax)", DeprecationWarning,
+                  stacklevel=3)
+    return mask
 
 
 def check_segment_ids(segment_ids: Any, batch: int, n: int) -> jax.Array | None:

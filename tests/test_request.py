@@ -134,14 +134,14 @@ def test_mask_is_a_pytree_built_once_and_combinable():
 
 
 def test_mask_value_equals_keywords_and_reference():
-    """``mask=`` (an ``&`` of two masks) gives the program of the keywords (bitwise) and the
-    values of the float64 oracle of the mask-based definition."""
+    """``attention_mask=`` (an ``&`` of two masks) gives the program of the keywords (bitwise)
+    and the values of the float64 oracle of the mask-based definition."""
     q, k, v, _ = _qkv(n=32)
     s = DilatedSettings((8, 32), (1, 2))
     kpm = jnp.asarray(np.arange(32)[None].repeat(2, 0) % 5 != 3)
     mask = (AttentionMask.build(q, query_seq_lengths=[20, 32])
             & AttentionMask.build(q, is_causal=True, key_padding_mask=kpm))
-    got = dilax.dilated_attention(q, k, v, settings=s, mask=mask)
+    got = dilax.dilated_attention(q, k, v, settings=s, attention_mask=mask)
     kw = dilax.dilated_attention(q, k, v, (8, 32), (1, 2), is_causal=True,
                                  query_seq_lengths=jnp.array([20, 32]), key_padding_mask=kpm)
     np.testing.assert_array_equal(got, kw)
@@ -151,10 +151,19 @@ def test_mask_value_equals_keywords_and_reference():
                * (np.arange(32)[None] < np.array([[20], [32]]))[:, None, :, None]
                * np.asarray(kpm)[:, None, None, :])
     assert_scaled_close(got, oracle_attention(q, k, v, weights, 8 ** -0.5).out, FP32)
-    with pytest.raises(TypeError, match="either as mask= or as keywords"):
-        dilax.dilated_attention(q, k, v, settings=s, mask=mask, key_padding_mask=kpm)
+    # mask= is the deprecated spelling of attention_mask= (the same program); a dense boolean
+    # array there (jax.nn's and Flax's mask=) is refused by name
+    with pytest.warns(DeprecationWarning, match="pass it as attention_mask="):
+        old = dilax.dilated_attention(q, k, v, settings=s, mask=mask)
+    np.testing.assert_array_equal(old, got)
+    with pytest.raises(TypeError, match="pass a dilax.AttentionMask as attention_mask="):
+        dilax.dilated_attention(q, k, v, settings=s, mask=np.ones((2, 1, 32, 32), bool))
+    with pytest.raises(TypeError, match="give the AttentionMask once"):
+        dilax.dilated_attention(q, k, v, settings=s, mask=mask, attention_mask=mask)
+    with pytest.raises(TypeError, match="either as attention_mask= or as keywords"):
+        dilax.dilated_attention(q, k, v, settings=s, attention_mask=mask, key_padding_mask=kpm)
     with pytest.raises(ValueError, match=r"mask.query_seq_lengths must have shape \(b,\)"):
-        dilax.dilated_attention(q[:1], k[:1], v[:1], settings=s, mask=mask)
+        dilax.dilated_attention(q[:1], k[:1], v[:1], settings=s, attention_mask=mask)
 
 
 # -- validated once ------------------------------------------------------------------------
@@ -255,7 +264,7 @@ def test_sequence_parallel_with_lengths_and_window_equals_oracle():
     @jax.jit
     def run(q, k, v, g, mask):  # the mask is a pytree: its lengths are traced
         out, vjp = jax.vjp(lambda q, k, v: dilax.dilated_attention(
-            q, k, v, settings=settings, mask=mask, sequence_parallel=sp), q, k, v)
+            q, k, v, settings=settings, attention_mask=mask, sequence_parallel=sp), q, k, v)
         return out, vjp(g)
 
     for q_len, kv_len in (([37, 64], [50, 20]), ([64, 5], [0, 64])):
@@ -335,13 +344,14 @@ def test_modules_take_settings_and_mask_values():
     q, k, v, _ = _qkv(n=32, seed=3)
     s = DilatedSettings((8, 32), (1, 2), is_causal=True)
     mask = AttentionMask.build(q, query_seq_lengths=[30, 17])
-    want = dilax.dilated_attention(q, k, v, settings=s, mask=mask)
-    np.testing.assert_array_equal(DilatedAttention(settings=s)(q, k, v, mask=mask), want)
+    want = dilax.dilated_attention(q, k, v, settings=s, attention_mask=mask)
+    np.testing.assert_array_equal(
+        DilatedAttention(settings=s)(q, k, v, attention_mask=mask), want)
     with pytest.raises(TypeError, match="settings= holds the whole configuration"):
         DilatedAttention((8,), (1,), settings=s)
     x = jax.random.normal(jax.random.PRNGKey(4), (2, 32, 16))
     by_value = MultiheadDilatedAttention(16, 4, settings=s, rngs=nnx.Rngs(0))
     by_keywords = MultiheadDilatedAttention(16, 4, (8, 32), (1, 2), rngs=nnx.Rngs(0))
     np.testing.assert_array_equal(
-        by_value(x, mask=mask),
+        by_value(x, attention_mask=mask),
         by_keywords(x, is_causal=True, query_seq_lengths=jnp.array([30, 17])))

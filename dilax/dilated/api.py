@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from dilax import _validation as V
-from dilax.attention_mask import AttentionMask, document_bounds
+from dilax.attention_mask import AttentionMask, document_bounds, take_attention_mask
 from dilax.batch_dims import fold_batch_dims
 from dilax.branch.plan import dilated_branches, window_plan
 from dilax.branch.runner import CoreBranch, attend_branches
@@ -85,9 +85,10 @@ def dilated_attention(
     local_window: int | None = None,
     key_padding_mask: jax.Array | None = None,
     settings: DilatedSettings | None = None,
-    mask: AttentionMask | None = None,
+    attention_mask: AttentionMask | None = None,
     sequence_parallel: SequenceParallel | None = None,
     segment_ids: jax.Array | None = None,
+    mask: AttentionMask | None = None,
 ) -> jax.Array:
     """Dilated attention (LongNet), exactly as specified in docs/semantics.md.
 
@@ -133,7 +134,7 @@ def dilated_attention(
         XLA core or the Pallas kernels (cuDNN has no per-key mask).
       settings: a :class:`dilax.DilatedSettings` holding the whole configuration (then
         ``segment_lengths`` ... ``local_window`` must be left out).
-      mask: a :class:`dilax.AttentionMask` (then ``query_seq_lengths``,
+      attention_mask: a :class:`dilax.AttentionMask` (then ``query_seq_lengths``,
         ``key_value_seq_lengths`` and ``key_padding_mask`` must be left out); its
         ``is_causal`` or ``is_causal`` here makes the call causal.
       segment_ids: optional int ``(b, n)``: packed documents. A document is a maximal run of
@@ -146,7 +147,9 @@ def dilated_attention(
         sequence split over ``sequence_parallel.mesh`` (each hop on the core the registry
         picks, as for the branches: Pallas on GPU; no ``key_padding_mask``;
         ``n`` divisible by the ``seq_axis`` size, ``local_window`` at most ``n/P``, see
-        :func:`dilax.sp.ring_dilated_attention`). Same result, forward and backward.
+        :func:`dilax.ring_dilated_attention`). Same result, forward and backward.
+      mask: the deprecated spelling of ``attention_mask`` (warns). ``mask=`` means a dense
+        boolean array in jax.nn and Flax (:func:`dilax.dot_product_attention`'s ``mask``).
 
     Returns:
       ``(b, n, h, d)`` in ``q.dtype``. Queries selected by no branch (or past their row's
@@ -165,7 +168,8 @@ def dilated_attention(
     q, k, v, rows, unfold = fold_batch_dims(
         q, k, v, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, key_padding_mask=key_padding_mask,
-        segment_ids=segment_ids, mask=mask)
+        segment_ids=segment_ids,
+        mask=take_attention_mask(attention_mask, mask, "dilated_attention"))
     q, k, v, mask, settings = check_dilated_request(
         q, k, v, settings, empty_batch=sequence_parallel is None, **rows)
     if sequence_parallel is not None:

@@ -122,10 +122,11 @@ def check_dilated_request(q: Any, k: Any, v: Any, settings: DilatedSettings,
     else:
         given = sorted(name for name in _MASK_KEYWORDS if mask_keywords.get(name) is not None)
         if given:
-            raise TypeError(f"give the mask either as mask= or as keywords, got mask= and "
-                            f"{given}")
+            raise TypeError(f"give the mask either as attention_mask= or as keywords, got "
+                            f"attention_mask= and {given}")
         if not isinstance(mask, AttentionMask):
-            raise TypeError(f"mask must be a dilax.AttentionMask, got {type(mask).__name__}")
+            raise TypeError(f"attention_mask must be a dilax.AttentionMask, got "
+                            f"{type(mask).__name__}")
         mask = mask.check_fits(q, seq_len=seq_len)
     if mask.is_causal:
         settings = settings.causal()

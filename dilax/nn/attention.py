@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dilax import _validation as V
-from dilax.attention_mask import AttentionMask
+from dilax.attention_mask import AttentionMask, take_attention_mask
 from dilax.core import BlockSizes
 from dilax.dilated.api import dilated_attention
 from dilax.dilated.decode import KVCache, dilated_attention_decode
@@ -57,7 +57,7 @@ class DilatedAttention(nnx.Module):
         (``segment_lengths`` ... ``local_window`` then left out).
 
     ``__call__(q, k, v, *, is_causal=None, query_seq_lengths=None,
-    key_value_seq_lengths=None, mask=None, segment_ids=None)`` takes ``q (b, n, h, d)``,
+    key_value_seq_lengths=None, attention_mask=None, segment_ids=None)`` takes ``q (b, n, h, d)``,
     ``k``/``v (b, n, hk, d)`` with ``h % hk == 0`` and optional int ``(b,)`` valid lengths
     (padding, as in :func:`dilax.dilated_attention`) or a :class:`dilax.AttentionMask`, and
     optional int ``segment_ids (b, n)`` (packed documents: each maximal run of equal ids is
@@ -100,15 +100,17 @@ class DilatedAttention(nnx.Module):
         self, q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool | None = None,
         query_seq_lengths: jax.Array | None = None,
         key_value_seq_lengths: jax.Array | None = None,
-        mask: AttentionMask | None = None,
+        attention_mask: AttentionMask | None = None,
         segment_ids: jax.Array | None = None,
+        mask: AttentionMask | None = None,
     ) -> jax.Array:
+        attention_mask = take_attention_mask(attention_mask, mask, "DilatedAttention")
         settings = self.settings
         if is_causal is not None and V.check_bool(is_causal, "is_causal") != settings.is_causal:
             settings = settings.replace(is_causal=is_causal)
         return dilated_attention(
             q, k, v, settings=settings, query_seq_lengths=query_seq_lengths,
-            key_value_seq_lengths=key_value_seq_lengths, mask=mask,
+            key_value_seq_lengths=key_value_seq_lengths, attention_mask=attention_mask,
             sequence_parallel=self.sequence_parallel, segment_ids=segment_ids)
 
     # --- KV-cache decoding -------------------------------------------------------------
@@ -206,15 +208,17 @@ class MultiheadDilatedAttention(nnx.Module):
         rngs: nnx.Rngs | None = None,
         query_seq_lengths: jax.Array | None = None,
         key_value_seq_lengths: jax.Array | None = None,
-        mask: AttentionMask | None = None,
+        attention_mask: AttentionMask | None = None,
         segment_ids: jax.Array | None = None,
+        mask: AttentionMask | None = None,
     ) -> jax.Array:
         """``query (b, n, E)``, ``key``/``value (b, n, E)`` (default: ``query``, and ``value``
         defaults to ``key``) -> ``(b, n, E)``. ``query_seq_lengths``,
         ``key_value_seq_lengths``: optional int ``(b,)`` (padding; see
         :func:`dilax.dilated_attention`): the attention output is 0 on query rows past their
-        length (the output projection's bias still applies there). ``mask``: a
-        :class:`dilax.AttentionMask` instead of the lengths. ``segment_ids``: optional int
+        length (the output projection's bias still applies there). ``attention_mask``: a
+        :class:`dilax.AttentionMask` instead of the lengths (``mask=``: its deprecated
+        spelling; in Flax ``mask=`` is a dense boolean array). ``segment_ids``: optional int
         ``(b, n)``, packed documents (no query attends a key of another document; see
         :func:`dilax.dilated_attention`)."""
         q, k, v = project_qkv(self, query, key, value)
@@ -222,7 +226,9 @@ class MultiheadDilatedAttention(nnx.Module):
         causal = None if is_causal is False else is_causal
         x = self.attention(q, k, v, is_causal=causal, query_seq_lengths=query_seq_lengths,
                            key_value_seq_lengths=key_value_seq_lengths,
-                           mask=mask, segment_ids=segment_ids).reshape(query.shape)
+                           attention_mask=take_attention_mask(
+                               attention_mask, mask, "MultiheadDilatedAttention"),
+                           segment_ids=segment_ids).reshape(query.shape)
         return output_projection(self, self.dropout(x, deterministic=deterministic, rngs=rngs))
 
     # --- KV-cache decoding -------------------------------------------------------------
