@@ -59,7 +59,7 @@ from tools.gpu.hlo import program_counts
 from tools.gpu.report import kernel_resources, markdown, ptxas_path, roofline
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SPEC_DIR = os.path.join(HERE, "gpu_targets")
+SPEC_DIR = os.path.join(HERE, "targets")
 ENV = {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
 
 
