@@ -59,6 +59,7 @@ from tools.gpu.hlo import program_counts
 from tools.gpu.report import kernel_resources, markdown, ptxas_path, roofline
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
 SPEC_DIR = os.path.join(HERE, "targets")
 ENV = {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
 
@@ -192,7 +193,7 @@ def run(targets: list[str], out_dir: str, only: str | None = None, jobs: int = 2
     t0 = time.time()
     env = dict(os.environ, **ENV)
     env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.dirname(HERE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        [REPO] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     items = work_items(targets, only)
     jobs = max(1, min(jobs, len(items)))
     tmp = tempfile.mkdtemp(prefix="dilax-gpu-compile-")
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--targets", default="h100,a100", help="comma-separated: h100,a100")
     p.add_argument("--only", default=None, help="only cases whose name contains this")
     p.add_argument("--jobs", type=int, default=2, help="compiling processes")
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
