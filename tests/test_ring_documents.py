@@ -225,3 +225,205 @@ def test_ring_documents_refusals():
     with pytest.raises(ValueError, match="segment_ids on the ring need layout='contiguous'"):
         trace(lambda q, k, v, s: ops["ring_dilated"](q, k, v, segment_ids=s, layout="zigzag"),
               ids)
+
+
+# -- 2. every op x every mask field ---------------------------------------------------------
+
+FIELDS = ("query_seq_lengths", "key_value_seq_lengths", "key_padding_mask", "segment_ids",
+          "is_causal")
+_KEY_VALID = np.random.default_rng(5).random((2, N)) < 0.7
+ACTIVE = {"query_seq_lengths": np.array([37, 50], np.int32),
+          "key_value_seq_lengths": np.array([45, 29], np.int32),
+          "key_padding_mask": _KEY_VALID, "segment_ids": _ids("A")}
+NEUTRAL = {"query_seq_lengths": np.full(2, N, np.int32),
+           "key_value_seq_lengths": np.full(2, N, np.int32),
+           "key_padding_mask": np.ones((2, N), bool), "segment_ids": np.zeros((2, N), np.int32)}
+SPARSE = patterns.random(N, 8, 0.5, seed=3, num_heads=H)
+TOP_K = 3
+
+
+def _dilated_base(q, k, ids, q_len, kv_len, causal):
+    return _dilated_weights(ids, causal)
+
+
+def _sparse_base(q, k, ids, q_len, kv_len, causal):
+    return _sparse_weights(SPARSE, ids, causal)
+
+
+def _dense_base(q, k, ids, q_len, kv_len, causal):
+    w = np.tril(np.ones((N, N))) if causal else np.ones((N, N))
+    w = np.broadcast_to(w, (2, H, N, N))
+    return w if ids is None else w * _same_run(ids)
+
+
+def _adaptive_base(q, k, ids, q_len, kv_len, causal):
+    """The blocks ``content_adaptive_selection`` picks (with the same lengths), per kv head."""
+    idx, cnt = dilax.block_sparse.content_adaptive.content_adaptive_selection(
+        q, k, 8, TOP_K, is_causal=causal, query_seq_lengths=q_len, key_value_seq_lengths=kv_len)
+    idx, cnt = np.asarray(idx), np.asarray(cnt)
+    nb = N // 8
+    blocks = np.zeros((2, HK, nb, nb), bool)
+    for b, c, i in np.ndindex(2, HK, nb):
+        blocks[b, c, i, idx[b, c, i, :cnt[b, c, i]]] = True
+    w = np.repeat(np.repeat(np.repeat(blocks, H // HK, axis=1), 8, axis=2), 8, axis=3)
+    return w * (np.tril(np.ones((N, N))) if causal else 1.0)
+
+
+def _in_shard_map(body, specs):
+    return jax.shard_map(body, mesh=_mesh(), in_specs=(SHARD,) * 3 + specs, out_specs=SHARD)
+
+
+def _sp():
+    return dilax.SequenceParallel(_mesh(), seq_axis="sp")
+
+
+def _ring_dilated(q, k, v, query_seq_lengths, key_value_seq_lengths, segment_ids):
+    def body(q, k, v, ql, kl, ids):
+        mask = dilax.AttentionMask(query_seq_lengths=ql, key_value_seq_lengths=kl,
+                                   segment_ids=ids, is_causal=True)
+        return dilax.ring_dilated_attention(q, k, v, WS, RS, axis_name="sp", mask=mask)
+
+    return _in_shard_map(body, (PS(), PS(), SHARD))(q, k, v, query_seq_lengths,
+                                                    key_value_seq_lengths, segment_ids)
+
+
+def _ring_sparse(q, k, v, query_seq_lengths, key_value_seq_lengths, segment_ids):
+    def body(q, k, v, ql, kl, ids):
+        mask = dilax.AttentionMask(query_seq_lengths=ql, key_value_seq_lengths=kl,
+                                   segment_ids=ids, is_causal=True)
+        return dilax.ring_block_sparse_attention(q, k, v, SPARSE, axis_name="sp", mask=mask)
+
+    return _in_shard_map(body, (PS(), PS(), SHARD))(q, k, v, query_seq_lengths,
+                                                    key_value_seq_lengths, segment_ids)
+
+
+def _ring_refusal(op):
+    """A per-device ring op given ``key_padding_mask`` (in its mask), traced in a shard_map."""
+    def call(q, k, v):
+        def body(q, k, v, kv):
+            return op(q, k, v, mask=dilax.AttentionMask(key_padding_mask=kv, is_causal=True))
+
+        return jax.eval_shape(_in_shard_map(body, (SHARD,)), q, k, v, NEUTRAL["key_padding_mask"])
+    return call
+
+
+_LENGTHS = ("query_seq_lengths", "key_value_seq_lengths")
+_NO_KPM = (TypeError, "key_padding_mask")  # no such keyword: Python names it
+# op: (fields it takes as data, the call, the oracle's weights, {field: (error, call)})
+OPS = {
+    "dilated_attention": (
+        (*_LENGTHS, "key_padding_mask", "segment_ids"),
+        lambda q, k, v, **f: dilax.dilated_attention(q, k, v, WS, RS, is_causal=True, **f),
+        _dilated_base, {}),
+    "dilated_attention(sequence_parallel=)": (
+        (*_LENGTHS, "segment_ids"),
+        lambda q, k, v, **f: dilax.dilated_attention(q, k, v, WS, RS, is_causal=True,
+                                                     sequence_parallel=_sp(), **f),
+        _dilated_base,
+        {"key_padding_mask": (ValueError, lambda q, k, v: dilax.dilated_attention(
+            q, k, v, WS, RS, is_causal=True, sequence_parallel=_sp(),
+            key_padding_mask=NEUTRAL["key_padding_mask"]))}),
+    "ring_dilated_attention": (
+        (*_LENGTHS, "segment_ids"), _ring_dilated, _dilated_base,
+        {"key_padding_mask": (ValueError, _ring_refusal(functools.partial(
+            dilax.ring_dilated_attention, segment_lengths=WS, dilation_rates=RS,
+            axis_name="sp")))}),
+    "block_sparse_attention": (
+        (*_LENGTHS, "segment_ids"),
+        lambda q, k, v, **f: dilax.block_sparse_attention(q, k, v, SPARSE, is_causal=True,
+                                                          implementation="xla", **f),
+        _sparse_base,
+        {"key_padding_mask": (TypeError, lambda q, k, v: dilax.block_sparse_attention(
+            q, k, v, SPARSE, key_padding_mask=NEUTRAL["key_padding_mask"]))}),
+    "block_sparse_attention(sequence_parallel=)": (
+        (*_LENGTHS, "segment_ids"),
+        lambda q, k, v, **f: dilax.block_sparse_attention(q, k, v, SPARSE, is_causal=True,
+                                                          sequence_parallel=_sp(), **f),
+        _sparse_base,
+        {"key_padding_mask": (TypeError, lambda q, k, v: dilax.block_sparse_attention(
+            q, k, v, SPARSE, sequence_parallel=_sp(),
+            key_padding_mask=NEUTRAL["key_padding_mask"]))}),
+    "ring_block_sparse_attention": (
+        (*_LENGTHS, "segment_ids"), _ring_sparse, _sparse_base,
+        {"key_padding_mask": (ValueError, _ring_refusal(functools.partial(
+            dilax.ring_block_sparse_attention, pattern=SPARSE, axis_name="sp")))}),
+    # key_padding_mask as jax's boolean mask (B, 1, 1, S)
+    "dot_product_attention": (
+        (*_LENGTHS, "key_padding_mask", "segment_ids"),
+        lambda q, k, v, key_padding_mask, **f: dilax.dot_product_attention(
+            q, k, v, mask=key_padding_mask[:, None, None, :], is_causal=True, **f),
+        _dense_base, {}),
+    # key_padding_mask as flax's (B, 1, 1, S) mask; is_causal as the module passes it
+    "attention_fn": (
+        ("key_padding_mask",),
+        lambda q, k, v, key_padding_mask: dilax.attention_fn(WS, RS)(
+            q, k, v, mask=key_padding_mask[:, None, None, :], is_causal=True),
+        _dilated_base,
+        {f: (TypeError, lambda q, k, v, f=f: dilax.attention_fn(WS, RS)(
+            q, k, v, **{f: NEUTRAL[f]})) for f in (*_LENGTHS, "segment_ids")}),
+    # a chunk of N new positions into an empty cache: the causal op's rows (always causal)
+    "dilated_attention_decode": (
+        ("query_seq_lengths",),
+        lambda q, k, v, **f: dilax.dilated_attention_decode(
+            q, k, v, dilax.KVCache.init(2, N, HK, D), WS, RS, **f)[0],
+        _dilated_base,
+        {f: (TypeError, lambda q, k, v, f=f: dilax.dilated_attention_decode(
+            q, k, v, dilax.KVCache.init(2, N, HK, D), WS, RS, **{f: NEUTRAL[f]}))
+         for f in ("key_value_seq_lengths", "key_padding_mask", "segment_ids")}),
+    "content_adaptive_attention": (
+        _LENGTHS,
+        lambda q, k, v, **f: dilax.content_adaptive_attention(q, k, v, 8, TOP_K,
+                                                              is_causal=True, **f),
+        _adaptive_base,
+        {f: (TypeError, lambda q, k, v, f=f: dilax.content_adaptive_attention(
+            q, k, v, 8, TOP_K, **{f: NEUTRAL[f]})) for f in ("key_padding_mask", "segment_ids")}),
+}
+# what each op does with each field: "honours" (matches the oracle) or "refuses" (raises)
+EXPECTED = {op: {f: "refuses" if f in spec[3] else "honours" for f in FIELDS}
+            for op, spec in OPS.items()}
+MATRIX: dict[str, dict[str, str]] = {}
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_every_op_honours_or_refuses_every_mask_field(op):
+    """Each field set alone (the others neutral, one compiled program): the op equals the
+    float64 oracle with the field (which differs from the oracle without it), or raises a
+    ValueError/TypeError naming the field. Every program is causal: ``is_causal`` is the run
+    with every field neutral, against the causal oracle (which differs from the non-causal
+    one)."""
+    takes, call, base, refused = OPS[op]
+    program = jax.jit(call)
+    q, k, v, _ = _data(20)
+    row = {}
+    for field in FIELDS:
+        if field in refused:
+            error, attempt = refused[field]
+            with pytest.raises(error, match=field):
+                attempt(q, k, v)
+            row[field] = "refuses"
+            continue
+        values = {**NEUTRAL, **({field: ACTIVE[field]} if field in ACTIVE else {})}
+        out = program(q, k, v, **{f: jnp.asarray(values[f]) for f in takes})
+        ids = ACTIVE["segment_ids"] if field == "segment_ids" else None
+        q_len, kv_len = (jnp.asarray(values[f]) if f in takes and f == field else None
+                         for f in _LENGTHS)
+
+        def weights(ids, q_len, kv_len, key_valid, causal=True):
+            w = base(q, k, ids, q_len, kv_len, causal)
+            return _with_fields(w, q_len, kv_len, key_valid)
+
+        key_valid = ACTIVE["key_padding_mask"] if field == "key_padding_mask" else None
+        want = _oracle(q, k, v, weights(ids, q_len, kv_len, key_valid))
+        without = _oracle(q, k, v, weights(None, None, None, None, field != "is_causal"))
+        assert np.max(np.abs(want.out - without.out)) > 0.05, f"{op}: {field} has no effect"
+        ERRORS[f"matrix {op} {field}"] = _check(out, None, want, f"{op} {field}")
+        row[field] = "honours"
+    MATRIX[op] = row
+    assert row == EXPECTED[op]
+
+
+def teardown_module(module):
+    for name, errs in ERRORS.items():
+        print(name, " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+    for op, row in MATRIX.items():
+        print(op, row)
