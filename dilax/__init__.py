@@ -33,7 +33,7 @@ _LAZY_SUBMODULES = ("data", "factory", "models", "nn", "sample", "train")
 _DEPRECATED = {
     "sharded_dilated_attention": ("dilax.dilated.ring", "dilated_attention(..., "
                                   "sequence_parallel=dilax.SequenceParallel(mesh, axis))"),
-    "sharded_block_sparse_attention": ("dilax.block_sparse.ring", "block_sparse_attention(..., "
+    "sharded_block_sparse_attention": ("dilax.block_sparse.api", "block_sparse_attention(..., "
                                        "sequence_parallel=dilax.SequenceParallel(mesh, axis))"),
 }
 

@@ -259,3 +259,32 @@ def test_block_sparse_documents_are_pattern_and_same_document():
     for got, exp, name in zip((out, *grads), (want.out, want.dq, want.dk, want.dv),
                               ("out", "dq", "dk", "dv")):
         assert_scaled_close(got, exp, FP32, err_msg=name)
+
+
+def test_block_sparse_documents_rows_in_several_steps(monkeypatch):
+    """The XLA path runs a few query blocks per step when the gathered keys would be large
+    (:func:`dilax.block_sparse.tables.sparse_attention_tables`); the documents of the rows of
+    every step are in row positions too (a step's first query block is not row 0). A row
+    budget of one byte forces one query block per step; forward and gradients by the oracle."""
+    from dilax import patterns
+    from dilax.block_sparse import tables
+    from dilax.block_sparse.api import block_sparse_attention_xla
+
+    monkeypatch.setattr(tables, "_ROW_BUDGET_BYTES", 1)
+    pattern = patterns.random(N, 8, 0.5, seed=4, num_heads=H)
+    q, k, v, g = _data(7)
+    ids = _ids()
+    doc = np.cumsum(np.concatenate([np.zeros((2, 1), bool), ids[:, 1:] != ids[:, :-1]], 1), 1)
+    weights = (np.asarray(pattern.expanded_mask(N, True))[None]
+               * (doc[:, None, :, None] == doc[:, None, None, :]))
+
+    def loss(q, k, v):
+        out = block_sparse_attention_xla(q, k, v, pattern, is_causal=True, scale=D ** -0.5,
+                                         segment_ids=jnp.asarray(ids))
+        return jnp.sum(out * g), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+    want = oracle.attention(q, k, v, weights, 1 / np.sqrt(D), g)
+    for got, exp, name in zip((out, *grads), (want.out, want.dq, want.dk, want.dv),
+                              ("out", "dq", "dk", "dv")):
+        assert_scaled_close(got, exp, FP32, err_msg=name)

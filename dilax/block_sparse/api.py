@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from dilax import _validation as V
 from dilax import registry
@@ -239,7 +241,8 @@ def block_sparse_attention(
         equal ids). The pattern is on row positions AND same document: query ``p`` attends
         key ``t`` iff the pattern allows it and both lie in one document. XLA core (the
         gathered keys of a row are in position order, so a document's keys are one run of
-        them) and the reference; not with ``sequence_parallel``.
+        them) and the reference; with ``sequence_parallel`` too (documents may cross shard
+        boundaries; the ring's hops on the XLA core).
       sequence_parallel: a :class:`dilax.SequenceParallel` (``layout="contiguous"``): run as
         ring block-sparse attention with the sequence split over ``sequence_parallel.mesh``
         (``n / P`` a multiple of ``pattern.block_size``; see
@@ -275,15 +278,12 @@ def block_sparse_attention(
     kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)
     segment_ids = check_segment_ids(segment_ids, b, n)
     if sequence_parallel is not None:
-        if segment_ids is not None:
-            raise ValueError("segment_ids are not supported by block-sparse attention with "
-                             "sequence_parallel (dilated_attention takes both)")
         check_sequence_parallel(sequence_parallel, implementation, interpret=interpret,
                                 block_size=pattern.block_size)
         check_sharded_block_sparse(q, pattern, sequence_parallel)
         return unfold(sharded_block_sparse(q, k, v, pattern, is_causal, scale,
                                            sequence_parallel, q_len, kv_len, implementation,
-                                           interpret))
+                                           interpret, segment_ids))
     implementation, _ = registry.choose(implementation, registry.CoreRequest(
         "block_sparse", q.dtype, q.shape[3], is_causal,
         has_lengths=q_len is not None or kv_len is not None, interpret=interpret,
@@ -322,3 +322,72 @@ def _block_sparse_pallas(q, k, v, q_len, kv_len, pattern, is_causal, scale, inte
     out, _ = attention(q, k, v, view=identity_view(hk, h // hk), scale=scale, mask=mask,
                        core=BlockSparsePallasCore(pattern, interpret))
     return out
+
+
+def sharded_block_sparse_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    pattern: BlockSparsePattern,
+    *,
+    mesh: Mesh,
+    seq_axis: str = "sp",
+    batch_axis: str | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    implementation: str | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Sequence-parallel block-sparse attention over ``mesh`` (global view; builds the shard_map).
+
+    An alias of ``dilax.block_sparse_attention(q, k, v, pattern, ...,
+    sequence_parallel=dilax.SequenceParallel(mesh, seq_axis, batch_axis))``. Runs
+    :func:`ring_block_sparse_attention` on every device of ``mesh`` (contiguous layout);
+    the result equals :func:`dilax.block_sparse_attention` on the same inputs, forward and
+    backward, while each device holds ``O(n / P)`` of the data.
+
+    Args:
+      q: ``(b, n, h, d)``; k, v: ``(b, n, hk, d)`` with ``h % hk == 0``, natural position
+        order.
+      pattern: the :class:`dilax.patterns.BlockSparsePattern` of the full sequence.
+      mesh: a ``jax.sharding.Mesh``; the sequence is split over ``seq_axis`` (``P`` devices;
+        ``n % P == 0`` and ``(n / P) % pattern.block_size == 0``) and, optionally, the batch
+        over ``batch_axis``.
+      is_causal, scale, query_seq_lengths, key_value_seq_lengths: as in
+        :func:`dilax.block_sparse_attention` (lengths sharded over ``batch_axis``).
+      implementation, interpret: the core of the ring's hops, as in
+        :func:`ring_block_sparse_attention`.
+
+    Returns:
+      ``(b, n, h, d)`` in ``q.dtype``, sharded like ``q``; equal to
+      ``block_sparse_attention(q, k, v, pattern, ...)``.
+
+    Raises:
+      TypeError: ``mesh`` is not a ``Mesh``; ``pattern`` or dtypes as in
+        :func:`dilax.block_sparse_attention`.
+      ValueError: ``seq_axis``/``batch_axis`` not mesh axes or equal, ``n % P != 0``,
+        ``n / P`` not a multiple of ``pattern.block_size``, batch not divisible by the
+        ``batch_axis`` size, a pattern that does not fit ``n``, an ``implementation`` that
+        cannot serve the ring's hops, and every input error of
+        :func:`dilax.block_sparse_attention`.
+    """
+    warnings.warn("dilax.sharded_block_sparse_attention is deprecated: use "
+                  "dilax.block_sparse_attention(..., "
+                  "sequence_parallel=dilax.SequenceParallel(mesh, seq_axis))",
+                  DeprecationWarning, stacklevel=2)
+    sp = SequenceParallel(mesh, seq_axis, batch_axis)
+    interpret = V.check_bool(interpret, "interpret")
+    q, k, v = V.check_qkv(q, k, v)
+    pattern = check_pattern(pattern, q)
+    check_sequence_parallel(sp, implementation, interpret=interpret,
+                            block_size=pattern.block_size)
+    is_causal = V.check_bool(is_causal, "is_causal")
+    scale = V.check_scale(scale, q.shape[3])
+    b, n = q.shape[:2]
+    q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n)
+    kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)
+    check_sharded_block_sparse(q, pattern, sp)
+    return sharded_block_sparse(q, k, v, pattern, is_causal, scale, sp, q_len, kv_len,
+                                implementation, interpret)

@@ -2,9 +2,13 @@
 
 The sequence axis is split over the ``P`` devices of a mesh axis, device ``i`` holding the
 ``n / P`` consecutive positions ``[i n/P, (i+1) n/P)`` of q, k and v (docs/semantics.md, "Ring
-attention"). Which device needs which other device's K/V chunk is read off the static block
-mask; :func:`dilax.sp.schedule.plan_streams` (the same planner as the dilated ring) turns it
-into the fewest ``lax.ppermute`` hops: cyclic rings inside groups of devices that share
+attention"). Packed documents (``segment_ids``): each device finds the global bounds of its
+positions' documents (:func:`dilax.sp.documents.global_document_bounds`) and every core call
+gets per-row key ranges: the pattern on row positions AND same document (XLA core).
+
+Which device needs which other device's K/V chunk is read off the static block mask;
+:func:`dilax.sp.schedule.plan_streams` (the same planner as the dilated ring) turns it into the
+fewest ``lax.ppermute`` hops: cyclic rings inside groups of devices that share
 blocks, or a right and a left cyclic shift (a local window needs one hop each way, whatever
 ``P``). With ``is_causal`` device ``i`` needs chunks ``j <= i`` only (contiguous layout, no
 zigzag: causal work is unbalanced across devices).
@@ -36,30 +40,35 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh
 
 from dilax import _validation as V
-from dilax import registry
+from dilax.attention_mask import AttentionMask, check_segment_ids
 from dilax.block_sparse.ring_plan import (  # noqa: F401 - plan_ring: the ring's plan, re-exported
     KernelHops,
     RingPlan,
-    hop_request,
+    hop_core,
     plan_kernel_hops,
     plan_ring,
     rows_per_step,
+    unpack_mask,
 )
-from dilax.block_sparse.tables import check_pattern, default_block_k, gather_key_blocks
+from dilax.block_sparse.tables import (
+    check_pattern,
+    default_block_k,
+    document_ranges,
+    gather_key_blocks,
+)
 from dilax.branch.plan import BranchPlan, plan_branch
 from dilax.branch.runner import attend_branches
 from dilax.core import XLA, BlockSizes, Core, Mask, SlotView, identity_view, merge_attention_states
 from dilax.patterns import BlockSparsePattern
 from dilax.sp.config import SequenceParallel, check_sequence_parallel
+from dilax.sp.documents import global_document_bounds
 from dilax.sp.mesh import axis_size, check_sharded_shape, shard_sequence
 from dilax.sp.ring_vjp import backward_streams, stream_loop
 from dilax.utils import (
@@ -83,7 +92,9 @@ class BlockSparseRing:
     """The ring on the local shards, as the one :class:`dilax.branch.runner.BranchOp` of
     :func:`dilax.branch.runner.attend_branches`: ``q (b, n/P, h, d)``, ``k, v (b, n/P, hk, d)``;
     results in the shard's own layout. ``aux``: None or the global valid lengths
-    ``(q_len, kv_len)`` (each ``(b,)`` or None). ``rows``: query blocks per step.
+    ``(q_len, kv_len)`` (each ``(b,)`` or None), then, with packed documents, the global
+    document bounds ``(start, end)`` ``(b, n/P)`` of the local rows. ``rows``: query blocks
+    per step.
     ``hops``: the Pallas block-sparse kernel runs every hop (one call per chunk, tables of
     :class:`~dilax.block_sparse.ring_plan.KernelHops`), else ``core`` on gathered blocks."""
 
@@ -122,10 +133,16 @@ class BlockSparseRing:
         q_len = self._q_len(aux, first, b)
         qr = q.reshape(b * R, B, -1, d)
         L = None if aux is None else aux[1]
-        res = []
+        res, ranges = [], {}
         if tabs is not None:
             idx = dynamic_slice_in_dim(jnp.asarray(tabs.idx)[e], g * R, R, axis=1)
             cnt = dynamic_slice_in_dim(jnp.asarray(tabs.cnt)[e], g * R, R, axis=1)
+        if aux is not None and len(aux) > 2:  # documents: the key runs of the rows' documents
+            doc = tuple(dynamic_slice_in_dim(x, g * R * B, R * B, axis=1) for x in aux[2:])
+            ranges["gathered"], ranges["diag"] = document_ranges(
+                (*doc, None, None), None if tabs is None else idx[None],
+                None if tabs is None else cnt[None] * B, b, p.U, B, first, src * m)
+        if tabs is not None:
             kv_len = cnt * B  # (Ui, R)
             if L is not None:  # gathered keys are ascending: the valid ones are a prefix
                 start = src * m + idx * B  # (Ui, R, A)
@@ -133,8 +150,10 @@ class BlockSparseRing:
                 valid = jnp.clip(L[:, None, None, None] - start[None], 0, B)
                 kv_len = jnp.minimum(kv_len[None], jnp.where(used[None], valid, 0).sum(-1))
             kr, vr = (gather_key_blocks(x, idx[None], p.kvmap, B) for x in (kb, vb))
+            key_range, query_range = ranges.get("gathered") or (None, None)
             res.append(fn(idx[None], qr, kr, vr, identity_view(p.U, p.G),
-                          Mask(_per_row(kv_len, b, p.U), q_len=q_len),
+                          Mask(_per_row(kv_len, b, p.U), q_len=q_len, key_range=key_range,
+                               query_range=query_range),
                           BlockSizes(block_q=B, block_k=min(self.block_k, idx.shape[-1] * B))))
         if diag is not None:
             dl = dynamic_slice_in_dim(jnp.asarray(diag)[me], g * R, R, axis=1)
@@ -142,8 +161,10 @@ class BlockSparseRing:
                 dl = jnp.minimum(dl[None], jnp.clip(L[:, None, None] - first[None, None], 0, B))
             rows = lambda x: dynamic_slice_in_dim(x, g * R * B, R * B, axis=1).reshape(
                 b * R, B, *x.shape[2:])
+            diag_range = ranges.get("diag")
             res.append(fn(None, qr, rows(kb), rows(vb), self._diag_view(kb.shape[2]),
-                          Mask(_per_row(dl, b, p.U), 0, 0, True, q_len),
+                          Mask(_per_row(dl, b, p.U), 0, 0, True, q_len, key_range=diag_range,
+                               query_range=diag_range),
                           BlockSizes(block_q=B, block_k=B)))
         return res
 
@@ -288,6 +309,8 @@ def ring_block_sparse_attention(
     key_value_seq_lengths: jax.Array | None = None,
     implementation: str | None = None,
     interpret: bool = False,
+    segment_ids: jax.Array | None = None,
+    mask: AttentionMask | None = None,
 ) -> jax.Array:
     """Block-sparse attention on a sequence sharded over mesh axis ``axis_name`` (per-device).
 
@@ -314,21 +337,36 @@ def ring_block_sparse_attention(
         :func:`dilax.block_sparse_attention`), ``"xla"``, or None (Pallas on GPU where it
         serves, or with ``interpret``; XLA otherwise).
       interpret: run the Pallas kernel in the interpreter (CPU testing).
+      segment_ids: optional int ``(b, n/P)``: packed documents, this device's shard of the
+        global ``(b, n)`` document ids (sharded like ``q``; documents may cross shard
+        boundaries). The pattern is on row positions AND same document, exactly as
+        :func:`dilax.block_sparse_attention` with ``segment_ids`` on the gathered inputs
+        (docs/semantics.md, "Packed documents"). XLA core only (the kernel has no per-row
+        key ranges).
+      mask: a :class:`dilax.AttentionMask` instead of ``is_causal`` / the lengths /
+        ``segment_ids`` (lengths global, ``segment_ids`` the local shard; build it with
+        ``AttentionMask.build(q, ..., seq_len=n)``). Its ``key_padding_mask`` is refused
+        (``ValueError``): pass ``key_value_seq_lengths`` or ``segment_ids``.
 
     Returns:
       The local shard of the output, ``(b, n/P, h, d)`` in ``q.dtype``.
 
     Raises:
       TypeError: ``axis_name`` is not a str, ``pattern`` is not a ``BlockSparsePattern``,
-        dtypes or ``is_causal`` as in :func:`dilax.block_sparse_attention`.
+        ``mask`` together with the keywords it holds, dtypes or ``is_causal`` as in
+        :func:`dilax.block_sparse_attention`.
       ValueError: ``axis_name`` not bound by an enclosing ``shard_map``, ``n/P`` not a
         multiple of ``pattern.block_size``, a pattern that does not fit ``n = P * n/P``, an
         ``implementation`` that cannot serve the hops (the registry's reason), the Pallas
         kernel under ``shard_map(check_vma=True)`` (its outputs carry no device-varying type:
-        use ``check_vma=False``), and every input error of
+        use ``check_vma=False``), ``mask.key_padding_mask``, ``segment_ids`` with
+        ``implementation="pallas"``, and every input error of
         :func:`dilax.block_sparse_attention`.
     """
     q, k, v = V.check_qkv(q, k, v)
+    if mask is not None:
+        is_causal, query_seq_lengths, key_value_seq_lengths, segment_ids = unpack_mask(
+            mask, is_causal, query_seq_lengths, key_value_seq_lengths, segment_ids)
     is_causal = V.check_bool(is_causal, "is_causal")
     scale = V.check_scale(scale, q.shape[3])
     if not isinstance(axis_name, str):
@@ -341,24 +379,16 @@ def ring_block_sparse_attention(
     check_pattern(pattern, jax.ShapeDtypeStruct((b, n_l * P, h, d), q.dtype))
     q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n_l * P)
     kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n_l * P)
+    segment_ids = check_segment_ids(segment_ids, b, n_l)  # the local shard, like q
     core = hop_core(implementation, V.check_bool(interpret, "interpret"), q, pattern,
-                    is_causal, q_len is not None or kv_len is not None)
+                    is_causal, q_len is not None or kv_len is not None, segment_ids is not None)
     if core.name != "xla" and varying_axes(q, k, v):
         raise ValueError(
             "the ring's hops run the Pallas kernel here, whose outputs carry no device-varying "
             "type: call ring_block_sparse_attention inside jax.shard_map(..., check_vma=False), "
             "or use implementation='xla'")
     return ring_block_sparse_core(q, k, v, pattern, is_causal, scale, axis_name, q_len, kv_len,
-                                  core=core)
-
-
-def hop_core(implementation: str | None, interpret: bool, q, pattern: BlockSparsePattern,
-             is_causal: bool, lengths: bool) -> Core:
-    """The core of the ring's hops that :mod:`dilax.registry` picks (``ValueError`` with its
-    reason where an explicit ``implementation`` cannot serve them)."""
-    request = hop_request(q.dtype, q.shape[-1], is_causal, lengths, pattern.block_size,
-                          interpret)
-    return registry.select(implementation, request)
+                                  core=core, segment_ids=segment_ids)
 
 
 def _check_shard(pattern: BlockSparsePattern, n_l: int) -> None:
@@ -371,12 +401,13 @@ def _check_shard(pattern: BlockSparsePattern, n_l: int) -> None:
 
 def ring_block_sparse_core(q, k, v, pattern: BlockSparsePattern, is_causal: bool, scale: float,
                            axis_name: str, query_seq_lengths=None, key_value_seq_lengths=None,
-                           *, core: Core = XLA) -> jax.Array:
+                           *, core: Core = XLA, segment_ids=None) -> jax.Array:
     """:func:`ring_block_sparse_attention` on validated arguments (inside ``shard_map``):
     the :class:`BlockSparseRing` of ``pattern`` run by :func:`attend_branches`, every hop on
     ``core``: a ``"pallas"`` core (its ``interpret`` kept) runs the block-sparse kernel on
     each visiting chunk (:class:`KernelHops`), any other core the gathered key blocks.
-    Lengths: global, int32 ``(b,)`` or None."""
+    Lengths: global, int32 ``(b,)`` or None; ``segment_ids``: the local shard ``(b, n/P)`` of
+    the document ids, or None (the XLA core only)."""
     P = int(lax.axis_size(axis_name))
     b, m, h, d = q.shape
     hk = k.shape[2]
@@ -390,7 +421,13 @@ def ring_block_sparse_core(q, k, v, pattern: BlockSparsePattern, is_causal: bool
     op = BlockSparseRing(plan, result, bs, axis_name, float(scale), rows, default_block_k(bs),
                          core, hops)
     aux = None
-    if query_seq_lengths is not None or key_value_seq_lengths is not None:
+    if segment_ids is not None:
+        if hops is not None:
+            raise ValueError("segment_ids (packed documents) need the XLA core for the ring's "
+                             "hops: the Pallas block-sparse kernel has no per-row key ranges")
+        aux = (query_seq_lengths, key_value_seq_lengths,
+               *global_document_bounds(segment_ids, axis_name))
+    elif query_seq_lengths is not None or key_value_seq_lengths is not None:
         aux = (query_seq_lengths, key_value_seq_lengths)
     out, _ = attend_branches(q, k, v, (op,), "mixture", out_dtype=q.dtype, aux=aux)
     return out
@@ -409,91 +446,28 @@ def check_sharded_block_sparse(q: jax.Array, pattern: BlockSparsePattern,
 def sharded_block_sparse(q, k, v, pattern: BlockSparsePattern, is_causal: bool, scale: float,
                          sp: SequenceParallel, query_seq_lengths=None,
                          key_value_seq_lengths=None, implementation: str | None = None,
-                         interpret: bool = False) -> jax.Array:
+                         interpret: bool = False, segment_ids=None) -> jax.Array:
     """The shard_map of :func:`ring_block_sparse_core` over ``sp.mesh`` (validated arguments;
-    lengths int32 ``(b,)`` or None) on the hop core the registry picks (:func:`hop_core`),
-    compiled once per static configuration."""
+    lengths int32 ``(b,)`` or None, ``segment_ids`` int32 ``(b, n)`` or None) on the hop core
+    the registry picks (:func:`hop_core`), compiled once per static configuration."""
     core = hop_core(implementation, interpret, q, pattern, is_causal,
-                    query_seq_lengths is not None or key_value_seq_lengths is not None)
+                    query_seq_lengths is not None or key_value_seq_lengths is not None,
+                    segment_ids is not None)
     if q.shape[0] == 0:  # nothing to shard: an empty result (and empty gradients)
         return V.empty_batch(q, v)
-    return _sharded_jit(q, k, v, query_seq_lengths, key_value_seq_lengths, pattern=pattern,
-                        is_causal=bool(is_causal), scale=float(scale), sp=sp, core=core)
+    return _sharded_jit(q, k, v, query_seq_lengths, key_value_seq_lengths, segment_ids,
+                        pattern=pattern, is_causal=bool(is_causal), scale=float(scale), sp=sp,
+                        core=core)
 
 
 @functools.partial(jax.jit, static_argnames=("pattern", "is_causal", "scale", "sp", "core"))
-def _sharded_jit(q, k, v, q_len, kv_len, *, pattern, is_causal, scale, sp, core):
-    body = lambda q, k, v, q_len=None, kv_len=None: ring_block_sparse_core(  # noqa: E731
-        q, k, v, pattern, is_causal, scale, sp.seq_axis, q_len, kv_len, core=core)
+def _sharded_jit(q, k, v, q_len, kv_len, ids, *, pattern, is_causal, scale, sp, core):
+    def body(q, k, v, *rest):
+        doc, rest = (rest[0], rest[1:]) if ids is not None else (None, rest)
+        return ring_block_sparse_core(q, k, v, pattern, is_causal, scale, sp.seq_axis, *rest,
+                                      core=core, segment_ids=doc)
+
     # the Pallas kernel's outputs carry no device-varying type: no vma checks with it
     return shard_sequence(body, sp.mesh, sp.seq_axis, sp.batch_axis, q, k, v, q_len, kv_len,
+                          per_position=() if ids is None else (ids,),
                           check_vma=core.name == "xla")
-
-
-def sharded_block_sparse_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    pattern: BlockSparsePattern,
-    *,
-    mesh: Mesh,
-    seq_axis: str = "sp",
-    batch_axis: str | None = None,
-    is_causal: bool = False,
-    scale: float | None = None,
-    query_seq_lengths: jax.Array | None = None,
-    key_value_seq_lengths: jax.Array | None = None,
-    implementation: str | None = None,
-    interpret: bool = False,
-) -> jax.Array:
-    """Sequence-parallel block-sparse attention over ``mesh`` (global view; builds the shard_map).
-
-    An alias of ``dilax.block_sparse_attention(q, k, v, pattern, ...,
-    sequence_parallel=dilax.SequenceParallel(mesh, seq_axis, batch_axis))``. Runs
-    :func:`ring_block_sparse_attention` on every device of ``mesh`` (contiguous layout);
-    the result equals :func:`dilax.block_sparse_attention` on the same inputs, forward and
-    backward, while each device holds ``O(n / P)`` of the data.
-
-    Args:
-      q: ``(b, n, h, d)``; k, v: ``(b, n, hk, d)`` with ``h % hk == 0``, natural position
-        order.
-      pattern: the :class:`dilax.patterns.BlockSparsePattern` of the full sequence.
-      mesh: a ``jax.sharding.Mesh``; the sequence is split over ``seq_axis`` (``P`` devices;
-        ``n % P == 0`` and ``(n / P) % pattern.block_size == 0``) and, optionally, the batch
-        over ``batch_axis``.
-      is_causal, scale, query_seq_lengths, key_value_seq_lengths: as in
-        :func:`dilax.block_sparse_attention` (lengths sharded over ``batch_axis``).
-      implementation, interpret: the core of the ring's hops, as in
-        :func:`ring_block_sparse_attention`.
-
-    Returns:
-      ``(b, n, h, d)`` in ``q.dtype``, sharded like ``q``; equal to
-      ``block_sparse_attention(q, k, v, pattern, ...)``.
-
-    Raises:
-      TypeError: ``mesh`` is not a ``Mesh``; ``pattern`` or dtypes as in
-        :func:`dilax.block_sparse_attention`.
-      ValueError: ``seq_axis``/``batch_axis`` not mesh axes or equal, ``n % P != 0``,
-        ``n / P`` not a multiple of ``pattern.block_size``, batch not divisible by the
-        ``batch_axis`` size, a pattern that does not fit ``n``, an ``implementation`` that
-        cannot serve the ring's hops, and every input error of
-        :func:`dilax.block_sparse_attention`.
-    """
-    warnings.warn("dilax.sharded_block_sparse_attention is deprecated: use "
-                  "dilax.block_sparse_attention(..., "
-                  "sequence_parallel=dilax.SequenceParallel(mesh, seq_axis))",
-                  DeprecationWarning, stacklevel=2)
-    sp = SequenceParallel(mesh, seq_axis, batch_axis)
-    interpret = V.check_bool(interpret, "interpret")
-    q, k, v = V.check_qkv(q, k, v)
-    pattern = check_pattern(pattern, q)
-    check_sequence_parallel(sp, implementation, interpret=interpret,
-                            block_size=pattern.block_size)
-    is_causal = V.check_bool(is_causal, "is_causal")
-    scale = V.check_scale(scale, q.shape[3])
-    b, n = q.shape[:2]
-    q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n)
-    kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)
-    check_sharded_block_sparse(q, pattern, sp)
-    return sharded_block_sparse(q, k, v, pattern, is_causal, scale, sp, q_len, kv_len,
-                                implementation, interpret)

@@ -23,8 +23,9 @@ import numpy as np
 from jax import lax
 
 from dilax import registry
+from dilax.attention_mask import AttentionMask
 from dilax.block_sparse.tables import head_layout
-from dilax.core import Mask, identity_view
+from dilax.core import Core, Mask, identity_view
 from dilax.core.block_sparse import BlockSparsePallasCore
 from dilax.patterns import BlockSparsePattern, mask_tables
 from dilax.sp.schedule import Stream, needs_matrix, plan_streams
@@ -120,12 +121,42 @@ def rows_per_step(nq: int, b: int, A: int, bs: int, U: int, d: int, itemsize: in
 
 
 def hop_request(dtype, head_dim: int, is_causal: bool, lengths: bool, block_size: int,
-                interpret=False) -> registry.CoreRequest:
+                interpret=False, documents: bool = False) -> registry.CoreRequest:
     """The registry request of the block-sparse ring's hops (``"ring_hop"`` with the
     pattern's ``block_size``: the block-sparse kernel's rules, :mod:`dilax.registry`)."""
     return registry.CoreRequest("ring_hop", dtype, head_dim, bool(is_causal),
                                 has_lengths=bool(lengths), interpret=bool(interpret),
-                                block_size=int(block_size))
+                                block_size=int(block_size), has_documents=bool(documents))
+
+
+def hop_core(implementation: str | None, interpret: bool, q, pattern: BlockSparsePattern,
+             is_causal: bool, lengths: bool, documents: bool = False) -> Core:
+    """The core of the ring's hops that :mod:`dilax.registry` picks (``ValueError`` with its
+    reason where an explicit ``implementation`` cannot serve them; packed documents
+    (``documents``) run on the XLA core only)."""
+    request = hop_request(q.dtype, q.shape[-1], is_causal, lengths, pattern.block_size,
+                          interpret, documents)
+    return registry.select(implementation, request)
+
+
+def unpack_mask(mask, is_causal, query_seq_lengths, key_value_seq_lengths, segment_ids):
+    """``(is_causal, query_seq_lengths, key_value_seq_lengths, segment_ids)`` of a
+    :class:`dilax.AttentionMask` given to the block-sparse ring (``is_causal`` of either);
+    ``TypeError`` with keywords it also holds, ``ValueError`` for its ``key_padding_mask``
+    (the ring takes none)."""
+    given = [name for name, x in (("query_seq_lengths", query_seq_lengths),
+                                  ("key_value_seq_lengths", key_value_seq_lengths),
+                                  ("segment_ids", segment_ids)) if x is not None]
+    if given:
+        raise TypeError(f"give the mask either as mask= or as keywords, got mask= and {given}")
+    if not isinstance(mask, AttentionMask):
+        raise TypeError(f"mask must be a dilax.AttentionMask, got {type(mask).__name__}")
+    if mask.key_padding_mask is not None:
+        raise ValueError("key_padding_mask is not supported by ring_block_sparse_attention; "
+                         "pass key_value_seq_lengths (valid lengths) or segment_ids (packed "
+                         "documents) instead")
+    return (bool(is_causal) or mask.is_causal, mask.query_seq_lengths,
+            mask.key_value_seq_lengths, mask.segment_ids)
 
 
 # -- the hops on the Pallas block-sparse kernel ----------------------------------------------

@@ -119,14 +119,17 @@ def _head_take(x: jax.Array, kvmap: tuple[int, ...]) -> jax.Array:
     return jnp.take(x, jnp.asarray(np.asarray(kvmap, np.int32)), axis=2)
 
 
-def _document_ranges(doc, idx, kv_len, b, U, bs):
-    """Packed documents on one group of ``R`` query blocks: ``doc = (start, end)``, the
-    documents' bounds ``(b, R*B)`` of the query rows and ``(b, nk*B)`` of every key. Returns
+def document_ranges(doc, idx, kv_len, b, U, bs, q_first=None, k_first=0):
+    """Packed documents on one group of ``R`` query blocks: ``doc = (start, end, key_start,
+    key_end)``, the documents' bounds ``(b, R*B)`` of the query rows and ``(b, nk*B)`` of every
+    key (``key_start`` None: the query ranges of the keys are every row, a superset). Returns
     the key/query ranges ``(b*R, U, B)`` of the gathered call (the gathered keys are in
-    position order, so a document's keys are one run of them) and of the diagonal call."""
+    position order, so a document's keys are one run of them) and of the diagonal call.
+    ``q_first (R,)``: the position of each query block's first row (default ``r * B``);
+    ``k_first``: the position of key block 0 (the block-sparse ring's hops: a chunk's)."""
     start, end, key_start, key_end = doc
     R = start.shape[1] // bs
-    first = (jnp.arange(R, dtype=jnp.int32) * bs)[None, :, None]  # (1, R, 1)
+    first = (jnp.arange(R, dtype=jnp.int32) * bs if q_first is None else q_first)[None, :, None]
     rows = lambda x: jnp.clip(x.reshape(b, R, bs) - first, 0, bs)  # noqa: E731
     to_rows = lambda x: jnp.broadcast_to(x, (b, U, R, bs)).transpose(0, 2, 1, 3).reshape(  # noqa: E731
         b * R, U, bs)
@@ -137,13 +140,16 @@ def _document_ranges(doc, idx, kv_len, b, U, bs):
     A = idx.shape[-1]
     used = (jnp.arange(A, dtype=jnp.int32) * bs)[None, None, None] < jnp.asarray(
         kv_len, jnp.int32)[..., None]  # (Bi, Ui, R, A)
-    block0 = idx * bs  # first position of each gathered block
+    block0 = idx * bs  # first position of each gathered block (from key block 0)
 
     def count(x):  # gathered keys before position x (b, R, bs), per head: (b, U, R, bs)
-        per = jnp.clip(x.reshape(b, 1, R, bs, 1) - block0[:, :, :, None, :], 0, bs)
+        per = jnp.clip(x.reshape(b, 1, R, bs, 1) - k_first - block0[:, :, :, None, :], 0, bs)
         return jnp.sum(jnp.where(used[:, :, :, None, :], per, 0), axis=-1)
 
     keys = (to_rows(count(start)), to_rows(count(end)))
+    if key_start is None:
+        every = jnp.zeros((b * R, U, A * bs), jnp.int32)
+        return (keys, (every, every + bs)), diag
     key_pos = block0[..., None] + jnp.arange(bs, dtype=jnp.int32).reshape(
         (1,) * block0.ndim + (bs,))  # (Bi, Ui, R, A, B)
     key_pos = jnp.broadcast_to(key_pos, (b, U, R, A, bs)).reshape(b, U, R, A * bs)
@@ -154,13 +160,14 @@ def _document_ranges(doc, idx, kv_len, b, U, bs):
     return (keys, qrng), diag
 
 
-def _attend_rows(q, k, v, kd, vd, idx, kv_len, diag_len, q_len=None, doc=None, *, bs, U, G,
-                 kvmap, shared, scale, block_k):
+def _attend_rows(q, k, v, kd, vd, idx, kv_len, diag_len, q_len=None, doc=None, q_first=None,
+                 *, bs, U, G, kvmap, shared, scale, block_k):
     """One group of ``R`` query blocks.
 
     q: ``(b, R*B, h, d)``; k, v: all key blocks as laid out by :func:`_gather_source`;
     kd, vd: ``(b, R*B, hk, d)`` the rows' own key blocks (diagonal, causal only) or None;
-    idx: ``(Bi, Ui, R, A)``; kv_len, diag_len: ``(Bi, Ui, R)``.
+    idx: ``(Bi, Ui, R, A)``; kv_len, diag_len: ``(Bi, Ui, R)``; q_first: ``(R,)`` the
+    position of each query block's first row (documents; default ``r * B``: the first group).
     Returns ``out (b, R*B, h, d)`` float32 and ``lse (b, R*B, h)``.
     """
     b, RB, h, d = q.shape
@@ -169,7 +176,7 @@ def _attend_rows(q, k, v, kd, vd, idx, kv_len, diag_len, q_len=None, doc=None, *
     q_len = None if q_len is None else _rows_kv_len(q_len, b, U)
     gathered = diag = None
     if doc is not None:
-        gathered, diag = _document_ranges(doc, idx, kv_len, b, U, bs)
+        gathered, diag = document_ranges(doc, idx, kv_len, b, U, bs, q_first)
     out = lse = None
     if idx is not None:
         kg = _gather_blocks(k, idx, kvmap, shared, bs)
@@ -267,11 +274,13 @@ def sparse_attention_tables(
     xs = (split_rows(q, 1), split_rows(k, 1) if causal else None,
           split_rows(v, 1) if causal else None, split_rows(idx, 2), split_rows(kv_len, 2),
           split_rows(diag_len, 2), split_rows(q_len, 2),
-          None if doc is None else tuple(split_rows(x, 1) for x in doc))
+          None if doc is None else tuple(split_rows(x, 1) for x in doc),
+          split_rows(jnp.arange(nq, dtype=jnp.int32) * bs, 0))  # each block's first row
 
     def body(args):
-        qc, kc, vc, ic, lc, dc, qlc, docc = args
-        return fn(qc, ks, vs, kc, vc, ic, lc, dc, qlc, None if doc is None else (*docc, *doc))
+        qc, kc, vc, ic, lc, dc, qlc, docc, firsts = args
+        return fn(qc, ks, vs, kc, vc, ic, lc, dc, qlc, None if doc is None else (*docc, *doc),
+                  firsts)
 
     out, lse = lax.map(body, xs)
     out = jnp.moveaxis(out, 0, 1).reshape(b, nqb, h, d)

@@ -65,6 +65,7 @@ from dilax.branch.plan import dilated_branches, window_plan
 from dilax.branch.runner import attend_branches
 from dilax.core import BlockSizes, Core
 from dilax.dilated.ring_branches import WindowBranch, branch_op, chunk_starts, is_local
+from dilax.dilated.ring_documents import document_core, ring_documents_core
 from dilax.dilated.settings import DilatedSettings, check_dilated_request, settings_from_keywords
 from dilax.sp.config import SequenceParallel, check_ring_hops, check_sequence_parallel
 from dilax.sp.layout import check_layout, relayout
@@ -91,6 +92,7 @@ def ring_dilated_attention(
     local_window: int | None = None,
     settings: DilatedSettings | None = None,
     mask: AttentionMask | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Dilated attention on a sequence sharded over mesh axis ``axis_name`` (per-device view).
 
@@ -117,8 +119,17 @@ def ring_dilated_attention(
       local_window: optional int ``W`` (``mode="mixture"``), as in
         :func:`dilax.dilated_attention`; each device receives ``W`` boundary rows from its
         neighbours. Needs ``W <= n/P`` (``n/(2P)`` with ``layout="zigzag"``).
+      segment_ids: optional int ``(b, n/P)``: packed documents, this device's shard of the
+        global ``(b, n)`` document ids (sharded like ``q``); documents may cross shard
+        boundaries. Each document is computed as a sequence of its own, exactly as
+        :func:`dilax.dilated_attention` with ``segment_ids`` on the gathered inputs
+        (docs/semantics.md, "Packed documents"): the document ring of
+        :mod:`dilax.dilated.ring_documents`, on the XLA core, ``layout="contiguous"`` only.
       settings, mask: a :class:`dilax.DilatedSettings` / :class:`dilax.AttentionMask` instead
-        of the keywords (as in :func:`dilax.dilated_attention`; mask lengths are global).
+        of the keywords (as in :func:`dilax.dilated_attention`; mask lengths are global, its
+        ``segment_ids`` the local shard ``(b, n/P)``; build it with
+        ``AttentionMask.build(q, ..., seq_len=n)``). ``mask.key_padding_mask`` is refused
+        (``ValueError``): pass ``key_value_seq_lengths``, or ``segment_ids`` for documents.
         ``settings.implementation`` / ``interpret`` pick the cores (:func:`ring_cores`).
 
     Returns:
@@ -126,8 +137,10 @@ def ring_dilated_attention(
 
     Raises:
       ValueError: ``axis_name`` not bound by an enclosing ``shard_map``, a bad ``layout``,
-        an implementation that serves no ring hop (or, explicit, not every call), the Pallas
-        kernels under ``shard_map(check_vma=True)``,
+        an implementation that serves no ring hop (or, explicit, not every call; with
+        ``segment_ids`` only the XLA core serves), the Pallas
+        kernels under ``shard_map(check_vma=True)``, ``key_padding_mask`` (in ``mask``),
+        ``segment_ids`` with ``layout="zigzag"``,
         ``layout="zigzag"`` with an odd local length, ``local_window`` longer than a local
         chunk, and every input error of
         :func:`dilax.dilated_attention`. TypeError: as there (dtypes, non-static config).
@@ -140,9 +153,16 @@ def ring_dilated_attention(
     P = axis_size(axis_name, "ring_dilated_attention", "sharded_dilated_attention")
     q, k, v, mask, settings = check_dilated_request(
         q, k, v, settings, mask, num_shards=P, query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths)
+        key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids)
     _check_ring(q.shape, k.shape[2], mask, settings, P, layout, q.dtype, per_device=True,
                 seq_axis=axis_name)
+    if mask.segment_ids is not None:  # packed documents: the whole-mesh call's document ring
+        if layout != "contiguous":
+            raise ValueError(f"segment_ids on the ring need layout='contiguous', got "
+                             f"{layout!r}")
+        return ring_documents_core(q, k, v, mask.segment_ids, mask, settings,
+                                   axis_name=axis_name,
+                                   core=document_core(settings, q.dtype, q.shape[3]))
     cores = ring_cores(settings, mask, q.dtype, q.shape[3])
     if not _vma_free(cores) and varying_axes(q, k, v):
         raise ValueError(

@@ -1,7 +1,8 @@
 """Packed documents on the ring: ``segment_ids`` with the sequence split over devices.
 
 Documents may cross shard boundaries. Each device finds the global bounds of the documents
-of its positions from a ``P``-entry summary of every shard (:func:`global_document_bounds`),
+of its positions from a ``P``-entry summary of every shard
+(:func:`dilax.sp.documents.global_document_bounds`, shared with the block-sparse ring),
 then every branch runs on its *document-dilated sequence* (:mod:`dilax.dilated.documents`) in global
 row coordinates: device ``i`` holds rows ``[c_i, c_i + m_i)`` of it (``c_i``: the rows of the
 shards before it, one ``all_gather`` of ``P`` counts), and the key range of every row is
@@ -33,51 +34,20 @@ from dilax.core import Mask, merge_attention_states
 from dilax.dilated.documents import (
     EMPTY_RANGE,
     DocumentBranch,
-    document_bounds,
     heads_into,
     offset_table,
 )
 from dilax.dilated.settings import DilatedSettings
 from dilax.registry import CoreRequest, select
 from dilax.sp.config import SequenceParallel
+from dilax.sp.documents import global_document_bounds
 from dilax.sp.mesh import shard_sequence
 from dilax.utils import cdiv, varying_like
 
-__all__ = ["global_document_bounds", "ring_documents_core", "sharded_documents"]
+__all__ = ["document_core", "global_document_bounds", "ring_documents_core",
+           "sharded_documents"]
 
 _I32 = jnp.int32
-
-
-def global_document_bounds(segment_ids: jax.Array, axis_name: Hashable
-                           ) -> tuple[jax.Array, jax.Array]:
-    """``(start, end)`` int32 ``(b, m)`` in global positions for the local shard
-    ``segment_ids (b, m)`` of a sequence split over ``axis_name`` (inside ``shard_map``).
-
-    Every shard contributes five numbers per row (its first and last id, whether it is one
-    run, the start of its last run and the end of its first): a document that crosses shards
-    is followed through them in ``O(P)``."""
-    P, i = lax.axis_size(axis_name), lax.axis_index(axis_name)
-    m = segment_ids.shape[1]
-    ls, le = document_bounds(segment_ids)
-    base = i * m
-    summary = jnp.stack([segment_ids[:, 0], segment_ids[:, -1], (le[:, 0] == m).astype(_I32),
-                         ls[:, -1] + base, le[:, 0] + base], axis=1)
-    every = lax.all_gather(summary, axis_name)  # (P, b, 5)
-    first, last, single, last_start, first_end = (every[..., c] for c in range(5))
-    starts = [jnp.zeros_like(first[0])]
-    for j in range(1, P):  # the run holding shard j's first position starts ...
-        joined = first[j] == last[j - 1]
-        starts.append(jnp.where(joined, jnp.where(single[j - 1] == 1, starts[-1],
-                                                  last_start[j - 1]), j * m))
-    ends = [jnp.full_like(first[0], P * m)]
-    for j in range(P - 2, -1, -1):  # ... and the run holding its last position ends
-        joined = last[j] == first[j + 1]
-        ends.insert(0, jnp.where(joined, jnp.where(single[j + 1] == 1, ends[0],
-                                                   first_end[j + 1]), (j + 1) * m))
-    s_i, e_i = jnp.stack(starts)[i], jnp.stack(ends)[i]
-    start = jnp.where(ls == 0, s_i[:, None], ls + base)
-    end = jnp.where(le == m, e_i[:, None], le + base)
-    return start.astype(_I32), end.astype(_I32)
 
 
 def _ring_tables(start, end, axis_name, w: int, r: int, offset: int, window, is_causal,
@@ -228,11 +198,18 @@ def sharded_documents(q, k, v, mask: AttentionMask, settings: DilatedSettings,
     return _documents_jit(q, k, v, mask, settings, sp)
 
 
+def document_core(settings: DilatedSettings, dtype, head_dim: int):
+    """The core of the document ring's hops, as :mod:`dilax.registry` picks it for
+    ``settings.implementation`` (the XLA core: the kernels have no per-row key ranges; an
+    explicit other name raises ``ValueError`` with the reason)."""
+    return select(settings.implementation, CoreRequest(
+        "ring_hop", dtype, head_dim, settings.is_causal, has_documents=True,
+        interpret=settings.interpret))
+
+
 @functools.partial(jax.jit, static_argnames=("settings", "sp"))
 def _documents_jit(q, k, v, mask, settings, sp):
-    core = select(settings.implementation, CoreRequest(
-        "ring_hop", q.dtype, q.shape[-1], settings.is_causal, has_documents=True,
-        interpret=settings.interpret))
+    core = document_core(settings, q.dtype, q.shape[-1])
 
     def body(q, k, v, ids, q_len=None, kv_len=None):
         local = AttentionMask(query_seq_lengths=q_len, key_value_seq_lengths=kv_len,

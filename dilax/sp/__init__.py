@@ -22,7 +22,7 @@ __all__ = ["LAYOUTS", "SequenceParallel", "zigzag_permutation"]
 _MOVED = {"ring_dilated_attention": "dilax.dilated.ring",
           "sharded_dilated_attention": "dilax.dilated.ring",
           "ring_block_sparse_attention": "dilax.block_sparse.ring",
-          "sharded_block_sparse_attention": "dilax.block_sparse.ring"}
+          "sharded_block_sparse_attention": "dilax.block_sparse.api"}
 
 
 def __getattr__(name: str):
