@@ -286,7 +286,8 @@ def test_sequence_parallel_errors():
     with pytest.raises(ValueError, match="key_padding_mask is not supported with sequence"):
         dilax.dilated_attention(q, k, v, **CFG, key_padding_mask=jnp.ones((2, 64), bool),
                                 sequence_parallel=sp)
-    with pytest.raises(ValueError, match="seq_len n=62 must be divisible by the size 4"):
+    with pytest.raises(ValueError, match="seq_len n=62 must be divisible by the size 4 .*pad q, "
+                       "k, v to n=64 and pass query_seq_lengths=key_value_seq_lengths=62"):
         dilax.dilated_attention(q[:, :62], k[:, :62], v[:, :62], **CFG, sequence_parallel=sp)
     with pytest.raises(ValueError, match="local_window=17 must be at most the local chunk"):
         dilax.dilated_attention(q, k, v, **CFG, local_window=17, sequence_parallel=sp)

@@ -149,7 +149,7 @@ def test_ring_dilated_attention_documents_cross_shards(case):
                                                 segment_ids=ids)
         mask = dilax.AttentionMask.build(q, is_causal=True, segment_ids=ids, seq_len=N,
                                          query_seq_lengths=ql, key_value_seq_lengths=kl)
-        return dilax.ring_dilated_attention(q, k, v, WS, RS, axis_name="sp", mask=mask)
+        return dilax.ring_dilated_attention(q, k, v, WS, RS, axis_name="sp", attention_mask=mask)
 
     run = _grad_program(body, (SHARD, SHARD, SHARD, SHARD, PS(), PS()))
     for seed, layout in enumerate(LAYOUTS):
@@ -167,16 +167,17 @@ def test_ring_dilated_attention_documents_cross_shards(case):
 
 
 def test_ring_block_sparse_attention_documents_cross_shards():
-    """Per-device ``ring_block_sparse_attention`` with ``mask=AttentionMask(segment_ids=...,
-    is_causal=True, lengths)``: the pattern (random, per head, GQA) on row positions AND same
-    document, forward and gradients."""
+    """Per-device ``ring_block_sparse_attention`` with
+    ``attention_mask=AttentionMask(segment_ids=..., is_causal=True, lengths)``: the pattern
+    (random, per head, GQA) on row positions AND same document, forward and gradients."""
     pattern = patterns.random(N, 8, 0.5, seed=3, num_heads=H)
     q_len, kv_len = np.array([60, 64], np.int32), np.array([64, 37], np.int32)
 
     def body(q, k, v, ids, ql, kl):
         mask = dilax.AttentionMask(segment_ids=ids, is_causal=True, query_seq_lengths=ql,
                                    key_value_seq_lengths=kl)
-        return dilax.ring_block_sparse_attention(q, k, v, pattern, axis_name="sp", mask=mask)
+        return dilax.ring_block_sparse_attention(q, k, v, pattern, axis_name="sp",
+                                                 attention_mask=mask)
 
     run = _grad_program(body, (SHARD, SHARD, SHARD, SHARD, PS(), PS()))
     for seed, layout in enumerate(LAYOUTS):
@@ -196,6 +197,14 @@ def test_ring_documents_refusals():
     q, k, v, _ = _data(0)
     ids = jnp.asarray(_ids("A"))
     pattern = patterns.local_window(N, 8, 8)
+    # one device: attention_mask= is the keywords (bitwise), its key_padding_mask refused
+    want = dilax.block_sparse_attention(q, k, v, pattern, is_causal=True, segment_ids=ids)
+    got = dilax.block_sparse_attention(
+        q, k, v, pattern, attention_mask=dilax.AttentionMask(segment_ids=ids, is_causal=True))
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="key_padding_mask is not supported"):
+        dilax.block_sparse_attention(q, k, v, pattern, attention_mask=dilax.AttentionMask(
+            key_padding_mask=jnp.ones((2, N), bool)))
 
     def trace(body, *args):
         f = jax.shard_map(body, mesh=_mesh(), in_specs=(SHARD,) * (3 + len(args)),
@@ -209,11 +218,14 @@ def test_ring_documents_refusals():
            "ring_block_sparse": sparse}
     for op in ops.values():
         with pytest.raises(ValueError, match="key_padding_mask"):
-            trace(lambda q, k, v, kv, op=op: op(q, k, v, mask=dilax.AttentionMask(
+            trace(lambda q, k, v, kv, op=op: op(q, k, v, attention_mask=dilax.AttentionMask(
                 key_padding_mask=kv)), jnp.ones((2, N), bool))
-        with pytest.raises(TypeError, match="segment_ids"):  # mask= and the keyword
+        with pytest.warns(DeprecationWarning, match="pass it as attention_mask="):  # old name
+            trace(lambda q, k, v, s, op=op: op(q, k, v, mask=dilax.AttentionMask(segment_ids=s)),
+                  ids)
+        with pytest.raises(TypeError, match="segment_ids"):  # attention_mask= and the keyword
             trace(lambda q, k, v, s, op=op: op(q, k, v, segment_ids=s,
-                                               mask=dilax.AttentionMask()), ids)
+                                               attention_mask=dilax.AttentionMask()), ids)
         with pytest.raises(ValueError, match=r"segment_ids must have shape \(b, n\)"):
             trace(lambda q, k, v, s, op=op: op(q, k, v, segment_ids=s[:, :-1]), ids)
     pallas = dilax.DilatedSettings(WS, RS, implementation="pallas", interpret=True)
@@ -281,7 +293,7 @@ def _ring_dilated(q, k, v, query_seq_lengths, key_value_seq_lengths, segment_ids
     def body(q, k, v, ql, kl, ids):
         mask = dilax.AttentionMask(query_seq_lengths=ql, key_value_seq_lengths=kl,
                                    segment_ids=ids, is_causal=True)
-        return dilax.ring_dilated_attention(q, k, v, WS, RS, axis_name="sp", mask=mask)
+        return dilax.ring_dilated_attention(q, k, v, WS, RS, axis_name="sp", attention_mask=mask)
 
     return _in_shard_map(body, (PS(), PS(), SHARD))(q, k, v, query_seq_lengths,
                                                     key_value_seq_lengths, segment_ids)
@@ -291,7 +303,8 @@ def _ring_sparse(q, k, v, query_seq_lengths, key_value_seq_lengths, segment_ids)
     def body(q, k, v, ql, kl, ids):
         mask = dilax.AttentionMask(query_seq_lengths=ql, key_value_seq_lengths=kl,
                                    segment_ids=ids, is_causal=True)
-        return dilax.ring_block_sparse_attention(q, k, v, SPARSE, axis_name="sp", mask=mask)
+        return dilax.ring_block_sparse_attention(q, k, v, SPARSE, axis_name="sp",
+                                                 attention_mask=mask)
 
     return _in_shard_map(body, (PS(), PS(), SHARD))(q, k, v, query_seq_lengths,
                                                     key_value_seq_lengths, segment_ids)
@@ -301,7 +314,8 @@ def _ring_refusal(op):
     """A per-device ring op given ``key_padding_mask`` (in its mask), traced in a shard_map."""
     def call(q, k, v):
         def body(q, k, v, kv):
-            return op(q, k, v, mask=dilax.AttentionMask(key_padding_mask=kv, is_causal=True))
+            return op(q, k, v, attention_mask=dilax.AttentionMask(key_padding_mask=kv,
+                                                                  is_causal=True))
 
         return jax.eval_shape(_in_shard_map(body, (SHARD,)), q, k, v, NEUTRAL["key_padding_mask"])
     return call

@@ -39,7 +39,12 @@ from jax.sharding import Mesh
 
 from dilax import _validation as V
 from dilax import registry
-from dilax.attention_mask import check_segment_ids, document_bounds
+from dilax.attention_mask import (
+    AttentionMask,
+    check_segment_ids,
+    document_bounds,
+    unpack_attention_mask,
+)
 from dilax.batch_dims import fold_batch_dims
 from dilax.block_sparse.ring import check_sharded_block_sparse, sharded_block_sparse
 from dilax.block_sparse.tables import check_pattern, head_layout, sparse_attention_tables
@@ -211,6 +216,7 @@ def block_sparse_attention(
     key_value_seq_lengths: jax.Array | None = None,
     sequence_parallel: SequenceParallel | None = None,
     segment_ids: jax.Array | None = None,
+    attention_mask: AttentionMask | None = None,
 ) -> jax.Array:
     """Exact block-sparse attention (docs/semantics.md, "Block-sparse attention").
 
@@ -243,10 +249,13 @@ def block_sparse_attention(
         gathered keys of a row are in position order, so a document's keys are one run of
         them) and the reference; with ``sequence_parallel`` too (documents may cross shard
         boundaries; the ring's hops on the XLA core).
+      attention_mask: a :class:`dilax.AttentionMask` instead of ``is_causal`` / the lengths /
+        ``segment_ids`` (its ``is_causal`` or ``is_causal`` here makes the call causal). Its
+        ``key_padding_mask`` is refused (``ValueError``): pass ``key_value_seq_lengths``.
       sequence_parallel: a :class:`dilax.SequenceParallel` (``layout="contiguous"``): run as
         ring block-sparse attention with the sequence split over ``sequence_parallel.mesh``
         (``n / P`` a multiple of ``pattern.block_size``; see
-        :func:`dilax.sp.ring_block_sparse_attention`). Same result, forward and backward.
+        :func:`dilax.ring_block_sparse_attention`). Same result, forward and backward.
         Its hops run on the core ``implementation`` names (``"pallas"``: the block-sparse
         kernel on each visiting chunk, same rules as on one device; ``"reference"`` has no
         ring form) or, with None, the one the registry picks (Pallas on GPU where it serves).
@@ -264,6 +273,11 @@ def block_sparse_attention(
         below 16 on GPU; a dtype other than bf16/fp16/fp32 on GPU; off GPU without
         ``interpret=True``; the message names the reason); a non-positive ``scale``.
     """
+    if attention_mask is not None:
+        is_causal, query_seq_lengths, key_value_seq_lengths, segment_ids = unpack_attention_mask(
+            attention_mask, "block_sparse_attention", is_causal,
+            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+            segment_ids=segment_ids)
     q, k, v, rows, unfold = fold_batch_dims(q, k, v, query_seq_lengths=query_seq_lengths,
                                             key_value_seq_lengths=key_value_seq_lengths,
                                             segment_ids=segment_ids)

@@ -47,7 +47,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from dilax import _validation as V
-from dilax.attention_mask import AttentionMask, check_segment_ids
+from dilax.attention_mask import (
+    AttentionMask,
+    check_segment_ids,
+    take_attention_mask,
+    unpack_attention_mask,
+)
 from dilax.block_sparse.ring_plan import (  # noqa: F401 - plan_ring: the ring's plan, re-exported
     KernelHops,
     RingPlan,
@@ -55,7 +60,6 @@ from dilax.block_sparse.ring_plan import (  # noqa: F401 - plan_ring: the ring's
     plan_kernel_hops,
     plan_ring,
     rows_per_step,
-    unpack_mask,
 )
 from dilax.block_sparse.tables import (
     check_pattern,
@@ -310,6 +314,7 @@ def ring_block_sparse_attention(
     implementation: str | None = None,
     interpret: bool = False,
     segment_ids: jax.Array | None = None,
+    attention_mask: AttentionMask | None = None,
     mask: AttentionMask | None = None,
 ) -> jax.Array:
     """Block-sparse attention on a sequence sharded over mesh axis ``axis_name`` (per-device).
@@ -343,35 +348,39 @@ def ring_block_sparse_attention(
         :func:`dilax.block_sparse_attention` with ``segment_ids`` on the gathered inputs
         (docs/semantics.md, "Packed documents"). XLA core only (the kernel has no per-row
         key ranges).
-      mask: a :class:`dilax.AttentionMask` instead of ``is_causal`` / the lengths /
+      attention_mask: a :class:`dilax.AttentionMask` instead of ``is_causal`` / the lengths /
         ``segment_ids`` (lengths global, ``segment_ids`` the local shard; build it with
         ``AttentionMask.build(q, ..., seq_len=n)``). Its ``key_padding_mask`` is refused
         (``ValueError``): pass ``key_value_seq_lengths`` or ``segment_ids``.
+      mask: the deprecated spelling of ``attention_mask`` (warns).
 
     Returns:
       The local shard of the output, ``(b, n/P, h, d)`` in ``q.dtype``.
 
     Raises:
       TypeError: ``axis_name`` is not a str, ``pattern`` is not a ``BlockSparsePattern``,
-        ``mask`` together with the keywords it holds, dtypes or ``is_causal`` as in
+        ``attention_mask`` together with the keywords it holds, dtypes or ``is_causal`` as in
         :func:`dilax.block_sparse_attention`.
       ValueError: ``axis_name`` not bound by an enclosing ``shard_map``, ``n/P`` not a
         multiple of ``pattern.block_size``, a pattern that does not fit ``n = P * n/P``, an
         ``implementation`` that cannot serve the hops (the registry's reason), the Pallas
         kernel under ``shard_map(check_vma=True)`` (its outputs carry no device-varying type:
-        use ``check_vma=False``), ``mask.key_padding_mask``, ``segment_ids`` with
+        use ``check_vma=False``), ``attention_mask.key_padding_mask``, ``segment_ids`` with
         ``implementation="pallas"``, and every input error of
         :func:`dilax.block_sparse_attention`.
     """
     q, k, v = V.check_qkv(q, k, v)
-    if mask is not None:
-        is_causal, query_seq_lengths, key_value_seq_lengths, segment_ids = unpack_mask(
-            mask, is_causal, query_seq_lengths, key_value_seq_lengths, segment_ids)
+    attention_mask = take_attention_mask(attention_mask, mask, "ring_block_sparse_attention")
+    if attention_mask is not None:
+        is_causal, query_seq_lengths, key_value_seq_lengths, segment_ids = unpack_attention_mask(
+            attention_mask, "ring_block_sparse_attention", is_causal,
+            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+            segment_ids=segment_ids)
     is_causal = V.check_bool(is_causal, "is_causal")
     scale = V.check_scale(scale, q.shape[3])
     if not isinstance(axis_name, str):
         raise TypeError(f"axis_name must be a mesh axis name (str), got {axis_name!r}")
-    P = axis_size(axis_name, "ring_block_sparse_attention", "sharded_block_sparse_attention")
+    P = axis_size(axis_name, "ring_block_sparse_attention", "block_sparse_attention")
     b, n_l, h, d = q.shape
     if not isinstance(pattern, BlockSparsePattern):
         check_pattern(pattern, q)  # raises the TypeError

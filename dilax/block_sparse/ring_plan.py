@@ -23,7 +23,6 @@ import numpy as np
 from jax import lax
 
 from dilax import registry
-from dilax.attention_mask import AttentionMask
 from dilax.block_sparse.tables import head_layout
 from dilax.core import Core, Mask, identity_view
 from dilax.core.block_sparse import BlockSparsePallasCore
@@ -137,26 +136,6 @@ def hop_core(implementation: str | None, interpret: bool, q, pattern: BlockSpars
     request = hop_request(q.dtype, q.shape[-1], is_causal, lengths, pattern.block_size,
                           interpret, documents)
     return registry.select(implementation, request)
-
-
-def unpack_mask(mask, is_causal, query_seq_lengths, key_value_seq_lengths, segment_ids):
-    """``(is_causal, query_seq_lengths, key_value_seq_lengths, segment_ids)`` of a
-    :class:`dilax.AttentionMask` given to the block-sparse ring (``is_causal`` of either);
-    ``TypeError`` with keywords it also holds, ``ValueError`` for its ``key_padding_mask``
-    (the ring takes none)."""
-    given = [name for name, x in (("query_seq_lengths", query_seq_lengths),
-                                  ("key_value_seq_lengths", key_value_seq_lengths),
-                                  ("segment_ids", segment_ids)) if x is not None]
-    if given:
-        raise TypeError(f"give the mask either as mask= or as keywords, got mask= and {given}")
-    if not isinstance(mask, AttentionMask):
-        raise TypeError(f"mask must be a dilax.AttentionMask, got {type(mask).__name__}")
-    if mask.key_padding_mask is not None:
-        raise ValueError("key_padding_mask is not supported by ring_block_sparse_attention; "
-                         "pass key_value_seq_lengths (valid lengths) or segment_ids (packed "
-                         "documents) instead")
-    return (bool(is_causal) or mask.is_causal, mask.query_seq_lengths,
-            mask.key_value_seq_lengths, mask.segment_ids)
 
 
 # -- the hops on the Pallas block-sparse kernel ----------------------------------------------

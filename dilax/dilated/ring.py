@@ -60,7 +60,7 @@ from jax.sharding import Mesh
 
 from dilax import _validation as V
 from dilax import registry
-from dilax.attention_mask import AttentionMask
+from dilax.attention_mask import AttentionMask, take_attention_mask
 from dilax.branch.plan import dilated_branches, window_plan
 from dilax.branch.runner import attend_branches
 from dilax.core import BlockSizes, Core
@@ -91,8 +91,9 @@ def ring_dilated_attention(
     key_value_seq_lengths: jax.Array | None = None,
     local_window: int | None = None,
     settings: DilatedSettings | None = None,
-    mask: AttentionMask | None = None,
+    attention_mask: AttentionMask | None = None,
     segment_ids: jax.Array | None = None,
+    mask: AttentionMask | None = None,
 ) -> jax.Array:
     """Dilated attention on a sequence sharded over mesh axis ``axis_name`` (per-device view).
 
@@ -125,11 +126,12 @@ def ring_dilated_attention(
         :func:`dilax.dilated_attention` with ``segment_ids`` on the gathered inputs
         (docs/semantics.md, "Packed documents"): the document ring of
         :mod:`dilax.dilated.ring_documents`, on the XLA core, ``layout="contiguous"`` only.
-      settings, mask: a :class:`dilax.DilatedSettings` / :class:`dilax.AttentionMask` instead
-        of the keywords (as in :func:`dilax.dilated_attention`; mask lengths are global, its
+      settings, attention_mask: a :class:`dilax.DilatedSettings` / :class:`dilax.AttentionMask`
+        instead of the keywords (as in :func:`dilax.dilated_attention`; lengths are global, its
         ``segment_ids`` the local shard ``(b, n/P)``; build it with
-        ``AttentionMask.build(q, ..., seq_len=n)``). ``mask.key_padding_mask`` is refused
+        ``AttentionMask.build(q, ..., seq_len=n)``). Its ``key_padding_mask`` is refused
         (``ValueError``): pass ``key_value_seq_lengths``, or ``segment_ids`` for documents.
+      mask: the deprecated spelling of ``attention_mask`` (warns).
         ``settings.implementation`` / ``interpret`` pick the cores (:func:`ring_cores`).
 
     Returns:
@@ -139,7 +141,7 @@ def ring_dilated_attention(
       ValueError: ``axis_name`` not bound by an enclosing ``shard_map``, a bad ``layout``,
         an implementation that serves no ring hop (or, explicit, not every call; with
         ``segment_ids`` only the XLA core serves), the Pallas
-        kernels under ``shard_map(check_vma=True)``, ``key_padding_mask`` (in ``mask``),
+        kernels under ``shard_map(check_vma=True)``, ``key_padding_mask`` (in ``attention_mask``),
         ``segment_ids`` with ``layout="zigzag"``,
         ``layout="zigzag"`` with an odd local length, ``local_window`` longer than a local
         chunk, and every input error of
@@ -150,7 +152,8 @@ def ring_dilated_attention(
         block_sizes=block_sizes, local_window=local_window)
     check_ring_hops(settings.implementation, settings.interpret, dilated=True)
     layout = check_layout(layout)
-    P = axis_size(axis_name, "ring_dilated_attention", "sharded_dilated_attention")
+    P = axis_size(axis_name, "ring_dilated_attention", "dilated_attention")
+    mask = take_attention_mask(attention_mask, mask, "ring_dilated_attention")
     q, k, v, mask, settings = check_dilated_request(
         q, k, v, settings, mask, num_shards=P, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids)

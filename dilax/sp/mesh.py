@@ -14,15 +14,17 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 
-def axis_size(axis_name: Hashable, op: str, sharded_op: str) -> int:
+def axis_size(axis_name: Hashable, op: str, whole_mesh_op: str) -> int:
     """Size of the bound mesh axis ``axis_name``; a ValueError naming ``op`` (the per-device
-    function) and ``sharded_op`` (its global-view wrapper) outside a matching shard_map."""
+    function) and ``whole_mesh_op`` (the op whose ``sequence_parallel=`` runs it over a whole
+    mesh) outside a matching shard_map."""
     try:
         return int(lax.axis_size(axis_name))
     except NameError as e:
         raise ValueError(
             f"axis_name={axis_name!r} is not a mesh axis bound here; call {op} inside "
-            f"jax.shard_map over a mesh with that axis (or use {sharded_op})"
+            f"jax.shard_map over a mesh with that axis (or use {whole_mesh_op}(..., "
+            f"sequence_parallel=dilax.SequenceParallel(mesh, axis)))"
         ) from e
 
 
@@ -46,8 +48,12 @@ def check_sharded_shape(q: jax.Array, mesh: Mesh, seq_axis, batch_axis) -> int:
     b, n = q.shape[:2]
     P = mesh.shape[seq_axis]
     if n % P:
+        padded = -(-n // P) * P
         raise ValueError(
-            f"seq_len n={n} must be divisible by the size {P} of mesh axis {seq_axis!r}"
+            f"seq_len n={n} must be divisible by the size {P} of mesh axis {seq_axis!r}: pad "
+            f"q, k, v to n={padded} and pass query_seq_lengths=key_value_seq_lengths={n} (the "
+            f"padding then gets no weight and its rows output 0; the first {n} rows equal the "
+            f"unpadded op)"
         )
     if batch_axis is not None and b % mesh.shape[batch_axis]:
         raise ValueError(
