@@ -327,6 +327,21 @@ def branch_cores(core, plans, *, dtype, head_dim: int, is_causal: bool,
     return choose_branch_cores(None, requests)[0]
 
 
+def check_ring_hops(implementation: str | None, interpret: bool = False, dilated: bool = False,
+                    block_size: int | None = None) -> None:
+    """``implementation`` (and ``interpret``) serve a ring's ``"ring_hop"`` requests
+    (``dilated``: the dilated ring's, else the block-sparse ring's, of pattern ``block_size``)
+    as far as can be told before the call; else ``ValueError`` naming what serves them."""
+    hop = CoreRequest("ring_hop", interpret=bool(interpret),
+                      block_size=None if dilated else block_size)
+    if implementation is None or (reason := supports(implementation, hop)) is None:
+        return
+    names = " or ".join(map(repr, served_by(hop)))
+    ring = "the dilated ring" if dilated else "the block-sparse ring"
+    raise ValueError(f"sequence_parallel runs {ring}'s hops on {names}: implementation "
+                     f"must be None or {names}, got {implementation!r} ({reason})")
+
+
 def resolve(implementation: str | None, *, interpret: bool = False):
     """What a dilated op runs: ``None`` (reference), the explicit name's core, or
     :class:`Auto` for ``implementation=None`` (chosen per branch at trace time)."""
@@ -419,6 +434,48 @@ def gpu_choice(*, kind: str = "dilated", dtype=None, head_dim: int | None = None
         return name, f"{why}; not 'cudnn': {reason}"
     return "cudnn", (f"GPU, {request.dtype}, head_dim={head_dim}: cuDNN's fused forward (its "
                      "backward is the XLA core; use 'pallas' for training)")
+
+
+def module_requests(kind: str, *, block_size: int | None = None, window: bool = False,
+                    **common) -> list[tuple[str, CoreRequest]]:
+    """``(label, request)`` for each kind of core call a module makes (``create_attention``):
+    ``kind`` ``"dilated"`` (its branches, and the local-window branch with ``window``),
+    ``"block_sparse"`` or ``"ring"`` (the hops; block-sparse with a pattern ``block_size``).
+    ``common``: the :class:`CoreRequest` fields known when the module is built (``dtype``,
+    ``head_dim``, ``is_causal``, ``platform``)."""
+    if kind == "ring":
+        label = "ring hops" if block_size is None else "block-sparse ring hops"
+        return [(label, CoreRequest("ring_hop", **common, block_size=block_size))]
+    if kind == "block_sparse":
+        return [("block-sparse", CoreRequest("block_sparse", **common, block_size=block_size))]
+    return [("dilated branches", CoreRequest("dilated_branch", **common))] + (
+        [("local-window branch", CoreRequest("window", **common))] if window else [])
+
+
+def choose_labelled(implementation: str | None, requests: Sequence[tuple[str, CoreRequest]]
+                    ) -> tuple[tuple[tuple[str, str, str], ...], str]:
+    """``((label, name, why) per request, reason)``: the cores of a module's labelled requests
+    (:func:`module_requests`, all for one ``platform``).
+
+    An explicit name must serve every request (``ValueError`` with the reason,
+    :func:`choose`). ``None`` picks per request; on a CUDA GPU (``"gpu"``/``"cuda"``) a
+    module of one dilated request considers cuDNN (:func:`gpu_choice`)."""
+    out = []
+    for label, r in requests:
+        on_gpu = implementation is None and r.platform in ("gpu", "cuda")
+        if on_gpu and len(requests) == 1 and r.op == "dilated_branch":
+            name, why = gpu_choice(kind="dilated", dtype=r.dtype, head_dim=r.head_dim)
+        else:  # block-sparse (and its ring): the rules for the pattern's block size
+            name, why = choose(implementation, r)
+            if on_gpu and r.op == "block_sparse":
+                why = f"block_sparse: cuDNN has no such attention; {why}"
+        out.append((label, name, why))
+    platform = requests[0][1].platform
+    if implementation is not None:
+        return tuple(out), f"implementation {implementation!r} requested"
+    if len({name for _, name, _ in out}) == 1:
+        return tuple(out), f"backend {platform!r} -> {out[0][1]!r} ({out[0][2]})"
+    return tuple(out), f"backend {platform!r}: the core is chosen per branch"
 
 
 def describe(file: TextIO | None = None) -> None:
