@@ -45,16 +45,19 @@ from jax import lax
 from jax.sharding import Mesh
 
 from dilax import _validation as V
-from dilax import registry
 from dilax.block_sparse.ring_plan import (  # noqa: F401 - plan_ring: the ring's plan, re-exported
     KernelHops,
     RingPlan,
-    hop_request,
+    hop_core,
     plan_kernel_hops,
     plan_ring,
+)
+from dilax.block_sparse.tables import (
+    check_pattern,
+    default_block_k,
+    gather_key_blocks,
     rows_per_step,
 )
-from dilax.block_sparse.tables import check_pattern, default_block_k, gather_key_blocks
 from dilax.branch.plan import BranchPlan, plan_branch
 from dilax.branch.runner import attend_branches
 from dilax.core import XLA, BlockSizes, Core, Mask, SlotView, identity_view, merge_attention_states
@@ -352,15 +355,6 @@ def ring_block_sparse_attention(
                                   core=core)
 
 
-def hop_core(implementation: str | None, interpret: bool, q, pattern: BlockSparsePattern,
-             is_causal: bool, lengths: bool) -> Core:
-    """The core of the ring's hops that :mod:`dilax.registry` picks (``ValueError`` with its
-    reason where an explicit ``implementation`` cannot serve them)."""
-    request = hop_request(q.dtype, q.shape[-1], is_causal, lengths, pattern.block_size,
-                          interpret)
-    return registry.select(implementation, request)
-
-
 def _check_shard(pattern: BlockSparsePattern, n_l: int) -> None:
     if n_l % pattern.block_size != 0:
         raise ValueError(
@@ -382,7 +376,7 @@ def ring_block_sparse_core(q, k, v, pattern: BlockSparsePattern, is_causal: bool
     hk = k.shape[2]
     plan = plan_ring(pattern, P, h, hk, is_causal)
     bs = pattern.block_size
-    rows = rows_per_step(m // bs, b, plan.max_blocks, bs, plan.U, d, q.dtype.itemsize)
+    rows = rows_per_step(m // bs, b, plan.max_blocks, bs, plan.U, d, q.dtype.itemsize, ring=True)
     result = plan_branch(m, h, hk, m, 1, tuple(range(h)), (0,) * h)  # the shard as it is
     hops = None
     if core.name == "pallas":
