@@ -14,11 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dilax.registry import IMPLEMENTATIONS  # noqa: F401 - the one list of names
-from dilax.registry import check_name as check_implementation  # noqa: F401
-
 MODES = ("mixture", "grouped")
-BLOCK_SPARSE_IMPLEMENTATIONS = ("reference", "xla", "pallas")
 FLOAT_DTYPES = tuple(jnp.dtype(t) for t in ("float32", "bfloat16", "float16", "float64"))
 
 

@@ -18,7 +18,7 @@ from dilax import _validation as V
 from dilax import registry
 from dilax.core import BlockSizes
 from dilax.nn.attention import DilatedAttention
-from dilax.registry import current_platform, gpu_choice
+from dilax.registry import current_platform
 from dilax.sp import SequenceParallel
 
 KINDS = ("auto", "dilated", "block_sparse", "ring")
@@ -162,15 +162,18 @@ def create_attention(
     reasons: list[str] = []
     kind = _choose_kind(kind, dilated_cfg, pattern, mesh, seq_axis, reasons)
     head_dim = embed_dim // num_heads if multihead and embed_dim and num_heads else None
-    requests = _requests(kind, pattern, backend, is_causal, module_kwargs.get("dtype"),
-                         head_dim, module_kwargs.get("local_window"))
-    branches = _choose_implementation(implementation, backend, requests, reasons)
+    requests = registry.module_requests(
+        kind, block_size=None if pattern is None else pattern.block_size,
+        window=module_kwargs.get("local_window") is not None, dtype=module_kwargs.get("dtype"),
+        head_dim=head_dim, is_causal=is_causal, platform=backend)
+    branches, why = registry.choose_labelled(implementation, requests)
+    reasons.append(why)
     names = tuple(dict.fromkeys(name for _, name, _ in branches))
     # one name runs every branch; differing branches run the module's implementation=None,
     # which makes the same per-branch choice (dilax.registry) when it is called
     module_impl = names[0] if len(names) == 1 else None
     if pattern is not None and multihead and implementation is not None:
-        auto = _choose_implementation(None, backend, requests, [])[0][1]
+        auto = registry.choose_labelled(None, requests)[0][0][1]
         if implementation != auto:  # the module has no implementation= option
             raise _fail(f"the multi-head block-sparse module runs implementation=None (here "
                         f"{auto!r}); it cannot run implementation={implementation!r}")
@@ -213,48 +216,6 @@ def _choose_kind(kind, dilated_cfg, pattern, mesh, seq_axis, reasons) -> str:
     if kind != "ring" and mesh is not None:
         raise _fail(f"kind={kind!r} does not take a mesh")
     return kind
-
-
-def _requests(kind, pattern, backend, is_causal, dtype, head_dim, local_window
-              ) -> list[tuple[str, registry.CoreRequest]]:
-    """``(branch label, request)`` for each kind of core call the module will make."""
-    common = dict(dtype=dtype, head_dim=head_dim, is_causal=is_causal, platform=backend)
-    if kind == "ring":
-        label = "block-sparse ring hops" if pattern is not None else "ring hops"
-        block_size = None if pattern is None else pattern.block_size
-        return [(label, registry.CoreRequest("ring_hop", **common, block_size=block_size))]
-    if kind == "block_sparse":
-        return [("block-sparse", registry.CoreRequest("block_sparse", **common,
-                                                      block_size=pattern.block_size))]
-    out = [("dilated branches", registry.CoreRequest("dilated_branch", **common))]
-    if local_window is not None:
-        out.append(("local-window branch", registry.CoreRequest("window", **common)))
-    return out
-
-
-def _choose_implementation(implementation, backend, requests, reasons
-                           ) -> tuple[tuple[str, str, str], ...]:
-    """``(branch, implementation, why)`` per request, from :mod:`dilax.registry`; an explicit
-    ``implementation`` that cannot serve one raises its ``ValueError``."""
-    on_gpu = backend in ("gpu", "cuda")
-    out = []
-    for label, request in requests:
-        if implementation is None and on_gpu and len(requests) == 1 and (
-                request.op == "dilated_branch"):  # cuDNN is considered for one kind only
-            name, why = gpu_choice(kind="dilated", dtype=request.dtype,
-                                   head_dim=request.head_dim)
-        else:  # block-sparse (and its ring): the registry's rules for the pattern's block size
-            name, why = registry.choose(implementation, request)
-            if implementation is None and on_gpu and request.op == "block_sparse":
-                why = f"block_sparse: cuDNN has no such attention; {why}"
-        out.append((label, name, why))
-    if implementation is not None:
-        reasons.append(f"implementation {implementation!r} requested")
-    elif len({name for _, name, _ in out}) == 1:
-        reasons.append(f"backend {backend!r} -> {out[0][1]!r} ({out[0][2]})")
-    else:
-        reasons.append(f"backend {backend!r}: the core is chosen per branch")
-    return tuple(out)
 
 
 def _build(kind: str, multihead: bool, sp: SequenceParallel | None, a: dict,

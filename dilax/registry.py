@@ -11,6 +11,7 @@ This table is the only place that knows what each core can do:
   the reason (:func:`select`) -- no core ever hands its work to another one silently;
 * ``implementation=None`` takes the best core that serves each request (:data:`AUTO_ORDER`),
   per branch where the branches of one op differ (:func:`choose_branch_cores`), and says why.
+* what ``implementation=`` may name for an op is what its rules serve (:func:`offered`).
 
 An explicit ``"pallas"``/``"cudnn"`` is not checked against the runtime backend: it follows
 the *compile target*, refused when the program is lowered for another platform
@@ -200,21 +201,41 @@ def served_by(request: CoreRequest) -> tuple[str, ...]:
     return tuple(name for name in IMPLEMENTATIONS if supports(name, request) is None)
 
 
+def offered(op: str) -> tuple[str, ...]:
+    """What ``implementation=`` may name for ``op``: the implementations whose rules serve its
+    plain request (no dtype or head dim yet, ``interpret=True``, platform left to lowering),
+    e.g. ``offered("block_sparse") == ("reference", "xla", "pallas")`` (the ``_cudnn`` rule
+    refuses the op). What depends on the call is checked when it is known (:func:`choose`)."""
+    return served_by(CoreRequest(op, interpret=True))
+
+
 def current_platform() -> str:
     """``jax.default_backend()``: what ``implementation=None`` chooses for."""
     return jax.default_backend()
 
 
-def check_name(implementation, allowed: Sequence[str] = IMPLEMENTATIONS) -> str | None:
-    """A known implementation name, or ``None`` (chosen per request)."""
-    if implementation is not None and implementation not in allowed:
-        raise ValueError(f"implementation must be one of {(None,) + tuple(allowed)}, "
-                         f"got {implementation!r}")
+def check_name(implementation, op: str | None = None) -> str | None:
+    """A known implementation name (one that ``op`` offers, :func:`offered`, when given), or
+    ``None`` (chosen per request).
+
+    Raises:
+      ValueError: ``implementation must be one of (None, ...)`` (the names ``op`` offers), with
+        the registry's reason when the name is known but ``op`` refuses it.
+    """
+    if implementation is None:
+        return None
+    names = IMPLEMENTATIONS if op is None else offered(op)
+    if implementation not in names:
+        why = ""
+        if op is not None and implementation in IMPLEMENTATIONS:
+            request = CoreRequest(op, interpret=True)
+            why = f" ({request.what}: {supports(implementation, request)})"
+        raise ValueError(f"implementation must be one of {(None,) + names}, "
+                         f"got {implementation!r}{why}")
     return implementation
 
 
-def choose(implementation: str | None, request: CoreRequest,
-           allowed: Sequence[str] = IMPLEMENTATIONS) -> tuple[str, str]:
+def choose(implementation: str | None, request: CoreRequest) -> tuple[str, str]:
     """``(name, why)``: the implementation that runs ``request``.
 
     An explicit name must serve it (its compile platform is checked at lowering, so
@@ -226,11 +247,11 @@ def choose(implementation: str | None, request: CoreRequest,
       ValueError: unknown name, or an explicit one that cannot serve ``request`` (the message
         names the reason and what ``implementation=None`` would run).
     """
-    implementation = check_name(implementation, allowed)
+    implementation = check_name(implementation)
     if implementation is not None:
         reason = supports(implementation, dataclasses.replace(request, platform=None))
         if reason is not None:
-            alt, _ = choose(None, request, allowed)
+            alt, _ = choose(None, request)
             raise ValueError(f"implementation={implementation!r} cannot run {request.what}: "
                              f"{reason}; use implementation=None to run "
                              f"{'that branch' if 'branch' in request.what else 'it'} on "
@@ -240,7 +261,7 @@ def choose(implementation: str | None, request: CoreRequest,
         request = dataclasses.replace(request, platform=current_platform())
     refused = []
     for name in _AUTO_ORDER_OF.get(request.op, AUTO_ORDER):
-        reason = supports(name, request) if name in allowed else "not offered by this op"
+        reason = supports(name, request)
         if reason is None:
             why = "; ".join([f"platform {request.platform!r}"] + refused)
             return name, f"{request.what} -> {name!r} ({why})"
@@ -256,11 +277,10 @@ def core(name: str, interpret: bool = False):
     return None if name == "reference" else core_for(name, interpret=interpret)
 
 
-def select(implementation: str | None, request: CoreRequest,
-           allowed: Sequence[str] = IMPLEMENTATIONS):
+def select(implementation: str | None, request: CoreRequest):
     """The :class:`dilax.core.Core` that runs ``request`` (:func:`choose`), ``None`` for the
     reference. Raises ``ValueError`` like :func:`choose`."""
-    return core(choose(implementation, request, allowed)[0], request.interpret)
+    return core(choose(implementation, request)[0], request.interpret)
 
 
 def choose_branch_cores(implementation: str | None, requests: Sequence[CoreRequest]
@@ -301,18 +321,31 @@ def branch_cores(core, plans, *, dtype, head_dim: int, is_causal: bool,
                             has_lengths=lengths, platform=platform, interpret=interpret,
                             has_documents=documents)
                 for p in plans]
-    if not isinstance(core, Auto):
-        for r in requests:  # explicit: serves every branch or raises
-            choose(core.name, r)
+    if not isinstance(core, Auto):  # explicit: serves every branch or raises
+        _ = [choose(core.name, r) for r in requests]
         return (core,) * len(plans)
     return choose_branch_cores(None, requests)[0]
 
 
-def resolve(implementation: str | None, *, interpret: bool = False,
-            allowed: Sequence[str] = IMPLEMENTATIONS):
+def check_ring_hops(implementation: str | None, interpret: bool = False, dilated: bool = False,
+                    block_size: int | None = None) -> None:
+    """``implementation`` (and ``interpret``) serve a ring's ``"ring_hop"`` requests
+    (``dilated``: the dilated ring's, else the block-sparse ring's, of pattern ``block_size``)
+    as far as can be told before the call; else ``ValueError`` naming what serves them."""
+    hop = CoreRequest("ring_hop", interpret=bool(interpret),
+                      block_size=None if dilated else block_size)
+    if implementation is None or (reason := supports(implementation, hop)) is None:
+        return
+    names = " or ".join(map(repr, served_by(hop)))
+    ring = "the dilated ring" if dilated else "the block-sparse ring"
+    raise ValueError(f"sequence_parallel runs {ring}'s hops on {names}: implementation "
+                     f"must be None or {names}, got {implementation!r} ({reason})")
+
+
+def resolve(implementation: str | None, *, interpret: bool = False):
     """What a dilated op runs: ``None`` (reference), the explicit name's core, or
     :class:`Auto` for ``implementation=None`` (chosen per branch at trace time)."""
-    implementation = check_name(implementation, allowed)
+    implementation = check_name(implementation)
     if implementation is None:
         return Auto(bool(interpret), current_platform())
     return core(implementation, interpret)
@@ -322,12 +355,8 @@ def table(platform: str | None = None, interpret: bool = False) -> list[tuple[st
     """``(op, chosen, why)`` for each op's plain request on ``platform`` (default: the
     runtime backend) with ``implementation=None`` (what :func:`dilax.describe` prints)."""
     platform = platform or current_platform()
-    rows = []
-    for op in OPS:
-        request = CoreRequest(op, platform=platform, interpret=interpret)
-        name, why = choose(None, request)
-        rows.append((op, name, why))
-    return rows
+    return [(op, *choose(None, CoreRequest(op, platform=platform, interpret=interpret)))
+            for op in OPS]
 
 
 # -- what users ask: the default, the GPU choice, describe() ------------------------------
@@ -340,30 +369,26 @@ def default_implementation(backend: str | None = None) -> str:
 
 
 def resolve_implementation(implementation: str | None, *, interpret: bool = False,
-                           allowed: tuple[str, ...] = IMPLEMENTATIONS,
                            backend: str | None = None) -> str:
     """Validates ``implementation`` and resolves ``None`` for a plain request (no window,
     no per-key mask) with :mod:`dilax.registry`.
 
     ``None`` follows the runtime backend (``backend``, default :func:`current_platform`).
-    An explicit ``"pallas"`` or ``"cudnn"`` follows the *compile target*: it is accepted
-    here whatever the runtime backend, and the program fails at lowering, with a
-    ``ValueError`` naming ``interpret=True`` and ``"xla"``, when it is lowered for a platform
-    the kernels do not support (:mod:`pallas_kernels.platform`). So a CPU process can compile
-    the GPU kernels for a CUDA target (``jax.jit(f).lower(<arguments placed on a CUDA
-    device>).compile()``, e.g. a deviceless ``jax.experimental.topologies`` target), and a
-    CPU program that asks for them still gets a clear error. Ops whose requests differ per
-    branch (a local window, a key padding mask) ask the registry per branch.
+    An explicit ``"pallas"`` or ``"cudnn"`` follows the *compile target* (module docstring):
+    accepted here whatever the runtime backend, refused at lowering for a platform the kernels
+    do not support (:mod:`pallas_kernels.platform`), so a CPU process can compile the GPU
+    kernels for a CUDA target. Ops whose requests differ per branch (a local window, a key
+    padding mask) ask the registry per branch.
 
     Raises:
       ValueError: unknown name.
     """
-    implementation = check_name(implementation, allowed)
+    implementation = check_name(implementation)
     if implementation is not None:
         return implementation
     backend = current_platform() if backend is None else backend
     request = CoreRequest("dilated_branch", platform=backend, interpret=interpret)
-    return choose(None, request, allowed)[0]
+    return choose(None, request)[0]
 
 
 def kernels_available() -> dict[str, str]:
@@ -400,7 +425,7 @@ def gpu_choice(*, kind: str = "dilated", dtype=None, head_dim: int | None = None
         name, why = choose(None, CoreRequest("block_sparse", platform="gpu"))
         return name, f"{kind}: cuDNN has no such attention; {why}"
     request = CoreRequest("window" if window else "dilated_branch", dtype, head_dim,
-                                   platform="gpu")
+                          platform="gpu")
     name, why = choose(None, request)
     if dtype is None or head_dim is None:
         return name, f"{why}; pass dtype and head_dim to consider cuDNN"
@@ -409,6 +434,48 @@ def gpu_choice(*, kind: str = "dilated", dtype=None, head_dim: int | None = None
         return name, f"{why}; not 'cudnn': {reason}"
     return "cudnn", (f"GPU, {request.dtype}, head_dim={head_dim}: cuDNN's fused forward (its "
                      "backward is the XLA core; use 'pallas' for training)")
+
+
+def module_requests(kind: str, *, block_size: int | None = None, window: bool = False,
+                    **common) -> list[tuple[str, CoreRequest]]:
+    """``(label, request)`` for each kind of core call a module makes (``create_attention``):
+    ``kind`` ``"dilated"`` (its branches, and the local-window branch with ``window``),
+    ``"block_sparse"`` or ``"ring"`` (the hops; block-sparse with a pattern ``block_size``).
+    ``common``: the :class:`CoreRequest` fields known when the module is built (``dtype``,
+    ``head_dim``, ``is_causal``, ``platform``)."""
+    if kind == "ring":
+        label = "ring hops" if block_size is None else "block-sparse ring hops"
+        return [(label, CoreRequest("ring_hop", **common, block_size=block_size))]
+    if kind == "block_sparse":
+        return [("block-sparse", CoreRequest("block_sparse", **common, block_size=block_size))]
+    return [("dilated branches", CoreRequest("dilated_branch", **common))] + (
+        [("local-window branch", CoreRequest("window", **common))] if window else [])
+
+
+def choose_labelled(implementation: str | None, requests: Sequence[tuple[str, CoreRequest]]
+                    ) -> tuple[tuple[tuple[str, str, str], ...], str]:
+    """``((label, name, why) per request, reason)``: the cores of a module's labelled requests
+    (:func:`module_requests`, all for one ``platform``).
+
+    An explicit name must serve every request (``ValueError`` with the reason,
+    :func:`choose`). ``None`` picks per request; on a CUDA GPU (``"gpu"``/``"cuda"``) a
+    module of one dilated request considers cuDNN (:func:`gpu_choice`)."""
+    out = []
+    for label, r in requests:
+        on_gpu = implementation is None and r.platform in ("gpu", "cuda")
+        if on_gpu and len(requests) == 1 and r.op == "dilated_branch":
+            name, why = gpu_choice(kind="dilated", dtype=r.dtype, head_dim=r.head_dim)
+        else:  # block-sparse (and its ring): the rules for the pattern's block size
+            name, why = choose(implementation, r)
+            if on_gpu and r.op == "block_sparse":
+                why = f"block_sparse: cuDNN has no such attention; {why}"
+        out.append((label, name, why))
+    platform = requests[0][1].platform
+    if implementation is not None:
+        return tuple(out), f"implementation {implementation!r} requested"
+    if len({name for _, name, _ in out}) == 1:
+        return tuple(out), f"backend {platform!r} -> {out[0][1]!r} ({out[0][2]})"
+    return tuple(out), f"backend {platform!r}: the core is chosen per branch"
 
 
 def describe(file: TextIO | None = None) -> None:

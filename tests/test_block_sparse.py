@@ -206,7 +206,7 @@ def test_public_op_mqa_row_chunked_partial_last_block(monkeypatch):
     monkeypatch.setattr(BT, "_ROW_BUDGET_BYTES", 1)
     pattern = P.global_local(N, BSZ, 3, 0) | P.from_mask(np.eye(NB, dtype=bool)[::-1], BSZ)
     q, k, v, cot = inputs(3, 1)
-    assert BT._rows_per_step(NB, B, 3, BSZ, 1, D, 4) == 1
+    assert BT.rows_per_step(NB, B, 3, BSZ, 1, D, 4) == 1
     got = jax.jit(functools.partial(public_vjp, pattern, causal=False, impl="xla"))(q, k, v, cot)
     assert_close(got, public_vjp(pattern, q, k, v, cot, False, "reference"))
 
@@ -236,7 +236,7 @@ def test_memory_scales_with_active_blocks_not_n_squared():
         fn = functools.partial(dilax.block_sparse_attention, pattern=pattern)
         temp = jax.jit(fn).lower(q, q, q).compile().memory_analysis().temp_size_in_bytes
         max_active = pattern.tables()[0].shape[-1]
-        rows = BT._rows_per_step(n // bs, 1, max_active, bs, h, d, 4)  # per lax.map step
+        rows = BT.rows_per_step(n // bs, 1, max_active, bs, h, d, 4)  # per lax.map step
         gathered = 2 * rows * max_active * bs * h * d * 4  # K and V blocks, f32
         return temp, gathered
 

@@ -65,7 +65,7 @@ class Case:
         return out
 
     def allowed(self) -> tuple[str, ...]:
-        return dilax.block_sparse.api.IMPLEMENTATIONS if self.op == "block_sparse" else \
+        return registry.offered("block_sparse") if self.op == "block_sparse" else \
             registry.IMPLEMENTATIONS
 
     def serving(self) -> tuple[str, ...]:

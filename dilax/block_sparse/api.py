@@ -55,11 +55,6 @@ from dilax.reference import length_mask, masked_attention
 from dilax.sp.config import SequenceParallel, check_sequence_parallel
 from dilax.utils import cdiv
 
-IMPLEMENTATIONS = V.BLOCK_SPARSE_IMPLEMENTATIONS
-
-
-
-
 # -- static plans -------------------------------------------------------------------------
 
 
@@ -298,11 +293,14 @@ def block_sparse_attention(
         return unfold(sharded_block_sparse(q, k, v, pattern, is_causal, scale,
                                            sequence_parallel, q_len, kv_len, implementation,
                                            interpret, segment_ids))
-    implementation, _ = registry.choose(implementation, registry.CoreRequest(
+    request = registry.CoreRequest(
         "block_sparse", q.dtype, q.shape[3], is_causal,
         has_lengths=q_len is not None or kv_len is not None, interpret=interpret,
-        block_size=pattern.block_size, has_documents=segment_ids is not None),
-        IMPLEMENTATIONS)
+        block_size=pattern.block_size, has_documents=segment_ids is not None)
+    # a name the op offers (the registry's rules: "cudnn" refused with its reason), then one
+    # that serves this call
+    implementation, _ = registry.choose(registry.check_name(implementation, "block_sparse"),
+                                        request)
     V.check_memory(q, k, dense=implementation == "reference", op="block_sparse_attention")
     if b == 0:  # the blockwise cores need a row; the result is empty anyway
         return unfold(V.empty_batch(q, v))

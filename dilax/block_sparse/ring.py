@@ -59,13 +59,13 @@ from dilax.block_sparse.ring_plan import (  # noqa: F401 - plan_ring: the ring's
     hop_core,
     plan_kernel_hops,
     plan_ring,
-    rows_per_step,
 )
 from dilax.block_sparse.tables import (
     check_pattern,
     default_block_k,
     document_ranges,
     gather_key_blocks,
+    rows_per_step,
 )
 from dilax.branch.plan import BranchPlan, plan_branch
 from dilax.branch.runner import attend_branches
@@ -422,7 +422,7 @@ def ring_block_sparse_core(q, k, v, pattern: BlockSparsePattern, is_causal: bool
     hk = k.shape[2]
     plan = plan_ring(pattern, P, h, hk, is_causal)
     bs = pattern.block_size
-    rows = rows_per_step(m // bs, b, plan.max_blocks, bs, plan.U, d, q.dtype.itemsize)
+    rows = rows_per_step(m // bs, b, plan.max_blocks, bs, plan.U, d, q.dtype.itemsize, ring=True)
     result = plan_branch(m, h, hk, m, 1, tuple(range(h)), (0,) * h)  # the shard as it is
     hops = None
     if core.name == "pallas":

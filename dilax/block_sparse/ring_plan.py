@@ -30,9 +30,6 @@ from dilax.patterns import BlockSparsePattern, mask_tables
 from dilax.sp.schedule import Stream, needs_matrix, plan_streams
 
 _F32 = jnp.float32
-# Gathered K/V (and, backward, their float32 gradients) of one step of query blocks: a few
-# query blocks at a time, so the gather stays small next to a shard.
-_ROW_BUDGET_BYTES = 32 * 2**20
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -111,14 +108,6 @@ def plan_ring(pattern: BlockSparsePattern, num_devices: int, h: int, hk: int,
                     hop, slot)
 
 
-def rows_per_step(nq: int, b: int, A: int, bs: int, U: int, d: int, itemsize: int) -> int:
-    """Query blocks per step: the largest divisor of ``nq`` whose gathered K/V and their
-    float32 gradients fit :data:`_ROW_BUDGET_BYTES` (at least one)."""
-    per_row = 2 * b * A * bs * U * d * (itemsize + 4)
-    target = max(1, _ROW_BUDGET_BYTES // max(per_row, 1))
-    return max(r for r in range(1, min(nq, target) + 1) if nq % r == 0)
-
-
 def hop_request(dtype, head_dim: int, is_causal: bool, lengths: bool, block_size: int,
                 interpret=False, documents: bool = False) -> registry.CoreRequest:
     """The registry request of the block-sparse ring's hops (``"ring_hop"`` with the
@@ -130,9 +119,10 @@ def hop_request(dtype, head_dim: int, is_causal: bool, lengths: bool, block_size
 
 def hop_core(implementation: str | None, interpret: bool, q, pattern: BlockSparsePattern,
              is_causal: bool, lengths: bool, documents: bool = False) -> Core:
-    """The core of the ring's hops that :mod:`dilax.registry` picks (``ValueError`` with its
-    reason where an explicit ``implementation`` cannot serve them; packed documents
-    (``documents``) run on the XLA core only)."""
+    """The core of the ring's hops for ``q (b, n/P, h, d)``: :func:`hop_request` to
+    :func:`dilax.registry.select` (``ValueError`` with the registry's reason where an explicit
+    ``implementation`` cannot serve them; packed documents (``documents``) run on the XLA
+    core only)."""
     request = hop_request(q.dtype, q.shape[-1], is_causal, lengths, pattern.block_size,
                           interpret, documents)
     return registry.select(implementation, request)

@@ -20,7 +20,8 @@ from dilax.core import BlockSizes, attention_core, merge_attention_states
 from dilax.patterns import BlockSparsePattern
 from dilax.utils import cdiv
 
-# Upper bound on gathered K+V bytes per lax.map step (a few query blocks at a time).
+# The one row budget of the gathered block-sparse paths, one device and ring: bytes of the
+# key/value blocks one step of query blocks may gather (:func:`rows_per_step`).
 _ROW_BUDGET_BYTES = 64 * 2**20
 
 
@@ -200,14 +201,24 @@ def _attend_rows(q, k, v, kd, vd, idx, kv_len, diag_len, q_len=None, doc=None, q
     return out.astype(jnp.float32).reshape(b, RB, h, d), lse.reshape(b, RB, h)
 
 
-def _rows_per_step(nq: int, b: int, A: int, bs: int, U: int, d: int, itemsize: int) -> int:
-    per_row = 2 * b * A * bs * U * d * itemsize
+def rows_per_step(nq: int, b: int, A: int, bs: int, U: int, d: int, itemsize: int, *,
+                  ring: bool = False) -> int:
+    """Query blocks per step ``R``: the largest divisor of ``nq`` whose gathered key and value
+    blocks, ``2 * b * U * R * A * bs * d`` elements (``A``: key blocks of the busiest row,
+    ``U``: virtual kv heads), fit :data:`_ROW_BUDGET_BYTES` (at least one).
+
+    Per element, one device (:func:`sparse_attention_tables`, a ``lax.map`` over steps) counts
+    the inputs' ``itemsize``. The ring (``ring=True``,
+    :class:`~dilax.block_sparse.ring.BlockSparseRing`, whose explicit backward also holds the
+    gathered blocks' float32 gradients) counts ``itemsize + 4``, twice: its steps keep to half
+    the budget, as with the 32 MiB of their own they had before (they run beside the visiting
+    chunk, the one in flight and the shard's float32 accumulators). ``32 MiB // x`` equals
+    ``64 MiB // 2x``, so both paths keep their step sizes, hence their programs.
+    """
+    per_element = 2 * (itemsize + 4) if ring else itemsize
+    per_row = 2 * b * A * bs * U * d * per_element
     target = max(1, _ROW_BUDGET_BYTES // max(per_row, 1))
-    best = 1
-    for r in range(1, min(nq, target) + 1):
-        if nq % r == 0:
-            best = r
-    return best
+    return max((r for r in range(1, min(nq, target) + 1) if nq % r == 0), default=1)
 
 
 def default_block_k(bs: int) -> int:
@@ -251,7 +262,7 @@ def sparse_attention_tables(
     nq = nqb // bs
     block_k = default_block_k(bs) if block_k is None else block_k
     A = 0 if idx is None else idx.shape[-1]
-    step = _rows_per_step(nq, b, A, bs, U, d, q.dtype.itemsize) if idx is not None else nq
+    step = rows_per_step(nq, b, A, bs, U, d, q.dtype.itemsize) if idx is not None else nq
     shared = idx is not None and _shared_gather(idx.shape, kvmap, k.shape[2])
     ks = _gather_source(k, shared, bs) if idx is not None else None
     vs = _gather_source(v, shared, bs) if idx is not None else None

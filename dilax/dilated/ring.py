@@ -67,7 +67,7 @@ from dilax.core import BlockSizes, Core
 from dilax.dilated.ring_branches import WindowBranch, branch_op, chunk_starts, is_local
 from dilax.dilated.ring_documents import document_core, ring_documents_core
 from dilax.dilated.settings import DilatedSettings, check_dilated_request, settings_from_keywords
-from dilax.sp.config import SequenceParallel, check_ring_hops, check_sequence_parallel
+from dilax.sp.config import SequenceParallel, check_sequence_parallel
 from dilax.sp.layout import check_layout, relayout
 from dilax.sp.mesh import axis_size, check_sharded_shape, shard_sequence
 from dilax.sp.ring_vjp import RING_BLOCKS
@@ -150,7 +150,7 @@ def ring_dilated_attention(
     settings = settings_from_keywords(
         settings, segment_lengths, dilation_rates, is_causal=is_causal, mode=mode, scale=scale,
         block_sizes=block_sizes, local_window=local_window)
-    check_ring_hops(settings.implementation, settings.interpret, dilated=True)
+    registry.check_ring_hops(settings.implementation, settings.interpret, dilated=True)
     layout = check_layout(layout)
     P = axis_size(axis_name, "ring_dilated_attention", "dilated_attention")
     mask = take_attention_mask(attention_mask, mask, "ring_dilated_attention")
@@ -186,9 +186,9 @@ def ring_cores(settings: DilatedSettings, mask: AttentionMask, dtype, head_dim: 
     lengths = mask.query_seq_lengths is not None or mask.key_value_seq_lengths is not None
     ops = ("dilated_branch", "ring_hop") + (("window",) if settings.local_window is not None
                                             else ())
-    cores = tuple(registry.select(settings.implementation, registry.CoreRequest(
+    cores, _ = registry.choose_branch_cores(settings.implementation, [registry.CoreRequest(
         op, dtype, head_dim, settings.is_causal, has_lengths=lengths,
-        interpret=settings.interpret)) for op in ops)
+        interpret=settings.interpret) for op in ops])
     return cores if len(cores) == 3 else (*cores, None)
 
 

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from dilax import _validation as V
+from dilax import registry
 from dilax.attention_mask import AttentionMask
 from dilax.core import BlockSizes
 
@@ -62,7 +63,7 @@ class DilatedSettings:
             scale=None if self.scale is None else V.check_scale(self.scale, 1),
             block_sizes=V.check_block_sizes(self.block_sizes),
             local_window=V.check_local_window(self.local_window, mode),
-            implementation=V.check_implementation(self.implementation),
+            implementation=registry.check_name(self.implementation),
             interpret=V.check_bool(self.interpret, "interpret"),
         )
         for name, value in fields.items():  # normalized in place: the value is built once

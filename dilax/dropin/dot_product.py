@@ -49,14 +49,14 @@ def _check_pairwise(t, full, name: str) -> None:
 
 
 def _implementation(implementation: Any) -> str | None:
-    """A name the registry knows (:func:`dilax.registry.check_name`); any other raises with
-    jax's message for the names it rejects."""
+    """A name the registry offers for dense attention (:func:`dilax.registry.check_name`
+    with ``op="dense"``); any other raises with jax's message for the names it rejects."""
     try:
-        return registry.check_name(implementation)
+        return registry.check_name(implementation, "dense")
     except ValueError:
         raise ValueError(f"Unsupported implementation option: {implementation}; "
                          f"dilax.dot_product_attention serves "
-                         f"{(None,) + registry.IMPLEMENTATIONS}") from None
+                         f"{(None,) + registry.offered('dense')}") from None
 
 
 def _window(local_window_size: Any) -> tuple[int, int] | None:

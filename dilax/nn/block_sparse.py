@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dilax import _validation as V
-from dilax.block_sparse.api import IMPLEMENTATIONS, block_sparse_attention
+from dilax import registry
+from dilax.block_sparse.api import block_sparse_attention
 from dilax.nn._heads import (
     check_dropout_and_gain,
     check_heads,
@@ -72,7 +73,7 @@ class BlockSparseAttention(nnx.Module):
                  sequence_parallel: SequenceParallel | None = None):
         self.pattern = _check_pattern_type(pattern)
         self.is_causal = V.check_bool(is_causal, "is_causal")
-        self.implementation = V.check_implementation(implementation, IMPLEMENTATIONS)
+        self.implementation = registry.check_name(implementation, "block_sparse")
         self.sequence_parallel = check_sequence_parallel(
             sequence_parallel, self.implementation, layouts=("contiguous",),
             block_size=self.pattern.block_size)

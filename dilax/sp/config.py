@@ -62,26 +62,8 @@ def check_sequence_parallel(sequence_parallel, implementation,
     if not isinstance(sequence_parallel, SequenceParallel):
         raise TypeError("sequence_parallel must be a dilax.SequenceParallel or None, got "
                         f"{type(sequence_parallel).__name__}")
-    check_ring_hops(implementation, interpret, dilated, block_size)
+    registry.check_ring_hops(implementation, interpret, dilated, block_size)
     if sequence_parallel.layout not in layouts:
         raise ValueError(f"sequence_parallel.layout must be one of {layouts} here, got "
                          f"{sequence_parallel.layout!r}")
     return sequence_parallel
-
-
-def check_ring_hops(implementation, interpret: bool = False, dilated: bool = False,
-                    block_size: int | None = None) -> None:
-    """``implementation`` (and ``interpret``) serve a ring's hops (``dilated``: the dilated
-    ring's, else the block-sparse ring's, of pattern ``block_size`` when given) as far as
-    :mod:`dilax.registry` can tell without the call, else ``ValueError`` with the
-    registry's reason."""
-    hop = registry.CoreRequest("ring_hop", interpret=bool(interpret),
-                               block_size=None if dilated else block_size)
-    if implementation is None:
-        return
-    reason = registry.supports(implementation, hop)
-    if reason is not None:
-        names = " or ".join(map(repr, registry.served_by(hop)))
-        ring = "the dilated ring" if dilated else "the block-sparse ring"
-        raise ValueError(f"sequence_parallel runs {ring}'s hops on {names}: implementation "
-                         f"must be None or {names}, got {implementation!r} ({reason})")
