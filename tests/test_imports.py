@@ -289,11 +289,13 @@ def test_every_python_file_at_most_500_lines():
 def test_semantics_is_the_bottom_and_reference_a_leaf():
     """dilax.semantics and dilax.utils import nothing of dilax; the layout planner, decoding
     and the pattern constructors read the semantics, not the reference; the reference imports
-    only the semantics and is used by the ``implementation="reference"`` ops alone."""
+    only the semantics and is used by the ``implementation="reference"`` ops and the drop-ins'
+    dense paths alone (the one dense masked softmax of the library)."""
     graph = _graph(_modules(PACKAGES))
     assert graph["dilax.semantics"] == set() and graph["dilax.utils"] == set()
     assert graph["dilax.reference"] == {"dilax.semantics"}
     for reader in ("dilax.branch.plan", "dilax.dilated.decode", "dilax.patterns.constructors"):
         assert "dilax.semantics" in graph[reader], reader
     users = {m for m, targets in graph.items() if "dilax.reference" in targets}
-    assert users == {"dilax.dilated.api", "dilax.block_sparse.api"}, users
+    assert users == {"dilax.dilated.api", "dilax.block_sparse.api", "dilax.dropin.dot_product",
+                     "dilax.dropin.attention_fn"}, users
