@@ -2,13 +2,14 @@
 
 The PyTorch project's factory picks a class from a string; here the choice also depends on the
 backend (Pallas kernels on GPU, the blockwise XLA core elsewhere) and on what the caller gives:
-a block pattern means block-sparse, a mesh with a sequence axis means ring attention (dilated,
-or block-sparse when a pattern is given too).
+a block pattern means block-sparse, ``sequence_parallel=`` (a mesh with a sequence axis) means
+ring attention (dilated, or block-sparse when a pattern is given too).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -46,8 +47,9 @@ class Choice:
 class RingDilatedAttention(DilatedAttention):
     """Dilated attention over a device mesh: the sequence axis is sharded on ``seq_axis``.
 
-    A :class:`dilax.nn.DilatedAttention` with ``sequence_parallel=SequenceParallel(mesh,
-    seq_axis, batch_axis)``. ``__call__(q, k, v)`` takes global ``(b, n, h, d)`` arrays and
+    Deprecated: this is :class:`dilax.nn.DilatedAttention` with
+    ``sequence_parallel=SequenceParallel(mesh, seq_axis, batch_axis)``, the one door (it
+    warns, naming it). ``__call__(q, k, v)`` takes global ``(b, n, h, d)`` arrays and
     returns the same as :func:`dilax.dilated_attention` on one device (docs/semantics.md,
     "Ring attention").
     """
@@ -56,6 +58,9 @@ class RingDilatedAttention(DilatedAttention):
                  seq_axis: str = "sp", batch_axis: str | None = None, mode: str = "mixture",
                  is_causal: bool = False, scale: float | None = None,
                  block_sizes: BlockSizes | None = None, implementation: str | None = None):
+        warnings.warn("dilax.factory.RingDilatedAttention is deprecated: use "
+                      "dilax.nn.DilatedAttention(..., sequence_parallel=dilax.SequenceParallel("
+                      "mesh, seq_axis))", DeprecationWarning, stacklevel=2)
         super().__init__(segment_lengths, dilation_rates, mode=mode, is_causal=is_causal,
                          scale=scale, block_sizes=block_sizes, implementation=implementation,
                          sequence_parallel=SequenceParallel(mesh, seq_axis, batch_axis))
@@ -84,9 +89,9 @@ BACKENDS = ("cpu", "gpu", "cuda", "rocm", "tpu")
 def _fail(message: str) -> ValueError:
     valid = ("valid combinations: kind='dilated' with segment_lengths + dilation_rates; "
              "kind='block_sparse' with pattern; kind='ring' with segment_lengths + "
-             "dilation_rates (dilated ring) or pattern (block-sparse ring) + mesh (a mesh axis "
-             "named seq_axis); kind='auto' infers one of these. Add embed_dim + num_heads "
-             "(+ rngs) for a multi-head module.")
+             "dilation_rates (dilated ring) or pattern (block-sparse ring) + "
+             "sequence_parallel=dilax.SequenceParallel(mesh, seq_axis); kind='auto' infers "
+             "one of these. Add embed_dim + num_heads (+ rngs) for a multi-head module.")
     return ValueError(f"{message}. {valid}")
 
 
@@ -96,8 +101,7 @@ def create_attention(
     segment_lengths=None,
     dilation_rates=None,
     pattern=None,
-    mesh: jax.sharding.Mesh | None = None,
-    seq_axis: str = "sp",
+    sequence_parallel: SequenceParallel | None = None,
     embed_dim: int | None = None,
     num_heads: int | None = None,
     mode: str = "mixture",
@@ -105,6 +109,8 @@ def create_attention(
     implementation: str | None = None,
     backend: str | None = None,
     rngs: nnx.Rngs | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    seq_axis: str = "sp",
     **module_kwargs: Any,
 ) -> Attention:
     """Builds the right attention module and reports the choice.
@@ -115,8 +121,10 @@ def create_attention(
         a pattern).
       segment_lengths, dilation_rates: dilated/ring configuration.
       pattern: a :class:`dilax.patterns.BlockSparsePattern` (block-sparse, or block-sparse
-        ring with a mesh).
-      mesh, seq_axis: a mesh whose ``seq_axis`` shards the sequence (ring).
+        ring with ``sequence_parallel``).
+      sequence_parallel: a :class:`dilax.SequenceParallel` (mesh, ``seq_axis``, layout):
+        ring attention with the sequence sharded over the mesh, as the ops' and the modules'
+        ``sequence_parallel=``.
       embed_dim, num_heads: give both for a multi-head module with projections (then
         ``rngs`` is required); otherwise a parameter-free module over ``(b, n, h, d)``.
       mode, is_causal: as in :func:`dilax.dilated_attention`.
@@ -130,6 +138,8 @@ def create_attention(
         the names (``"pallas+xla"``) and the module gets ``implementation=None``.
       backend: override the detected backend (``"cpu"``, ``"gpu"``...), e.g. to build a GPU
         configuration on a CPU host.
+      mesh, seq_axis: deprecated spelling of ``sequence_parallel=SequenceParallel(mesh,
+        seq_axis)`` (warns).
       **module_kwargs: forwarded to the module (``num_kv_heads``, ``dropout``...).
 
     Returns:
@@ -146,8 +156,19 @@ def create_attention(
         raise ValueError(f"backend must be None (detect) or one of {BACKENDS}, got {backend!r}")
     mode = V.check_mode_name(mode)
     is_causal = V.check_bool(is_causal, "is_causal")
-    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if mesh is not None:  # the old spelling of sequence_parallel=
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        if sequence_parallel is not None:
+            raise TypeError("give the mesh once, as sequence_parallel= (mesh=/seq_axis= are "
+                            "its deprecated spelling)")
+        warnings.warn("create_attention(mesh=, seq_axis=) is deprecated: pass "
+                      "sequence_parallel=dilax.SequenceParallel(mesh, seq_axis)",
+                      DeprecationWarning, stacklevel=2)
+        sequence_parallel = SequenceParallel(mesh, seq_axis)
+    if sequence_parallel is not None and not isinstance(sequence_parallel, SequenceParallel):
+        raise TypeError(f"sequence_parallel must be a dilax.SequenceParallel, got "
+                        f"{type(sequence_parallel).__name__}")
     backend = current_platform() if backend is None else backend
     dilated_cfg = segment_lengths is not None or dilation_rates is not None
     if dilated_cfg and (segment_lengths is None or dilation_rates is None):
@@ -160,7 +181,7 @@ def create_attention(
         raise _fail("a multi-head module needs embed_dim, num_heads and rngs")
 
     reasons: list[str] = []
-    kind = _choose_kind(kind, dilated_cfg, pattern, mesh, seq_axis, reasons)
+    kind = _choose_kind(kind, dilated_cfg, pattern, sequence_parallel, reasons)
     head_dim = embed_dim // num_heads if multihead and embed_dim and num_heads else None
     requests = registry.module_requests(
         kind, block_size=None if pattern is None else pattern.block_size,
@@ -177,7 +198,7 @@ def create_attention(
         if implementation != auto:  # the module has no implementation= option
             raise _fail(f"the multi-head block-sparse module runs implementation=None (here "
                         f"{auto!r}); it cannot run implementation={implementation!r}")
-    sp = SequenceParallel(mesh, seq_axis) if kind == "ring" else None
+    sp = sequence_parallel if kind == "ring" else None
     inner = _build(kind, multihead, sp, dict(
         embed_dim=embed_dim, num_heads=num_heads, segment_lengths=segment_lengths,
         dilation_rates=dilation_rates, pattern=pattern, mode=mode, is_causal=is_causal,
@@ -186,18 +207,21 @@ def create_attention(
                                    branches))
 
 
-def _choose_kind(kind, dilated_cfg, pattern, mesh, seq_axis, reasons) -> str:
+def _choose_kind(kind, dilated_cfg, pattern, sp: SequenceParallel | None, reasons) -> str:
     """Resolves ``"auto"`` (appending why to ``reasons``) and checks the kind's needs."""
+    mesh, seq_axis = (None, None) if sp is None else (sp.mesh, sp.seq_axis)
     if kind == "auto":
         if pattern is not None and mesh is not None:
-            kind, why = "ring", (f"a block pattern and a mesh were given: block-sparse ring, "
-                                 f"the sequence is sharded over '{seq_axis}'")
+            kind, why = "ring", (f"a block pattern and sequence_parallel were given: "
+                                 f"block-sparse ring, the sequence is sharded over mesh axis "
+                                 f"'{seq_axis}'")
         elif pattern is not None:
             kind, why = "block_sparse", "a block pattern was given"
         elif dilated_cfg and mesh is not None:
-            kind, why = "ring", f"a mesh was given: the sequence is sharded over '{seq_axis}'"
+            kind, why = "ring", (f"sequence_parallel was given: the sequence is sharded over "
+                                 f"mesh axis '{seq_axis}'")
         elif dilated_cfg:
-            kind, why = "dilated", "segment_lengths/dilation_rates were given, no mesh"
+            kind, why = "dilated", "segment_lengths/dilation_rates were given, no sequence_parallel"
         else:
             raise _fail("create_attention('auto') needs segment_lengths + dilation_rates or a "
                         "pattern")
@@ -210,11 +234,12 @@ def _choose_kind(kind, dilated_cfg, pattern, mesh, seq_axis, reasons) -> str:
         raise _fail("kind='block_sparse' needs a pattern")
     if kind == "ring":
         if mesh is None:
-            raise _fail("kind='ring' needs a mesh")
+            raise _fail("kind='ring' needs sequence_parallel=dilax.SequenceParallel(mesh, "
+                        "seq_axis)")
         if seq_axis not in mesh.axis_names:
             raise _fail(f"seq_axis={seq_axis!r} is not an axis of the mesh {mesh.axis_names}")
     if kind != "ring" and mesh is not None:
-        raise _fail(f"kind={kind!r} does not take a mesh")
+        raise _fail(f"kind={kind!r} does not take sequence_parallel")
     return kind
 
 
@@ -244,6 +269,6 @@ def _build(kind: str, multihead: bool, sp: SequenceParallel | None, a: dict,
         return nn.MultiheadDilatedAttention(*heads, *branches, mode=a["mode"], rngs=a["rngs"],
                                             implementation=a["implementation"],
                                             sequence_parallel=sp, **module_kwargs)
-    return RingDilatedAttention(*branches, mesh=sp.mesh, seq_axis=sp.seq_axis, mode=a["mode"],
-                                is_causal=a["is_causal"], implementation=a["implementation"],
-                                **module_kwargs)
+    return nn.DilatedAttention(*branches, mode=a["mode"], is_causal=a["is_causal"],
+                               implementation=a["implementation"], sequence_parallel=sp,
+                               **module_kwargs)

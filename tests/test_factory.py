@@ -11,6 +11,7 @@ from tolerance import assert_scaled_close
 
 import dilax
 from dilax import patterns
+from dilax.factory import RingDilatedAttention
 
 Q = jax.random.normal(jax.random.PRNGKey(0), (1, 32, 4, 8))
 KV = jax.random.normal(jax.random.PRNGKey(1), (1, 32, 2, 8))
@@ -59,16 +60,33 @@ def test_multihead_kinds_build_projection_modules():
 
 def test_ring_kind_on_a_one_device_mesh_equals_single_device():
     mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
-    attn = dilax.create_attention(segment_lengths=(8, 16), dilation_rates=(1, 2), mesh=mesh)
-    assert attn.choice.kind == "ring" and "mesh" in attn.choice.reason
+    sp = dilax.SequenceParallel(mesh)
+    attn = dilax.create_attention(segment_lengths=(8, 16), dilation_rates=(1, 2),
+                                  sequence_parallel=sp)
+    assert attn.choice.kind == "ring" and "mesh axis 'sp'" in attn.choice.reason
+    assert isinstance(attn.inner, dilax.nn.DilatedAttention)
+    assert attn.inner.sequence_parallel == sp
     expected = dilax.dilated_attention(Q, KV, KV, (8, 16), (1, 2), implementation="reference")
     assert_scaled_close(attn(Q, KV, KV), expected)
+    # the old doors still work and warn, naming the one door: create_attention(mesh=) and the
+    # factory's ring class build the same module
+    with pytest.warns(DeprecationWarning, match="pass sequence_parallel=dilax.SequenceParallel"):
+        old = dilax.create_attention(segment_lengths=(8, 16), dilation_rates=(1, 2), mesh=mesh)
+    assert old.inner.sequence_parallel == sp and old.choice == attn.choice
+    with pytest.warns(DeprecationWarning, match=r"use dilax.nn.DilatedAttention\(\.\.\., "
+                      "sequence_parallel="):
+        ring = RingDilatedAttention((8, 16), (1, 2), mesh=mesh)
+    assert ring.sequence_parallel == sp
+    with pytest.raises(TypeError, match="give the mesh once, as sequence_parallel="):
+        dilax.create_attention(segment_lengths=(8,), dilation_rates=(1,), mesh=mesh,
+                               sequence_parallel=sp)
 
 
 def test_ring_kind_with_a_pattern_runs_the_block_sparse_ring():
     mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
     pattern = patterns.local_window(32, 8, 8)
-    attn = dilax.create_attention("ring", pattern=pattern, mesh=mesh, is_causal=True)
+    attn = dilax.create_attention("ring", pattern=pattern, is_causal=True,
+                                  sequence_parallel=dilax.SequenceParallel(mesh))
     assert attn.choice.kind == "ring" and attn.choice.implementation == "xla"
     assert isinstance(attn.inner, dilax.nn.BlockSparseAttention)
     assert attn.inner.sequence_parallel == dilax.SequenceParallel(mesh)
@@ -83,12 +101,13 @@ def test_ring_kind_with_a_pattern_runs_the_block_sparse_ring():
     (dict(segment_lengths=(8,)), "must be given together"),
     (dict(segment_lengths=(8,), dilation_rates=(1,), pattern=patterns.local_window(32, 8, 8)),
      "not both"),
-    (dict(kind="ring", segment_lengths=(8,), dilation_rates=(1,)), "needs a mesh"),
-    (dict(kind="ring", pattern=patterns.local_window(32, 8, 8)), "needs a mesh"),
+    (dict(kind="ring", segment_lengths=(8,), dilation_rates=(1,)), "needs sequence_parallel="),
+    (dict(kind="ring", pattern=patterns.local_window(32, 8, 8)), "needs sequence_parallel="),
     (dict(kind="ring"), "needs segment_lengths and dilation_rates, or a pattern"),
     (dict(kind="block_sparse", pattern=patterns.local_window(32, 8, 8),
-          mesh=jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))),
-     "does not take a mesh"),
+          sequence_parallel=dilax.SequenceParallel(jax.make_mesh(
+              (1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,)))),
+     "does not take sequence_parallel"),
     (dict(kind="block_sparse"), "needs a pattern"),
     (dict(segment_lengths=(8,), dilation_rates=(1,), implementation="triton"),
      "implementation must be one of"),

@@ -127,8 +127,8 @@ def factory_cases(draw) -> Case:
     pattern = patterns.local_window(16, 4, 4)
     kind = draw(st.sampled_from(
         ["kind", "implementation", "half_config", "both", "nothing", "multihead", "ring_mesh",
-         "mesh_type", "seq_axis", "mesh_not_ring", "bs_cudnn", "bad_kwarg", "bad_ws", "mode",
-         "backend", "bs_ring", "is_causal"]))
+         "mesh_type", "sequence_parallel_type", "seq_axis", "mesh_not_ring", "bs_cudnn",
+         "bad_kwarg", "bad_ws", "mode", "backend", "bs_ring", "is_causal"]))
     kw: dict[str, Any]
     if kind == "kind":
         kw = dict(kind=draw(st.sampled_from(["dense", None, 3])), segment_lengths=(8,),
@@ -158,6 +158,10 @@ def factory_cases(draw) -> Case:
         kw = dict(segment_lengths=(8,), dilation_rates=(1,),
                   mesh=draw(st.sampled_from(["sp", jax.devices(), 2])))
         names = ("mesh",)
+    elif kind == "sequence_parallel_type":
+        kw = dict(segment_lengths=(8,), dilation_rates=(1,),
+                  sequence_parallel=draw(st.sampled_from([mesh, "sp", 2])))
+        names = ("sequence_parallel",)
     elif kind == "seq_axis":
         kw = dict(segment_lengths=(8,), dilation_rates=(1,), mesh=mesh,
                   seq_axis=draw(st.sampled_from(["x", None, 0])))

@@ -193,12 +193,14 @@ def test_decode_and_rings_raise_for_kernels_the_registry_does_not_list():
         DilatedAttention(WS, RS, implementation="cudnn",
                                   sequence_parallel=dilax.SequenceParallel(mesh))
     with pytest.raises(ValueError, match=re.escape(why)):
-        dilax.create_attention("ring", segment_lengths=WS, dilation_rates=RS, mesh=mesh,
+        dilax.create_attention("ring", segment_lengths=WS, dilation_rates=RS,
+                               sequence_parallel=dilax.SequenceParallel(mesh),
                                implementation="cudnn")
     # the block-sparse ring's hops: the block-sparse kernel's rules (block size >= 16 on GPU)
     why = registry.supports("pallas", registry.CoreRequest("ring_hop", block_size=4))
     with pytest.raises(ValueError, match=re.escape(why)):
-        dilax.create_attention("ring", pattern=patterns.local_window(N, 4, BLOCK), mesh=mesh,
+        dilax.create_attention("ring", pattern=patterns.local_window(N, 4, BLOCK),
+                               sequence_parallel=dilax.SequenceParallel(mesh),
                                implementation="pallas")
     assert registry.served_by(registry.CoreRequest("decode")) == ("xla", "pallas")
     # the dilated ring's hops: the flash kernel with the hop's offsets (tests/test_ring_pallas)

@@ -89,7 +89,7 @@ def test_factory_ring_multihead_and_batch_axis():
     axis: DilatedAttention with the batch over "dp" and the sequence over "sp"."""
     sp = dilax.SequenceParallel(_mesh())
     cfg = dict(segment_lengths=(8, 64), dilation_rates=(1, 4), num_kv_heads=2)
-    attn = dilax.create_attention(**cfg, mesh=sp.mesh, embed_dim=32, num_heads=4,
+    attn = dilax.create_attention(**cfg, sequence_parallel=sp, embed_dim=32, num_heads=4,
                                   rngs=nnx.Rngs(0))
     assert attn.choice.kind == "ring" and attn.choice.multihead
     assert isinstance(attn.inner, MultiheadDilatedAttention)
@@ -122,8 +122,9 @@ def test_factory_block_sparse_ring_multihead_equals_one_device():
     of its own to scale a tolerance with."""
     mesh = _mesh()
     pattern = patterns.local_window(128, 16, 40) | patterns.global_local(128, 16, 16, 0)
-    attn = dilax.create_attention(pattern=pattern, mesh=mesh, embed_dim=32, num_heads=4,
-                                  num_kv_heads=2, use_bias=False, rngs=nnx.Rngs(0))
+    attn = dilax.create_attention(pattern=pattern, sequence_parallel=dilax.SequenceParallel(mesh),
+                                  embed_dim=32, num_heads=4, num_kv_heads=2, use_bias=False,
+                                  rngs=nnx.Rngs(0))
     assert attn.choice.kind == "ring" and "block-sparse ring" in attn.choice.reason
     assert isinstance(attn.inner, BlockSparseMultiheadAttention)
     assert attn.inner.sequence_parallel == dilax.SequenceParallel(mesh)
