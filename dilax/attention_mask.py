@@ -15,8 +15,8 @@ import jax.numpy as jnp
 
 from dilax import _validation as V
 
-__all__ = ["AttentionMask", "document_bounds", "document_positions", "take_attention_mask",
-           "unpack_attention_mask"]
+__all__ = ["AttentionMask", "check_attention_mask", "document_bounds", "document_positions",
+           "take_attention_mask", "unpack_attention_mask"]
 
 
 def take_attention_mask(attention_mask: Any, mask: Any, op: str) -> Any:
@@ -183,13 +183,10 @@ class AttentionMask:
         )
 
 
-def unpack_attention_mask(mask: AttentionMask, op: str, is_causal: Any, **keywords: Any
-                          ) -> tuple[bool, Any, Any, Any]:
-    """``(is_causal, query_seq_lengths, key_value_seq_lengths, segment_ids)`` of the
-    ``attention_mask`` of an op that takes these as keywords too and has no per-key mask
-    (block-sparse, on one device or per device): ``is_causal`` of either; ``TypeError`` when
-    ``keywords`` (the op's own length/document keywords) also hold one of its fields,
-    ``ValueError`` for a ``key_padding_mask`` (refused by name, never ignored)."""
+def check_attention_mask(mask: Any, op: str, **keywords: Any) -> AttentionMask:
+    """``mask``, an :class:`AttentionMask` given as ``attention_mask=`` to ``op``; a
+    ``TypeError`` when it is something else, or when ``keywords`` (the op's own keywords for
+    its fields: lengths, key padding, documents) set one of them too."""
     given = sorted(name for name, x in keywords.items() if x is not None)
     if given:
         raise TypeError(f"{op}: give the mask either as attention_mask= or as keywords, got "
@@ -197,6 +194,17 @@ def unpack_attention_mask(mask: AttentionMask, op: str, is_causal: Any, **keywor
     if not isinstance(mask, AttentionMask):
         raise TypeError(f"{op}: attention_mask must be a dilax.AttentionMask, got "
                         f"{type(mask).__name__}")
+    return mask
+
+
+def unpack_attention_mask(mask: AttentionMask, op: str, is_causal: Any, **keywords: Any
+                          ) -> tuple[bool, Any, Any, Any]:
+    """``(is_causal, query_seq_lengths, key_value_seq_lengths, segment_ids)`` of the
+    ``attention_mask`` of an op that takes these as keywords too and has no per-key mask
+    (block-sparse, on one device or per device): ``is_causal`` of either; ``TypeError`` when
+    ``keywords`` (the op's own length/document keywords) also hold one of its fields,
+    ``ValueError`` for a ``key_padding_mask`` (refused by name, never ignored)."""
+    check_attention_mask(mask, op, **keywords)
     if mask.key_padding_mask is not None:
         raise ValueError(f"key_padding_mask is not supported by {op}; pass "
                          "key_value_seq_lengths (valid lengths) or segment_ids (packed "

@@ -16,7 +16,7 @@ import numpy as np
 
 from dilax import _validation as V
 from dilax import registry
-from dilax.attention_mask import AttentionMask
+from dilax.attention_mask import AttentionMask, check_attention_mask
 from dilax.core import BlockSizes
 
 __all__ = ["DilatedSettings", "check_dilated_request"]
@@ -121,14 +121,9 @@ def check_dilated_request(q: Any, k: Any, v: Any, settings: DilatedSettings,
         mask = AttentionMask.build(q, is_causal=settings.is_causal, seq_len=seq_len,
                                    **mask_keywords)
     else:
-        given = sorted(name for name in _MASK_KEYWORDS if mask_keywords.get(name) is not None)
-        if given:
-            raise TypeError(f"give the mask either as attention_mask= or as keywords, got "
-                            f"attention_mask= and {given}")
-        if not isinstance(mask, AttentionMask):
-            raise TypeError(f"attention_mask must be a dilax.AttentionMask, got "
-                            f"{type(mask).__name__}")
-        mask = mask.check_fits(q, seq_len=seq_len)
+        mask = check_attention_mask(mask, "dilated attention", **{
+            name: mask_keywords.get(name) for name in _MASK_KEYWORDS}).check_fits(
+                q, seq_len=seq_len)
     if mask.is_causal:
         settings = settings.causal()
     elif settings.is_causal:
