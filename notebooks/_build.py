@@ -1,12 +1,13 @@
 """Writes the notebooks of this directory from their cell lists, executed.
 
 Each notebook's cells are in its own file (``_quickstart.py``, ``_long_context.py``,
-``_train_longnet.py``). Edit the cells there, then run ``python notebooks/_build.py`` (it
-executes every notebook in a fresh kernel, a minute or two, and writes it with its outputs and
-plots, so a code host shows them); commit the cell files, this script and the ``.ipynb`` files
-together. ``--no-execute`` writes them without outputs. ``tests/test_notebooks.py`` checks that
-the committed cells equal what this script writes (so the two never drift apart) and
-re-executes every notebook.
+``_train_longnet.py``, ``_decoder.py``). Edit the cells there, then run
+``python notebooks/_build.py`` (it executes every notebook in a fresh kernel, a minute or two,
+and writes it with its outputs and plots, so a code host shows them); commit the cell files,
+this script and the ``.ipynb`` files together. ``--no-execute`` writes them without outputs;
+notebook names (``python notebooks/_build.py decoder.ipynb``) write only those.
+``tests/test_notebooks.py`` checks that the committed cells equal what this script writes (so
+the two never drift apart) and re-executes every notebook.
 """
 
 from __future__ import annotations
@@ -50,12 +51,14 @@ def _cells(stem: str, name: str) -> list[tuple[str, str]]:
 QUICKSTART = _cells("_quickstart", "QUICKSTART")
 LONG_CONTEXT = _cells("_long_context", "LONG_CONTEXT")
 TRAIN = _cells("_train_longnet", "TRAIN")
+DECODER = _cells("_decoder", "DECODER")
 
 
 NOTEBOOKS = {
     "quickstart.ipynb": QUICKSTART,
     "long_context.ipynb": LONG_CONTEXT,
     "train_longnet.ipynb": TRAIN,
+    "decoder.ipynb": DECODER,
 }
 
 
@@ -77,8 +80,16 @@ def execute(nb: nbformat.NotebookNode, timeout: int = 300) -> nbformat.NotebookN
 
 
 def main(argv: list[str] | None = None) -> int:
-    run = "--no-execute" not in (sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    run = "--no-execute" not in argv
+    only = [a for a in argv if a != "--no-execute"]
+    unknown = sorted(set(only) - set(NOTEBOOKS))
+    if unknown:
+        print(f"unknown notebook(s) {unknown}; these are {sorted(NOTEBOOKS)}", file=sys.stderr)
+        return 2
     for name, text in build().items():
+        if only and name not in only:
+            continue
         if run:
             nb = execute(nbformat.reads(text, as_version=4))
             text = nbformat.writes(nb) + "\n"

@@ -1,17 +1,23 @@
 """dilax.attention_fn inside flax's own modules (issue 27): ``decode=True`` (flax's KV cache)
 equals the full causal forward, ``sow_weights=True`` stores the weights dilated attention
-uses, and linen's ``nn.MultiHeadDotProductAttention`` runs it like nnx does."""
+uses, and linen's ``nn.MultiHeadDotProductAttention`` runs it like nnx does; what it refuses
+for packed documents names the route that serves them (issue 39)."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import linen, nnx
 from oracle import attention
 from tolerance import FP32, assert_scaled_close
 
 import dilax
+from dilax.dropin.attention_fn import OWN_MODULE_ROUTE
 from dilax.reference import dilated_counts
 
 WS, RS = (4, 8), (1, 2)
@@ -109,3 +115,24 @@ def test_linen_module_forward_and_decode():
         cache = upd["cache"]
         outs.append(o)
     assert_scaled_close(jnp.concatenate(outs, axis=1), y)
+
+
+def test_refusals_of_packed_documents_name_the_own_module_route():
+    """Issue 39: a segment mask, ``segment_ids=`` (at construction or at call time) and any
+    other unknown option are refused with the route that serves packed documents and rotary
+    positions (your own module on dilax.nn.DilatedAttention, notebooks/decoder.ipynb)."""
+    route = re.escape(OWN_MODULE_ROUTE)
+    assert "segment_ids=" in OWN_MODULE_ROUTE and "rotary_qk" in OWN_MODULE_ROUTE
+    assert (Path(__file__).resolve().parents[1] / "notebooks/decoder.ipynb").exists()
+    ids = jnp.asarray([[1] * 5 + [2] * 7, [3] * 12])
+    segment_mask = nnx.make_attention_mask(ids, ids, jnp.equal)  # (2, 1, N, N)
+    x = _x(5, (2, N, E))
+    with pytest.raises(ValueError, match=r"supports only a key-padding `mask`(.|\n)*" + route):
+        _mha(False)(x, mask=segment_mask)
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['segment_ids'\].*" + route):
+        dilax.attention_fn(WS, RS, segment_ids=ids)
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['rope'\].*" + route):
+        dilax.attention_fn(WS, RS, rope=True)
+    q = _x(6, (2, N, H, 8))
+    with pytest.raises(TypeError, match=r"unexpected keyword\(s\) \['segment_ids'\].*" + route):
+        dilax.attention_fn(WS, RS)(q, q, q, segment_ids=ids)

@@ -25,6 +25,16 @@ from dilax.semantics import dilated_counts
 
 _OPTIONS = ("mode", "is_causal", "scale", "implementation", "block_sizes")
 
+# Where to go for what flax's MultiHeadAttention has no place for (issue 39): every refusal of
+# packed documents (a segment mask, segment_ids=) or of an unknown option ends with it.
+OWN_MODULE_ROUTE = (
+    "attention_fn plugs into flax's MultiHeadAttention, which has no packed documents or "
+    "rotary positions; for packed documents use dilax.nn.DilatedAttention(segment_lengths, "
+    "dilation_rates, is_causal=True)(q, k, v, segment_ids=...) in your own module, with "
+    "rotary positions from dilax.models.rotary_qk(q, k, dilax.document_positions("
+    "segment_ids)) (see notebooks/decoder.ipynb)"
+)
+
 _DECODE_MESSAGE = (
     "dilax.attention_fn got {q} query position(s) against {k} keys. Keys of another length "
     "than the queries are flax's KV cache (decode=True), which is served for one query "
@@ -81,15 +91,23 @@ def attention_fn(
     ``precision`` is accepted and has no effect: the core always keeps logits and softmax
     statistics in float32.
 
+    Packed documents (``segment_ids``) and rotary positions have no place in flax's
+    ``MultiHeadAttention``: write your own module around :class:`dilax.nn.DilatedAttention`
+    (``segment_ids=``), :func:`dilax.models.rotary_qk` and :func:`dilax.document_positions`,
+    as ``notebooks/decoder.ipynb`` does (a segment mask or ``segment_ids=`` given here is
+    refused with that route).
+
     Raises:
-      TypeError: an unknown option.
+      TypeError: an unknown option (at construction) or keyword (at call time, e.g.
+        ``segment_ids=``).
       ValueError / TypeError: an invalid configuration (at construction) or invalid inputs
         (at trace time).
     """
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise TypeError(
-            f"attention_fn got unknown option(s) {unknown}; valid options are {list(_OPTIONS)}"
+            f"attention_fn got unknown option(s) {unknown}; valid options are "
+            f"{list(_OPTIONS)}. {OWN_MODULE_ROUTE}"
         )
     settings = DilatedSettings(segment_lengths, dilation_rates, **options)
     causal_settings = settings.causal()  # the module may ask for causal at call time
@@ -109,8 +127,14 @@ def attention_fn(
         module: Any = None,
         promote_dtype: Any = None,
         is_causal: bool = False,
+        **unknown: Any,
     ) -> jax.Array:
         del broadcast_dropout, dropout_rng, precision  # see the docstring
+        if unknown:  # e.g. segment_ids=, which flax's modules never pass
+            raise TypeError(
+                f"the attention function of dilax.attention_fn got unexpected keyword(s) "
+                f"{sorted(unknown)}; it takes what flax's MultiHeadAttention passes. "
+                f"{OWN_MODULE_ROUTE}")
         decode = (getattr(query, "ndim", 0) >= 3 and getattr(key, "ndim", 0) == query.ndim
                   and key.shape[-3] != query.shape[-3])
         if decode and (query.shape[-3] != 1 or mask is None):
@@ -124,7 +148,8 @@ def attention_fn(
                 f"with key_valid (b, n); got a mask of shape {jnp.shape(mask)}. Dilated attention "
                 "has a fixed sparsity pattern: use is_causal=True for causal masking, pass "
                 "padding as such a key mask (or call dilax.dilated_attention with "
-                "query_seq_lengths / key_value_seq_lengths), and leave other masks out"
+                "query_seq_lengths / key_value_seq_lengths), and leave other masks out. A mask "
+                f"of packed documents (segment mask) is no key-padding mask: {OWN_MODULE_ROUTE}"
             )
         if bias is not None:
             raise ValueError("dilax.attention_fn does not support an attention `bias`")
