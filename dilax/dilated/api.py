@@ -103,8 +103,9 @@ def dilated_attention(
       is_causal: restrict query ``p`` to keys ``t <= p`` (within its segment).
       scale: logit scale, default ``1 / sqrt(d)``.
       mode: ``"mixture"`` (every head runs every branch with offset ``j % r``, branches merged
-        with their softmax mass, LongNet Eq. 10) or ``"grouped"`` (dilated-attention-pytorch:
-        head groups, one branch each, output divided by the number of branches).
+        with their softmax mass, LongNet Eq. 10) or ``"grouped"`` (dilated-attention-pytorch
+        after its fix ff80502, not the released 0.2.0 -- docs/migration.md: head groups, one
+        branch each, output divided by the number of branches).
       implementation: ``None`` (the best core per branch, :mod:`dilax.registry`: ``"pallas"``
         on GPU, ``"xla"`` elsewhere and for what the kernels have no mask for), ``"xla"``
         (blockwise core), ``"pallas"`` (Pallas flash kernel per branch), ``"cudnn"``

@@ -55,7 +55,8 @@ class LongNetConfig:
       dropout: residual-branch, FFN-hidden and attention-output dropout rate, in ``[0, 1)``.
       activation: FFN nonlinearity (default ReLU, as in LongNet/MAGNETO).
       layer_norm_eps: LayerNorm epsilon (``>= 0``).
-      mode: ``"mixture"`` (LongNet Eq. 10) or ``"grouped"`` (dilated-attention-pytorch).
+      mode: ``"mixture"`` (LongNet Eq. 10) or ``"grouped"`` (dilated-attention-pytorch after
+        its fix ff80502, not the released 0.2.0; docs/migration.md).
       use_bias: biases on every linear layer (initialized to zero).
       implementation, block_sizes: forwarded to :func:`dilax.dilated_attention`.
       sequence_parallel: a :class:`dilax.SequenceParallel`: every attention runs as ring

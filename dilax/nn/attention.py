@@ -42,7 +42,8 @@ class DilatedAttention(nnx.Module):
     Args:
       segment_lengths, dilation_rates: the branches ``(w_i, r_i)``, ``w_i % r_i == 0``.
       mode: ``"mixture"`` (LongNet Eq. 10, default) or ``"grouped"``
-        (dilated-attention-pytorch).
+        (dilated-attention-pytorch after its fix ff80502, not the released 0.2.0;
+        docs/migration.md).
       is_causal: default causal flag; ``__call__(..., is_causal=...)`` overrides it.
       scale: logit scale, default ``1 / sqrt(d)``.
       implementation, block_sizes: forwarded to :func:`dilax.dilated_attention`.
