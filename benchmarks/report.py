@@ -46,29 +46,7 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {r['row']} | {r['n']:,} | {r['pass_']} | {r.get('status', '')} | "
                          f"{mem} | {_fmt(r.get('seconds'))} |")
     else:
-        lines += [
-            "| row | n | pass | median ms (min–max) | GFLOP/s | % matmul | vs dense | vs torch "
-            "| peak memory | × qkvo | tokens/s |",
-            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for r in rows:
-            if "skipped" in r:
-                lines.append(f"| {r['row']} | {r['n']:,} | {r['pass_']} | skipped: "
-                             f"{r['skipped']} | | | | | | | |")
-                continue
-            t = "—"
-            if "ms_median" in r:
-                t = f"{r['ms_median']:.1f}"
-                if "ms_min" in r and "ms_max" in r:
-                    t += f" ({r['ms_min']:.1f}–{r['ms_max']:.1f})"
-            mem = format_bytes(r["memory_bytes"]) if "memory_bytes" in r else "—"
-            lines.append(
-                f"| {r['row']} | {r['n']:,} | {r['pass_']} | {t} | {_fmt(r.get('gflops'))} | "
-                f"{_fmt(r.get('pct_matmul'), '.0f')} | {_fmt(r.get('vs_dense'), '.2f')} | "
-                f"{_fmt(r.get('vs_torch'), '.2f')} | {mem} | "
-                f"{_fmt(r.get('memory_over_floor'), '.2f')} | "
-                f"{_fmt(r.get('tokens_per_s'), ',.0f')} |"
-            )
+        lines += _row_table(rows)
     packed = [r for r in rows if "time_vs_unpacked" in r or "memory_vs_unpacked" in r]
     if packed:  # the mixture-packed row against the mixture row of the same n and pass
         lines += ["", "Packed vs unpacked (mixture-packed / mixture, same n and pass): "
@@ -87,6 +65,53 @@ def markdown(result: dict[str, Any]) -> str:
                   f"(% matmul compares each row with the probe {how}). "
                   "FLOPs: 4·d per attended (query, key) pair forward, 14·d forward+backward."]
     return "\n".join(lines) + "\n"
+
+
+def _time(r: dict[str, Any]) -> str:
+    if "ms_median" not in r:
+        return "—"
+    t = f"{r['ms_median']:.1f}"
+    if "ms_min" in r and "ms_max" in r:
+        t += f" ({r['ms_min']:.1f}–{r['ms_max']:.1f})"
+    return t
+
+
+# (header, alignment, cell, what it means): the columns of the speed/memory/scaling/demo
+# tables; a column no row has a value for is left out (a memory-only run shows no timings)
+_COLUMNS = (
+    ("median ms (min–max)", "---:", _time, "wall time of one call, median of the timed calls"),
+    ("GFLOP/s", "---:", lambda r: _fmt(r.get("gflops")),
+     "attended pairs × FLOPs per pair / median time"),
+    ("% matmul", "---:", lambda r: _fmt(r.get("pct_matmul"), ".0f"),
+     "GFLOP/s as a share of the same-run fp32 matmul probe"),
+    ("vs dense", "---:", lambda r: _fmt(r.get("vs_dense"), ".2f"),
+     "time / the dense row's time at the same n and pass"),
+    ("vs torch", "---:", lambda r: _fmt(r.get("vs_torch"), ".2f"),
+     "time / our PyTorch grouped implementation's time (--compare-torch)"),
+    ("peak memory", "---:",
+     lambda r: format_bytes(r["memory_bytes"]) if "memory_bytes" in r else "—",
+     "XLA's compiled peak (memory_analysis: temp + arguments + output - aliased)"),
+    ("× qkvo", "---:", lambda r: _fmt(r.get("memory_over_floor"), ".2f"),
+     "peak memory / the bytes of q, k, v and the output (the floor any call needs)"),
+    ("tokens/s", "---:", lambda r: _fmt(r.get("tokens_per_s"), ",.0f"),
+     "b·n / median time"),
+)
+
+
+def _row_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The rows' table, with only the columns some row has a value for, and a legend."""
+    measured = [r for r in rows if "skipped" not in r]
+    cols = [c for c in _COLUMNS if any(c[2](r) != "—" for r in measured)] or list(_COLUMNS)
+    lines = ["| row | n | pass | " + " | ".join(c[0] for c in cols) + " |",
+             "|---|---:|---|" + "|".join(c[1] for c in cols) + "|"]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['row']} | {r['n']:,} | {r['pass_']} | skipped: {r['skipped']} |"
+                         + " |" * (len(cols) - 1))
+            continue
+        lines.append(f"| {r['row']} | {r['n']:,} | {r['pass_']} | "
+                     + " | ".join(c[2](r) for c in cols) + " |")
+    return lines + ["", "Columns: " + "; ".join(f"{c[0]}: {c[3]}" for c in cols) + "."]
 
 
 def config_title(result: dict[str, Any]) -> str:

@@ -51,3 +51,20 @@ def test_committed_plots_carry_the_configuration_of_their_json(png):
     name = png.rsplit("_", 1)[0]
     result = json.loads((RESULTS / f"{name}.json").read_text())
     assert config_title(result) in Image.open(RESULTS / png).text["Title"]
+
+
+@pytest.mark.parametrize("name", ["memory", "speed", "demo"])
+def test_committed_tables_have_no_empty_column_and_explain_theirs(name):
+    """Issue 39: a memory-only table showed seven all-"—" columns and an unexplained "× qkvo".
+    Every column of a committed table has a value in some row, and each is explained."""
+    from benchmarks.report import markdown
+
+    text = markdown(json.loads((RESULTS / f"{name}.json").read_text()))
+    assert text == (RESULTS / f"{name}.md").read_text()
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    header, rows = table[0].strip("|").split("|"), [r.strip("|").split("|") for r in table[1:]]
+    for i, col in enumerate(header):
+        assert any(r[i].strip() not in ("—", "") for r in rows), col
+    legend = next(line for line in text.splitlines() if line.startswith("Columns: "))
+    for col in header[3:]:
+        assert f"{col.strip()}: " in legend, col

@@ -184,7 +184,8 @@ def _fake_demo_result() -> dict:
         machine=dict(date="2000-01-01 00:00 UTC", cpu="fake cpu", cores=1, backend="cpu",
                      jax="0.0"),
         rows=[dict(row="mixture", n=8, pass_="fwd", ms_median=1.0, ms_min=0.5, ms_max=2.0,
-                   gflops=1.0, pct_matmul=10.0, memory_bytes=1024, memory_over_floor=1.5,
+                   gflops=1.0, pct_matmul=10.0, vs_dense=0.5, memory_bytes=1024,
+                   memory_over_floor=1.5,
                    tokens_per_s=8.0, matmul_gflops=10.0)],
     )
 
