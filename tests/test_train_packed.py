@@ -3,6 +3,8 @@ stops and resumes."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -35,6 +37,20 @@ def test_read_documents_of_a_directory(tmp_path):
     empty.mkdir()
     with pytest.raises(ValueError, match="--data .*: no documents"):
         read_documents(str(empty))
+
+
+def test_read_documents_warns_about_a_single_document(tmp_path):
+    """Issue 39: --pack on a file without a separator line trained on "1 documents" silently;
+    it now warns, naming the separator to use. Two documents do not warn."""
+    one = tmp_path / "one.txt"
+    one.write_text("just one text\nwith two lines\n")
+    with pytest.warns(UserWarning, match=r"--pack found 1 document \(no line that is exactly "):
+        assert read_documents(str(one)) == ["just one text\nwith two lines\n"]
+    two = tmp_path / "two.txt"
+    two.write_text("first\n<|endoftext|>\nsecond\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(read_documents(str(two), "<|endoftext|>")) == 2
 
 
 def test_pack_documents_next_fit_and_splitting():

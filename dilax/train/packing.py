@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +77,13 @@ def read_documents(path: str | None, separator: str = DEFAULT_DOC_SEPARATOR,
     if not docs:
         raise ValueError(f"{flag} {path}: no documents (an empty directory, or only separator "
                          "lines and whitespace)")
+    if len(docs) == 1:  # packing one document is plain training: say why, it is rarely meant
+        where = ("a directory with one file" if path is not None and Path(path).is_dir() else
+                 f"no line that is exactly {separator!r}")
+        warnings.warn(f"{flag} {path or '(the shipped corpus)'}: --pack found 1 document "
+                      f"({where}); every row is then one document. Separate documents with a "
+                      f"line {separator!r} (--doc-separator), or give a directory of files",
+                      UserWarning, stacklevel=2)
     return docs
 
 
