@@ -7,7 +7,9 @@ REASON -->`` is not executed (python ones are still compiled); the reason is req
 markers are counted. All other python blocks of a page run in order in one namespace of their
 own (later blocks use names from earlier ones, as a reader's session would; no page uses
 another's), every page in one fresh interpreter with 8 host devices; bash blocks run with
-``bash -e`` in a temporary directory, with this interpreter as ``python``.
+``bash -e`` in a temporary directory, with this interpreter as ``python``. A page whose blocks
+another test runs (``RUN_ELSEWHERE``: docs/migration.md, which needs torch for half of them) is
+only compiled here.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 # the pages whose code a reader runs: the README and the docs site's Markdown pages
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+# pages whose code blocks another test runs, in its own way (here they are only compiled)
+RUN_ELSEWHERE = {"docs/migration.md": "tests/test_migration.py (torch side skipped without torch)"}
 NOT_RUN = re.compile(r"<!--\s*not-run:(.*?)-->", re.S)
 FENCE = re.compile(r"^```([A-Za-z0-9_+-]*|\{[\w-]+\}.*)\s*$")
 
@@ -111,8 +115,18 @@ def test_every_block_is_code_or_text_and_every_marker_has_a_block_and_reason(pag
         f"{_name(page)}: a not-run marker is not directly above a code block")
 
 
+def _runs_here(page: Path) -> bool:
+    return _name(page) not in RUN_ELSEWHERE
+
+
+def test_pages_run_elsewhere_exist_and_their_tests_too():
+    for page, test in RUN_ELSEWHERE.items():
+        if (ROOT / page).exists():
+            assert (ROOT / test.split()[0]).exists(), (page, test)
+
+
 def test_most_code_runs():
-    code = [(p, b) for p in PAGES for b in BLOCKS[p] if b.lang != "text"]
+    code = [(p, b) for p in PAGES if _runs_here(p) for b in BLOCKS[p] if b.lang != "text"]
     attached = [(p, b) for p, b in code if b.not_run is not None]
     print(f"{len(code)} code blocks, {len(code) - len(attached)} run, {len(attached)} not run: "
           + "; ".join(f"{_name(p)} line {b.line}: {b.not_run}" for p, b in attached))
@@ -157,7 +171,7 @@ sys.exit(1 if failed else 0)
 
 
 def test_python_blocks_run_in_order(tmp_path):
-    argv = [x for page in PAGES for b in BLOCKS[page]
+    argv = [x for page in PAGES if _runs_here(page) for b in BLOCKS[page]
             if b.lang == "python" and b.not_run is None
             for x in (_name(page), str(b.line), b.code)]
     assert argv
@@ -175,12 +189,12 @@ def test_python_blocks_run_in_order(tmp_path):
 def test_not_run_python_blocks_compile():
     for page in PAGES:
         for b in BLOCKS[page]:
-            if b.lang == "python" and b.not_run is not None:
+            if b.lang == "python" and (b.not_run is not None or not _runs_here(page)):
                 compile(b.code, f"{_name(page)}:{b.line}", "exec")
 
 
 def test_bash_blocks_run(tmp_path):
-    blocks = [(page, b) for page in PAGES for b in BLOCKS[page]
+    blocks = [(page, b) for page in PAGES if _runs_here(page) for b in BLOCKS[page]
               if b.lang == "bash" and b.not_run is None]
     assert blocks
     env = _env(tmp_path)
