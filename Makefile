@@ -5,6 +5,8 @@ PY     := $(VENV)/bin/python
 # what is installed: the demo's few packages, or everything for tests and lint
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP      := $(VENV)/.installed-dev
+DOCS_STAMP := $(VENV)/.installed-docs
+DOCS_OUT   ?= build/docs
 
 # make gpu-check: a second venv with jax's CUDA plugin (jax[cuda12], ~5.5 GB) at the jax
 # version of .venv, for deviceless XLA:GPU compiles (no GPU needed).
@@ -13,7 +15,7 @@ GPU_PY    := $(GPU_VENV)/bin/python
 GPU_STAMP := $(GPU_VENV)/.installed-stamp
 GPU_OUT   ?= build/gpu-check
 
-.PHONY: demo test lint bench clean gpu-check
+.PHONY: demo test lint bench clean gpu-check docs
 
 $(DEMO_STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +26,11 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e ".[dev]"
 	@touch $@ $(DEMO_STAMP)
+
+$(DOCS_STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e ".[docs]"
+	@touch $@
 
 ## make demo: install dilax with its demo extras (first time) and run the quick benchmark;
 ## the results go to a new benchmarks/runs/<date>-<time>-demo/ (committed results untouched)
@@ -39,6 +46,12 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check dilax pallas_kernels benchmarks tests docs notebooks
+
+## make docs: install the docs extras (first time) and build the docs site (docs/: the guides,
+## the notebooks with their committed outputs, never executed, and the API reference from the
+## docstrings) into build/docs/index.html; any Sphinx warning fails it
+docs: $(DOCS_STAMP)
+	$(PY) -m sphinx -W --keep-going -q -b html docs $(DOCS_OUT)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks all

@@ -1,80 +1,55 @@
-"""Writes docs/api.md: every public name of dilax with its signature and docstring.
+"""Writes docs/api.md: the API reference page, autodoc over every public name of dilax.
 
-Run ``python docs/_build_api.py`` after changing a public signature or docstring;
-``tests/test_docs.py`` fails while docs/api.md differs from what this script writes.
+The page is MyST Markdown whose ``{eval-rst}`` blocks hold one autodoc directive per public
+name (``autofunction``, ``autoclass`` with its documented members, ``py:data`` for constants);
+``make docs`` renders the signatures and docstrings. Run ``python docs/_build_api.py`` after
+adding or removing a public name; ``tests/test_docs.py`` fails while docs/api.md differs from
+what this script writes, and checks that every public name has a docstring.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# (module, names): ``None`` means the module's ``__all__``.
+# (module, names, what the section is): ``None`` means the module's ``__all__``.
 SECTIONS = (
-    ("dilax", None),
-    ("dilax.core", ("Mask", "attention", "core_for", "XlaCore", "PallasCore", "CudnnCore",
-                    "default_block_sizes")),
+    ("dilax", None, "The functional ops, the request values and the factory."),
+    ("dilax.nn", None, "Flax NNX attention modules."),
+    ("dilax.models", None, "LongNet encoder/decoder, language model, positions, generation."),
+    ("dilax.patterns", None, "Block-sparse patterns (static, hashable block masks)."),
+    ("dilax.sp", ("SequenceParallel", "LAYOUTS", "zigzag_permutation"),
+     "Sequence parallelism: the mesh value and the sequence layouts."),
+    ("dilax.memory", None, "Memory reports from XLA's buffer assignment."),
     ("dilax.registry", ("CoreRequest", "supports", "served_by", "offered", "check_name",
-                        "choose", "select", "choose_branch_cores")),
-    ("dilax.sp", ("LAYOUTS", "zigzag_permutation")),
-    ("dilax.nn", None),
-    ("dilax.models", None),
-    ("dilax.patterns", None),
-    ("dilax.memory", None),
+                        "choose", "select", "choose_branch_cores", "gpu_choice"),
+     "Which core serves which request, and why not."),
+    ("dilax.reference", ("dilated_attention_reference", "masked_attention", "dense_attention",
+                         "masked_softmax"),
+     "The mask-based reference of the specification: the tests' oracle (small n only)."),
+    ("dilax.core", ("Mask", "attention", "core_for", "Core", "XlaCore", "PallasCore",
+                    "CudnnCore", "default_block_sizes", "pallas_config"),
+     "The blockwise attention core (for new ops on top of it)."),
     ("dilax.train", ("train", "TrainConfig", "ModelConfig", "TrainResult", "CheckpointError",
                      "CharTokenizer", "make_model", "make_optimizer", "sample",
                      "save_checkpoint", "restore_checkpoint", "read_checkpoint_meta", "main",
-                     "load_model", "LoadedModel", "sample_text", "lm_loss")),
+                     "load_model", "LoadedModel", "sample_text", "lm_loss"),
+     "Training and sampling (what ``python -m dilax.train`` runs)."),
 )
 
 
 def public_names(module_name: str,
                  names: tuple[str, ...] | None = None) -> list[tuple[str, object]]:
-    import importlib
-
     module = importlib.import_module(module_name)
     names = module.__all__ if names is None else names
     return [(name, getattr(module, name)) for name in names]
 
 
-def _signature(name: str, obj: object) -> str | None:
-    if inspect.ismodule(obj):
-        return None
-    target = obj
-    if inspect.isclass(obj):
-        init = obj.__dict__.get("__init__")
-        target = init if init is not None else obj
-    if not callable(target):
-        return None
-    try:
-        sig = inspect.signature(target)
-    except (TypeError, ValueError):
-        return None
-    params = [p.replace(default=_Default(p.default)) if p.default is not p.empty else p
-              for p in sig.parameters.values()]
-    if inspect.isclass(obj) and params and params[0].name == "self":
-        params = params[1:]
-        sig = sig.replace(return_annotation=inspect.Signature.empty)
-    return f"{name}{sig.replace(parameters=params)}"
-
-
-class _Default:
-    """A default value printed stably: functions and classes by name, not ``<... at 0x...>``."""
-
-    def __init__(self, value: object):
-        self.value = value
-
-    def __repr__(self) -> str:
-        v = self.value
-        if inspect.isclass(v) or (callable(v) and hasattr(v, "__name__")):
-            return v.__name__
-        return repr(v)
-
-
-def _kind(obj: object) -> str:
+def kind(obj: object) -> str:
     if inspect.ismodule(obj):
         return "module"
     if inspect.isclass(obj):
@@ -84,27 +59,44 @@ def _kind(obj: object) -> str:
     return "constant"
 
 
+def _directives(module_name: str, names, seen: dict[int, str]) -> list[str]:
+    out = []
+    for name, obj in public_names(module_name, names):
+        qualname = f"{module_name}.{name}"
+        k = kind(obj)
+        if k == "module":
+            out += [f".. py:data:: {qualname}", "   :no-index:", "",
+                    f"   The module :mod:`{obj.__name__}` (its section below).", ""]
+        elif id(obj) in seen:  # the same object under a second name: one entry, a pointer
+            role = "class" if k == "class" else "func"
+            out += [f".. py:data:: {qualname}", "",
+                    f"   The same object as :{role}:`{seen[id(obj)]}`.", ""]
+        elif k == "constant":
+            out += [f".. py:data:: {qualname}", f"   :value: {obj!r}", ""]
+        elif k == "class":
+            out += [f".. autoclass:: {qualname}", "   :members:", ""]
+        else:
+            out += [f".. autofunction:: {qualname}", ""]
+        seen.setdefault(id(obj), qualname)
+    return out
+
+
 def render() -> str:
     out = [
         "# API reference",
         "",
         "Generated by `python docs/_build_api.py` from the docstrings; do not edit by hand.",
-        "What the functions compute is specified in [semantics.md](semantics.md).",
+        "What the functions compute is specified in [What is computed](semantics.md).",
         "",
     ]
-    for module_name, names in SECTIONS:
-        out += [f"## `{module_name}`", ""]
-        for name, obj in public_names(module_name, names):
-            out += [f"### `{module_name}.{name}` ({_kind(obj)})", ""]
-            if _kind(obj) == "constant":
-                out += ["```python", f"{name} = {obj!r}", "```", ""]
-                continue
-            sig = _signature(name, obj)
-            if sig:
-                out += ["```python", sig, "```", ""]
-            doc = inspect.getdoc(obj)
-            if doc:
-                out += ["```text", doc, "```", ""]
+    seen: dict[int, str] = {}
+    for module_name, names, about in SECTIONS:
+        out += [f"## `{module_name}`", "", about, "", "```{eval-rst}",
+                f".. automodule:: {module_name}", "   :no-members:", "",
+                *_directives(module_name, names, seen)]
+        while out[-1] == "":
+            out.pop()
+        out += ["```", ""]
     return "\n".join(out).rstrip("\n") + "\n"
 
 

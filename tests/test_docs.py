@@ -1,5 +1,7 @@
-"""docs/ is current: api.md equals what docs/_build_api.py generates, every public name has a
-docstring, and README.md and docs/*.md link only to files that exist."""
+"""docs/ is current: api.md (the API reference page, autodoc directives) equals what
+docs/_build_api.py generates and names every public name, every public name has a docstring,
+every page is in the site's table of contents, and README.md and docs/*.md link only to files
+that exist. ``make docs`` renders the site with Sphinx, warnings as errors."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ def _builder():
 
 
 BUILDER = _builder()
-PUBLIC = [(f"{mod}.{name}", obj) for mod, names in BUILDER.SECTIONS
+PUBLIC = [(f"{mod}.{name}", obj) for mod, names, _ in BUILDER.SECTIONS
           for name, obj in BUILDER.public_names(mod, names)]
 
 
@@ -33,9 +35,21 @@ def test_api_page_is_current():
 
 def test_api_page_lists_every_exported_name():
     text = (ROOT / "docs" / "api.md").read_text()
+    entries = re.findall(r"^\.\. (autofunction|autoclass|py:data):: ([\w.]+)$", text, re.M)
+    named = {name for _, name in entries}
     for qualname, _ in PUBLIC:
-        assert f"### `{qualname}`" in text, qualname
+        assert qualname in named, qualname
+    # every name of dilax.__all__ (and of the subpackages' __all__) is on the page
+    import dilax
+    for mod, names, _ in BUILDER.SECTIONS:
+        if names is None:
+            module = dilax if mod == "dilax" else getattr(dilax, mod.split(".")[1])
+            assert {f"{mod}.{n}" for n in module.__all__} <= named, mod
     assert len(PUBLIC) >= 40
+    # a class is rendered with its documented members, a function with its signature
+    kinds = dict((name, kind) for kind, name in entries)
+    assert kinds["dilax.dilated_attention"] == "autofunction"
+    assert kinds["dilax.KVCache"] == "autoclass"
 
 
 @pytest.mark.parametrize("qualname,obj", [p for p in PUBLIC
@@ -60,6 +74,19 @@ def test_attention_ops_document_layout_and_dtype(qualname):
     doc = inspect.getdoc(obj)
     assert re.search(r"\((b|\.\.\.), n(/P)?, h, d\)", doc), qualname
     assert "dtype" in doc, qualname
+
+
+def test_every_page_is_in_the_table_of_contents():
+    index = (ROOT / "docs" / "index.md").read_text()
+    toctrees = "\n".join(re.findall(r"^```\{toctree\}\n(.*?)^```", index, re.M | re.S))
+    entries = {line.strip() for line in toctrees.splitlines()
+               if line.strip() and not line.startswith(":")}
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        if page.stem != "index":
+            assert page.stem in entries, f"docs/{page.name} is in no toctree of docs/index.md"
+    assert "notebooks/*" in entries  # every notebook of notebooks/, rendered unexecuted
+    conf = (ROOT / "docs" / "conf.py").read_text()
+    assert re.search(r'^nb_execution_mode = "off"', conf, re.M)
 
 
 def test_pages_link_only_to_existing_files():

@@ -1,5 +1,6 @@
-"""Every public dilax name README's code uses (code blocks and inline code) has an entry in
-docs/api.md (issue 30: ``load_model`` and ``sample_text`` had none)."""
+"""Every public dilax name the README's and the guides' code uses (code blocks and inline code)
+has an entry in the API reference, docs/api.md (issue 30: ``load_model`` and ``sample_text``
+had none)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 API = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
-# headings: "## `dilax.train`" (a module) and "### `dilax.train.load_model` (function)"
-DOCUMENTED = set(re.findall(r"^#{2,3} `([\w.]+)`", API, re.M))
-CLASSES = set(re.findall(r"^### `([\w.]+)` \(class\)", API, re.M))
+# the guides: every page of the docs site but the reference itself
+GUIDES = {p.name: p.read_text(encoding="utf-8") for p in sorted((ROOT / "docs").glob("*.md"))
+          if p.name != "api.md"}
+# autodoc directives: ".. automodule:: dilax.train", ".. autofunction:: dilax.train.load_model",
+# ".. autoclass:: dilax.KVCache" (with its members), ".. py:data:: dilax.sp.LAYOUTS"
+DOCUMENTED = set(re.findall(r"^\.\. (?:auto\w+|py:data):: ([\w.]+)$", API, re.M))
+CLASSES = set(re.findall(r"^\.\. autoclass:: ([\w.]+)$", API, re.M))
 
 
 def _code(text: str) -> str:
@@ -36,7 +41,8 @@ def used_names(text: str) -> set[str]:
 
 def _entry(name: str) -> str | None:
     """The api.md entry that documents ``name``: itself, or the class whose attribute it is
-    (``dilax.KVCache.init``); a module's section does not document the names in it."""
+    (``dilax.KVCache.init``: ``autoclass`` documents its members); a module's section does
+    not document the names in it."""
     if name in DOCUMENTED:
         return name
     parts = name.split(".")
@@ -46,11 +52,25 @@ def _entry(name: str) -> str | None:
 
 def test_the_scan_finds_the_readme_names():
     names = used_names(README)
-    assert {"dilax.dilated_attention", "dilax.train.load_model", "dilax.train.sample_text",
-            "dilax.models.generate", "dilax.KVCache.init"} <= names, sorted(names)
-    assert "dilax.sample" not in names  # README runs it (python -m dilax.sample), a command
+    assert {"dilax.dilated_attention", "dilax.AttentionMask.build",
+            "dilax.nn.MultiheadDilatedAttention", "dilax.SequenceParallel"} <= names, sorted(names)
+
+
+def test_the_scan_finds_the_guides_names():
+    names = set().union(*(used_names(text) for text in GUIDES.values()))
+    assert "dilax.sample" not in names  # training.md runs it (python -m dilax.sample), a command
+    assert {"dilax.train.load_model", "dilax.train.sample_text", "dilax.models.generate",
+            "dilax.KVCache.init", "dilax.ring_dilated_attention",
+            "dilax.nn.MultiheadDilatedAttention", "dilax.dilated_attention_decode",
+            "dilax.SequenceParallel"} <= names, sorted(names)
 
 
 def test_every_public_name_readme_uses_is_in_api_md():
     missing = sorted(n for n in used_names(README) if _entry(n) is None)
     assert missing == [], f"README uses names docs/api.md does not document: {missing}"
+
+
+def test_every_public_name_the_guides_use_is_in_api_md():
+    missing = sorted(f"{page}: {n}" for page, text in GUIDES.items()
+                     for n in used_names(text) if _entry(n) is None)
+    assert missing == [], f"the guides use names docs/api.md does not document: {missing}"

@@ -235,9 +235,10 @@ class LongNetLM(nnx.Module):
       d_model: width (``d_model / num_heads`` even, for the rotary code).
       xpos_scale_base: replaces ``config.xpos_scale_base`` when given (see
         :class:`LongNetConfig`).
-      Everything else as in :class:`LongNet`, e.g.
-      ``LongNetLM(256, config=LongNetConfig(64, 4, 128, (16, 32), (1, 2)),
-      num_encoder_layers=0, num_decoder_layers=2, rngs=nnx.Rngs(0))``.
+
+    Everything else as in :class:`LongNet`, e.g.
+    ``LongNetLM(256, config=LongNetConfig(64, 4, 128, (16, 32), (1, 2)),
+    num_encoder_layers=0, num_decoder_layers=2, rngs=nnx.Rngs(0))``.
 
     ``__call__(tokens (b, n) int, *, is_causal=True, seq_lengths=None, positions=None,
     segment_ids=None) -> logits (b, n, num_tokens)`` in the compute dtype; ``seq_lengths``:
