@@ -103,7 +103,7 @@ def _flex_features(r: CoreRequest, kernel: str) -> str | None:  # XLA core only,
     what = [w for w, f in (("score_mod / soft-cap", r.has_score_mod), ("mask_mod",
             r.has_mask_mod), ("sinks", r.has_sinks), ("dv != d", r.value_head_dim not in (
             None, r.head_dim)), ("flex_attention", r.op == "flex")) if f]
-    return f"{kernel} has no {' or '.join(what)} (yet): the XLA core serves it" if what else None
+    return f"{kernel}: no {' or '.join(what)} yet (the XLA core serves it)" if what else None
 
 
 def _reference(r: CoreRequest) -> str | None:
