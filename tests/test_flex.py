@@ -233,6 +233,8 @@ def test_registry_serves_flex_on_xla_only():
 def test_errors_name_the_argument():
     (q, k, v), _, _ = _inputs(1, 8, 8, 2, 1, 4, 4)
     fa = dilax.flex_attention
+    assert fa(q[:0], k[:0], v[:0]).shape == (0, 8, 2, 4)  # empty batch: no error
+    np.testing.assert_array_equal(np.asarray(fa(q, k[:, :0], v[:, :0])), 0)  # no keys
     with pytest.raises(ValueError, match="query must be rank 4"):
         fa(q[0], k, v)
     with pytest.raises(ValueError, match="value must be"):

@@ -131,6 +131,11 @@ def flex_attention(query, key, value, *, score_mod=None, mask_mod=None, block_ma
         score, score_consts = trace_mod(score_mod, "score_mod")
     if mask_mod is not None:
         mask, mask_consts = trace_mod(mask_mod, "mask_mod")
+    if 0 in (b, n, s):  # nothing to compute: empty, or rows without keys (0, lse = -inf)
+        out = jnp.zeros((b, n, h, dv), q.dtype)
+        lse = jnp.full((b, n, h), -jnp.inf, _F32) if sinks is None else jnp.broadcast_to(
+            sinks.astype(_F32), (b, n, h))  # the denominator holds the sink alone
+        return (out, lse) if return_residual else out
     tables = None if block_mask is None else (block_mask.kv_blocks, block_mask.q_blocks)
     blocks = None if block_mask is None else block_mask.block_size
     out, lse = _flex(q, k, v, score_consts, mask_consts, tables, sinks, score, mask, cap,
