@@ -150,6 +150,9 @@ def test_prefix_lm_traced_prefix():
         assert_scaled_close(got, e)
     jitted = jax.jit(fn)(q, k, v, prefix)
     assert_scaled_close(np.asarray(jitted), want)
+    # grad of jit: the mod's closed-over traced prefix is an operand, not a captured tracer
+    dq = jax.grad(lambda q: jnp.sum(jax.jit(fn)(q, k, v, prefix) * w))(q)
+    assert_scaled_close(np.asarray(dq), exp[0])
 
 
 def test_random_block_table_n_ne_s_dv_ne_d_empty_rows():
