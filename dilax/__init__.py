@@ -8,7 +8,7 @@ build Flax modules, are imported on first use (``dilax.nn.MultiheadDilatedAttent
 after a plain ``import dilax``).
 """
 
-from dilax import memory, patterns
+from dilax import flex, memory, patterns
 from dilax._version import __version__  # noqa: F401 - dilax.__version__
 from dilax.attention_mask import AttentionMask, document_positions
 from dilax.block_sparse.api import block_sparse_attention
@@ -21,6 +21,7 @@ from dilax.dilated.ring import ring_dilated_attention
 from dilax.dilated.settings import DilatedSettings
 from dilax.dropin.attention_fn import attention_fn
 from dilax.dropin.dot_product import dot_product_attention
+from dilax.flex import create_block_mask, flex_attention
 from dilax.registry import describe
 from dilax.semantics import dilated_counts
 from dilax.sp.config import SequenceParallel
@@ -80,12 +81,15 @@ __all__ = [
     "block_sparse_attention",
     "content_adaptive_attention",
     "create_attention",
+    "create_block_mask",
     "describe",
     "dilated_attention",
     "dilated_attention_decode",
     "dilated_counts",
     "document_positions",
     "dot_product_attention",
+    "flex",
+    "flex_attention",
     "memory",
     "merge_attention_states",
     "patterns",

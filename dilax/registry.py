@@ -32,18 +32,18 @@ import numpy as np
 from dilax.core.platform import cuda_plugin_available
 
 IMPLEMENTATIONS = ("reference", "xla", "pallas", "cudnn")
-OPS = ("dilated_branch", "window", "block_sparse", "ring_hop", "decode", "dense")
+OPS = ("dilated_branch", "window", "block_sparse", "ring_hop", "decode", "dense", "flex")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
-# implementation=None: the first of these that serves a request. cuDNN only when a caller
-# asks for an inference-style forward (create_attention with dtype and head_dim); the
-# reference is a dense whole op, never a default.
+# implementation=None: the first of these that serves a request. cuDNN only for an
+# inference-style forward (create_attention with dtype, head_dim); never the reference.
 AUTO_ORDER = ("pallas", "xla")
 # dot_product_attention's None is jax's default, the XLA path (dilax's blockwise core)
 _AUTO_ORDER_OF = {"dense": ("xla",)}
 
 _WHAT = {"dilated_branch": "a dilated branch", "window": "the local-window branch",
          "block_sparse": "block-sparse attention", "ring_hop": "a ring hop",
-         "decode": "a decode step", "dense": "dense attention (dot_product_attention)"}
+         "decode": "a decode step", "dense": "dense attention (dot_product_attention)",
+         "flex": "flex_attention (score_mod / mask_mod)"}
 _HALF = ("bfloat16", "float16")
 
 
@@ -61,6 +61,8 @@ class CoreRequest:
     ``block_size``: a block-sparse pattern's block size (with ``op="ring_hop"``: a hop of the
     block-sparse ring), or ``None``.
     ``has_pairwise``: a ``bias`` or ``mask`` operand ``(B, N, T, S)`` (``op="dense"``).
+    ``has_score_mod`` (a score_mod or soft-cap), ``has_mask_mod``, ``has_sinks``: FlexAttention
+    mods (docs/semantics.md); ``value_head_dim``: ``dv`` when known (``!= head_dim``: dv != d).
     """
 
     op: str
@@ -75,6 +77,10 @@ class CoreRequest:
     has_documents: bool = False
     block_size: int | None = None
     has_pairwise: bool = False
+    has_score_mod: bool = False
+    has_mask_mod: bool = False
+    has_sinks: bool = False
+    value_head_dim: int | None = None
 
     def __post_init__(self):
         if self.op not in OPS:
@@ -93,7 +99,16 @@ class CoreRequest:
 # -- what each implementation serves (the one table) ------------------------------------------
 
 
+def _flex_features(r: CoreRequest, kernel: str) -> str | None:  # XLA core only, for now
+    what = [w for w, f in (("score_mod / soft-cap", r.has_score_mod), ("mask_mod",
+            r.has_mask_mod), ("sinks", r.has_sinks), ("dv != d", r.value_head_dim not in (
+            None, r.head_dim)), ("flex_attention", r.op == "flex")) if f]
+    return f"{kernel}: no {' or '.join(what)} yet (the XLA core serves it)" if what else None
+
+
 def _reference(r: CoreRequest) -> str | None:
+    if r.op == "flex" or r.has_score_mod or r.has_mask_mod or r.has_sinks:
+        return "the mask-based reference has no score_mod / mask_mod / sinks"
     if r.op in ("ring_hop", "decode"):
         return (f"the mask-based reference is a whole dense op over (n, n); it has no form "
                 f"for {r.what}")
@@ -119,6 +134,8 @@ def _pallas_decode(r: CoreRequest) -> str | None:
 
 
 def _pallas(r: CoreRequest) -> str | None:
+    if (reason := _flex_features(r, "the Pallas kernels")) is not None:
+        return reason
     if r.has_documents:
         return "the Pallas kernels have no per-row key ranges (segment_ids, packed documents)"
     # ring_hop (the dilated ring's hops): the flash kernel with the hop's traced offsets and
@@ -156,6 +173,8 @@ def _pallas_block_sparse(r: CoreRequest) -> str | None:
 
 
 def _cudnn(r: CoreRequest) -> str | None:
+    if (reason := _flex_features(r, "cuDNN's fused attention")) is not None:
+        return reason
     if r.has_documents:
         return "cuDNN's fused attention is not wired for segment_ids (packed documents) here"
     if r.op == "block_sparse":
@@ -236,12 +255,10 @@ def check_name(implementation, op: str | None = None) -> str | None:
 
 
 def choose(implementation: str | None, request: CoreRequest) -> tuple[str, str]:
-    """``(name, why)``: the implementation that runs ``request``.
-
-    An explicit name must serve it (its compile platform is checked at lowering, so
-    ``request.platform`` is not held against it); ``None`` takes the first of
-    :data:`AUTO_ORDER` that serves ``request`` on ``request.platform`` (default: the runtime
-    backend).
+    """``(name, why)``: the implementation that runs ``request``. An explicit name must serve
+    it (its compile platform is checked at lowering, so ``request.platform`` is not held
+    against it); ``None`` takes the first of :data:`AUTO_ORDER` that serves ``request`` on
+    ``request.platform`` (default: the runtime backend).
 
     Raises:
       ValueError: unknown name, or an explicit one that cannot serve ``request`` (the message
@@ -370,19 +387,10 @@ def default_implementation(backend: str | None = None) -> str:
 
 def resolve_implementation(implementation: str | None, *, interpret: bool = False,
                            backend: str | None = None) -> str:
-    """Validates ``implementation`` and resolves ``None`` for a plain request (no window,
-    no per-key mask) with :mod:`dilax.registry`.
-
-    ``None`` follows the runtime backend (``backend``, default :func:`current_platform`).
-    An explicit ``"pallas"`` or ``"cudnn"`` follows the *compile target* (module docstring):
-    accepted here whatever the runtime backend, refused at lowering for a platform the kernels
-    do not support (:mod:`pallas_kernels.platform`), so a CPU process can compile the GPU
-    kernels for a CUDA target. Ops whose requests differ per branch (a local window, a key
-    padding mask) ask the registry per branch.
-
-    Raises:
-      ValueError: unknown name.
-    """
+    """Validates ``implementation`` (``ValueError``: unknown name) and resolves ``None`` for a
+    plain dilated-branch request on ``backend`` (default: the runtime backend). An explicit
+    ``"pallas"``/``"cudnn"`` follows the *compile target* (module docstring); ops whose
+    requests differ per branch ask the registry per branch."""
     implementation = check_name(implementation)
     if implementation is not None:
         return implementation
@@ -413,14 +421,11 @@ def kernels_available() -> dict[str, str]:
 
 def gpu_choice(*, kind: str = "dilated", dtype=None, head_dim: int | None = None,
                window: bool = False) -> tuple[str, str]:
-    """The implementation ``"auto"`` picks on a GPU for one request, and why (see
-    :func:`create_attention <dilax.factory.create_attention>`).
-
-    :mod:`dilax.registry`'s choice (the Pallas kernels: forward *and* backward kernels, any
-    dtype, the local-window branch included), except that a bf16/fp16 dilated branch with a
-    head dim cuDNN supports on every GPU (``% 8 == 0``, ``<= 128``) takes cuDNN's fused
-    forward when the caller says so by passing ``dtype`` and ``head_dim`` (inference-style
-    use, where only cuDNN's forward runs; its backward is the XLA core)."""
+    """The implementation ``"auto"`` picks on a GPU for one request, and why
+    (:func:`create_attention <dilax.factory.create_attention>`): the registry's choice, except
+    that a bf16/fp16 dilated branch with a head dim cuDNN supports on every GPU (``% 8 == 0``,
+    ``<= 128``) takes cuDNN's fused forward when the caller passes ``dtype`` and ``head_dim``
+    (inference-style use: only cuDNN's forward runs; its backward is the XLA core)."""
     if kind != "dilated":
         name, why = choose(None, CoreRequest("block_sparse", platform="gpu"))
         return name, f"{kind}: cuDNN has no such attention; {why}"
@@ -455,11 +460,9 @@ def module_requests(kind: str, *, block_size: int | None = None, window: bool = 
 def choose_labelled(implementation: str | None, requests: Sequence[tuple[str, CoreRequest]]
                     ) -> tuple[tuple[tuple[str, str, str], ...], str]:
     """``((label, name, why) per request, reason)``: the cores of a module's labelled requests
-    (:func:`module_requests`, all for one ``platform``).
-
-    An explicit name must serve every request (``ValueError`` with the reason,
-    :func:`choose`). ``None`` picks per request; on a CUDA GPU (``"gpu"``/``"cuda"``) a
-    module of one dilated request considers cuDNN (:func:`gpu_choice`)."""
+    (:func:`module_requests`, all for one ``platform``). An explicit name must serve every
+    request (``ValueError`` with the reason, :func:`choose`). ``None`` picks per request; on a
+    CUDA GPU a module of one dilated request considers cuDNN (:func:`gpu_choice`)."""
     out = []
     for label, r in requests:
         on_gpu = implementation is None and r.platform in ("gpu", "cuda")
@@ -480,10 +483,8 @@ def choose_labelled(implementation: str | None, requests: Sequence[tuple[str, Co
 
 def describe(file: TextIO | None = None) -> None:
     """Prints the backend, devices, available kernels and the core ``implementation=None``
-    runs for each op (:mod:`dilax.registry`) (to ``file``, default stdout).
-
-    Returns ``None``, like :func:`help`, so a REPL or notebook shows the text once.
-    """
+    runs for each op (:mod:`dilax.registry`) (to ``file``, default stdout). Returns ``None``,
+    like :func:`help`, so a REPL or notebook shows the text once."""
     from dilax._version import __version__
 
     lines = [

@@ -19,6 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # (module, names, what the section is): ``None`` means the module's ``__all__``.
 SECTIONS = (
     ("dilax", None, "The functional ops, the request values and the factory."),
+    ("dilax.flex", None, "Your own scores and masks (FlexAttention semantics): the op, block "
+                         "masks, built-in mods."),
     ("dilax.nn", None, "Flax NNX attention modules."),
     ("dilax.models", None, "LongNet encoder/decoder, language model, positions, generation."),
     ("dilax.patterns", None, "Block-sparse patterns (static, hashable block masks)."),

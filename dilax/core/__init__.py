@@ -5,6 +5,8 @@ Dilated, block-sparse and ring attention all reduce to calls of one :class:`Core
 
 * :mod:`~dilax.core.blocks`: :class:`BlockSizes`, the tile config of every implementation;
 * :mod:`~dilax.core.mask`: :class:`Mask`, valid key lengths, offsets, causality;
+* :mod:`~dilax.core.mods`: :class:`~dilax.core.mods.Mods`, the score/mask mods hook
+  (FlexAttention's ``score_mod``/``mask_mod``, soft-cap, block tables) on each block;
 * :mod:`~dilax.core.pairwise`: dense ``(B, N, T, S)`` biases and masks, read by block;
 * :mod:`~dilax.core.view`: :class:`SlotView`, which rows/slots/heads a call reads;
 * :mod:`~dilax.core.xla`: the blockwise XLA forward and backward;

@@ -49,10 +49,11 @@ class BlockSparsePallasCore:
         if view != identity_view(hk, h // hk):
             raise ValueError("the Pallas block-sparse core reads the identity head view only")
         if (mask.window is not None or mask.kv_valid is not None or mask.bias is not None
-                or mask.mask is not None or _nonzero(mask.q_offset)
+                or mask.mask is not None or mask.mods is not None or _nonzero(mask.q_offset)
                 or _nonzero(mask.k_offset)):
             raise ValueError("implementation='pallas': the block-sparse kernel takes causality "
-                             "and valid lengths only (no band, per-key mask, bias or offsets; "
+                             "and valid lengths only (no band, per-key mask, bias, mods or "
+                             "offsets; "
                              "dilax.registry decides which core runs which call)")
         bs = self.pattern.block_size
         tables = self._tables(n, h, mask.is_causal)

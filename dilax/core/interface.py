@@ -135,6 +135,7 @@ def _refuse_masks(name: str, mask: Mask, *, band_and_keys: bool = False) -> None
         ("a per-key mask (key padding)", mask.kv_valid is not None and not band_and_keys),
         ("bias or (B, N, T, S) boolean mask", mask.bias is not None or mask.mask is not None),
         ("per-row key ranges (segment_ids)", mask.key_range is not None),
+        ("score_mod / mask_mod / soft-cap (dilax.flex_attention)", mask.mods is not None),
     ) if given]
     if missing:
         raise ValueError(f"implementation={name!r}: the kernel has no {' or '.join(missing)} "
@@ -288,9 +289,14 @@ def _attention_bwd(call: _Call, res, cotangents):
 
     grads = when(fence, bwd, (q, k, v, mask, lse, dout, output_delta(out, dout, dlse)))
     dmask = None
-    if mask.bias is not None:  # the core returned d(bias) too; every other leaf: no cotangent
-        dmask = jax.tree.map(lambda _: None, dataclasses.replace(mask, bias=None))
-        dmask = dataclasses.replace(dmask, bias=grads[3])
+    if mask.bias is not None or mask.mods is not None:
+        # the core returned d(bias) and the mods' d(consts) too; other leaves: no cotangent
+        dmask = jax.tree.map(lambda _: None, dataclasses.replace(mask, bias=None, mods=None))
+        extra = grads[3:]
+        if mask.bias is not None:
+            dmask, extra = dataclasses.replace(dmask, bias=extra[0]), extra[1:]
+        if mask.mods is not None:
+            dmask = dataclasses.replace(dmask, mods=mask.mods.cotangent(extra))
     return (*sum_invariant_axes((q, k, v), grads[:3]), dmask, None)
 
 

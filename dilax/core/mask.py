@@ -8,6 +8,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from dilax.core.mods import Mods
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,9 @@ class Mask:
       rows: ``None`` or ``(q_rows (B, U, Lq), k_rows (B, U, Lk))`` int32: the inputs are in
         their own position layout ``(B, n, H, d)`` and row ``i`` of virtual head ``u`` is
         position ``rows[b, u, i]`` (:mod:`dilax.core.rows`; XLA core, identity-slot views).
+      mods: ``None`` or a :class:`dilax.core.mods.Mods`: a soft-cap, ``score_mod`` and
+        ``mask_mod`` applied to each block's scaled logits (XLA core, identity views), and
+        optional block tables (key blocks visited whole, in part or not at all).
 
     ``window`` may also be a ``(left, right)`` pair of ints: the band
     ``-left <= (k_offset + t) - (q_offset + i) <= right``.
@@ -76,6 +81,7 @@ class Mask:
     rows: tuple[jax.Array, jax.Array] | None = None
     query_range_exact: bool = dataclasses.field(default=False, metadata=dict(static=True))
     q_tiles: tuple[jax.Array, jax.Array] | None = None
+    mods: Mods | None = None
 
     def resolve(self, batch: int, num_kv: int, len_k: int, len_q: int | None = None) -> Mask:
         """int32 arrays: ``kv_len`` (``q_len``) broadcast to ``(batch, num_kv)`` and capped at
@@ -106,7 +112,8 @@ class Mask:
         return Mask(kv_len, jnp.asarray(self.q_offset, jnp.int32),
                     jnp.asarray(self.k_offset, jnp.int32), bool(self.is_causal), q_len,
                     _static_window(self.window), kv_valid, self.bias, self.mask, key_range,
-                    query_range, rows, bool(self.query_range_exact), self.q_tiles)
+                    query_range, rows, bool(self.query_range_exact), self.q_tiles,
+                    self.mods)
 
 
 def _static_window(window):

@@ -14,6 +14,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
+from dilax.core import mods as MD
 from dilax.core import pairwise
 from dilax.core import ranges as RG
 from dilax.core import rows as R
@@ -181,11 +182,14 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
         mask.is_causal
     q_len, window, kv_valid = mask.q_len, mask.window, mask.kv_valid
     dense = pairwise.prepare(mask, view)  # None without a bias or mask
+    mods = mask.mods  # None without score/mask mods (dilax.core.mods)
+    if mods is not None:
+        MD.check_view(view)
     block_q, block_k = block_sizes.block_q, block_sizes.block_k
     heads_per_step = block_sizes.heads_per_step
     ranged = mask.key_range is not None
     B, Lq = q.shape[:2]
-    Lk, d = k.shape[1], k.shape[-1]
+    Lk, d = k.shape[1], v.shape[-1]  # d: the values' head dim (the output's)
     U, G = len(view.kv_index), view.q_per_kv
     nq, nk = cdiv(Lq, block_q), cdiv(Lk, block_k)
     qp = _pad_axis(_as_bits(q), 1, nq * block_q)
@@ -236,10 +240,12 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
                 None if tile is None else RG.within(q0, block_q, start, end))
             pre, lo = (0, inner_lo), inner_lo
 
-        def make_body(causal_block):
+        def make_body(causal_block, with_mod=True, starts=None):
             def body(j, carry):
                 m, l, acc = carry
-                if base is None:
+                if starts is not None:  # a block table (dilax.core.mods.Mods.kv_blocks)
+                    k0 = starts[j] * block_k
+                elif base is None:
                     k0 = j * block_k
                 else:
                     k0, floor = RG.block_start(base, j, block_k, nk * block_k)
@@ -261,6 +267,9 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
                 if dense is not None:  # the caller's (B, N, T, S) bias / mask, one block
                     s, mask = pairwise.apply(s, *pairwise.terms(
                         dense, bi, u0, u1, G, q0, block_q, k0, block_k), mask)
+                if mods is not None:  # cap, score_mod, mask_mod on the block
+                    s, mask = MD.scores(mods, s, mask, bi, u0, U, G, q_pos, k0, block_k,
+                                        k_offset, with_mod)
                 if mask is not None:
                     if flat:
                         mask = jnp.broadcast_to(mask, (U, G, block_q, block_k)).reshape(s.shape)
@@ -276,18 +285,22 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
         flat = ranged and dense is None
         rows_q = (U, G * block_q) if flat else (U, G, block_q)
         if flat:
-            qb = qb.reshape(U, G * block_q, d)
+            qb = qb.reshape(U, G * block_q, q.shape[-1])
         carry = mark_varying(
             axes,
             jnp.full(rows_q, -jnp.inf, _F32),
             jnp.zeros(rows_q, _F32),
             jnp.zeros(rows_q + (d,), _F32),
         )
-        if pre is not None:
-            carry = lax.fori_loop(*pre, make_body(True), carry)
-        carry = lax.fori_loop(lo, full, make_body(False), carry)
-        if is_causal or window is not None or ranged:
-            carry = lax.fori_loop(full, hi, make_body(True), carry)
+        if mods is not None and mods.kv_blocks is not None:  # whole blocks, then partial
+            for starts, count, with_mod in MD.table_loops(mods.kv_blocks, bi, q0 // block_q):
+                carry = lax.fori_loop(0, count, make_body(True, with_mod, starts), carry)
+        else:
+            if pre is not None:
+                carry = lax.fori_loop(*pre, make_body(True), carry)
+            carry = lax.fori_loop(lo, full, make_body(False), carry)
+            if is_causal or window is not None or ranged:
+                carry = lax.fori_loop(full, hi, make_body(True), carry)
         m, l, acc = carry
         if flat:
             m, l, acc = m.reshape(U, G, block_q), l.reshape(U, G, block_q), \
@@ -315,6 +328,7 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
         mask.is_causal
     q_len, window, kv_valid = mask.q_len, mask.window, mask.kv_valid
     dense = pairwise.prepare(mask, view)  # None without a bias or mask
+    mods = mask.mods
     block_q, block_k = block_sizes.backward
     B, Lq = q.shape[:2]
     Lk, d = k.shape[1], k.shape[-1]
@@ -355,6 +369,7 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
 
     def column(carry, idx):
         dq, dk_acc, dv_acc, *db = carry  # db: the bias gradient's carry, or []
+        db, dc = db[:len(db0)], db[len(db0):]  # dc: the mods' consts' cotangents, or []
         kj, bi = div_rem(idx, B) if key_major else div_rem(idx, nk)[::-1]
         db = pairwise.column_start(db, bi)
         k0 = kj * block_k
@@ -380,10 +395,13 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
         hi = jnp.maximum(hi, lo)
         full_lo = hi if window is not None or ranged else jnp.minimum(full_lo, hi)
 
-        def make_body(causal_block):
+        def make_body(causal_block, with_mod=True, starts=None):
             def body(qi, carry):
                 dk, dv, dq, *db = carry
-                if q_base is None:
+                db, dc = db[:len(db0)], db[len(db0):]
+                if starts is not None:  # a block table (dilax.core.mods.Mods.q_blocks)
+                    q0 = starts[qi] * block_q
+                elif q_base is None:
                     q0 = qi * block_q
                 else:
                     q0, floor = RG.block_start(q_base, qi, block_q, nq * block_q)
@@ -404,6 +422,9 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
                 if dense is not None:
                     s, mask = pairwise.apply(s, *pairwise.terms(
                         dense, bi, 0, U, G, q0, block_q, k0, block_k, Lq), mask)
+                if mods is not None:  # recomputed modded logits; vjp: d(score)/d(raw)
+                    s, mask, mod_vjp = MD.scores_vjp(mods, s, mask, bi, U, G, q_pos, k0,
+                                                     block_k, k_offset, with_mod)
                 if mask is not None:
                     s = jnp.where(mask, s, -jnp.inf)
                 p = jnp.exp(s - lse_b[..., None])  # (U, G, bq, bk); masked -> 0
@@ -413,6 +434,9 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
                 # ds stays float32: rounding it to bf16 before the sums over many query
                 # heads (GQA/MQA) and branches costs ~1e-2 relative in dK.
                 ds = p * (dp - del_b[..., None])
+                if mods is not None:
+                    ds, dc_b = mod_vjp(ds)
+                    dc = [a + g for a, g in zip(dc, dc_b)]
                 if db:  # d(bias) = dS, summed over the bias's broadcast dims
                     db = pairwise.add_grad(db, dense.dtype, ds, bi, 0, U, G, q0, block_q, k0,
                                            block_k)
@@ -421,18 +445,21 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
                 if gathered is not None:  # added where the rows lie
                     dq_b = jnp.einsum("hgqk,hkd->hgqd", ds, kb.astype(_F32),
                                       preferred_element_type=_F32)
-                    return dk, dv, gathered.add_q(dq, bi, q0, block_q, dq_b * scale), *db
+                    return dk, dv, gathered.add_q(dq, bi, q0, block_q, dq_b * scale), *db, *dc
                 dq_b = jnp.einsum("hgqk,hkd->qhgd", ds, kb.astype(_F32),
                                   preferred_element_type=_F32)
                 dq_b = view.expand_rows_q(dq_b.reshape(block_q, U * G, d) * scale)
                 dq = add_rows(dq, bi, q0, dq_b)
-                return dk, dv, dq, *db
+                return dk, dv, dq, *db, *dc
 
             return body
 
         carry = mark_varying(axes, jnp.zeros((U, block_k, d), _F32),
-                             jnp.zeros((U, block_k, d), _F32)) + (dq, *db)
-        if inner is not None:
+                             jnp.zeros((U, block_k, v.shape[-1]), _F32)) + (dq, *db, *dc)
+        if mods is not None and mods.q_blocks is not None:  # whole blocks, then partial
+            for starts, count, with_mod in MD.table_loops(mods.q_blocks, bi, kj):
+                carry = lax.fori_loop(0, count, make_body(True, with_mod, starts), carry)
+        elif inner is not None:
             carry = lax.fori_loop(0, inner[0], make_body(True), carry)
             carry = lax.fori_loop(*inner, make_body(False), carry)
             carry = lax.fori_loop(inner[1], hi, make_body(True), carry)
@@ -442,19 +469,22 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
         else:
             carry = lax.fori_loop(lo, hi, make_body(False), carry)
         dk, dv, dq, *db = carry
+        db, dc = db[:len(db0)], db[len(db0):]
         db = pairwise.column_end(db, None if dense is None else dense.dtype, bi, B, k0, block_k)
         if gathered is not None:
             dk_acc, dv_acc = gathered.add_kv(dk_acc, dv_acc, bi, k0, block_k, dk, dv)
         else:
             dk_acc = add_rows(dk_acc, bi, k0, view.expand_kv(dk))
             dv_acc = add_rows(dv_acc, bi, k0, view.expand_kv(dv))
-        return (dq, dk_acc, dv_acc, *db), None
+        return (dq, dk_acc, dv_acc, *db, *dc), None
 
     db0 = pairwise.grad_init(mask.bias, B, nk, block_k)
-    (dq, dk, dv, *db), _ = lax.scan(column, (dq0, dk0, dv0, *db0),
+    (dq, dk, dv, *db), _ = lax.scan(column, (dq0, dk0, dv0, *db0, *MD.grad_init(mods)),
                                     jnp.arange(B * nk, dtype=jnp.int32))
+    db, dc = db[:len(db0)], db[len(db0):]
     grads = (dq[:, :Lq].astype(grad_dtype or q.dtype), dk[:, :Lk].astype(grad_dtype or k.dtype),
              dv[:, :Lk].astype(grad_dtype or v.dtype))
-    return grads + pairwise.grad_result(db, None if mask.bias is None else mask.bias.dtype)
+    return (grads + pairwise.grad_result(db, None if mask.bias is None else mask.bias.dtype)
+            + MD.grad_result(dc, mods))
 
 

@@ -1,0 +1,216 @@
+"""Elementwise score and mask functions on the XLA core's blocks (FlexAttention's
+``score_mod`` / ``mask_mod``), forward and backward.
+
+A mod is traced once at scalar arguments into a jaxpr (:func:`trace_mod`): every array it
+closes over, traced ones included, becomes an explicit operand (``consts``), so the core
+can differentiate into them and no tracer is ever captured by the core's ``custom_vjp``.
+The jaxpr is a static, hashable :class:`ModFn` (equal when its text is): calls with the same
+mods share one compiled program whatever arrays they close over. The core evaluates it on a
+``(U, G, bq, bk)`` block with nested ``vmap`` (as PyTorch does), with the block's global
+positions, its batch row and its query heads; the backward recomputes the modded logits per
+block and takes ``d(score)/d(raw)`` and the cotangents of the closed-over float arrays with
+:func:`jax.vjp` of the block's mod (:func:`scores_vjp`), accumulated across blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+
+_F32 = jnp.float32
+_I32 = jnp.int32
+
+
+class ModFn:
+    """A mod traced at scalars: ``fn(*args, *consts)`` evaluates its jaxpr (static; equal and
+    hashed by the jaxpr's text)."""
+
+    def __init__(self, jaxpr, name: str):
+        self.jaxpr, self.name, self._text = jaxpr, name, f"{name}:{jaxpr}"
+
+    def __eq__(self, other):
+        return isinstance(other, ModFn) and other._text == self._text
+
+    def __hash__(self):
+        return hash(self._text)
+
+    def __call__(self, consts, *args):
+        return jaxpr_as_fun(ClosedJaxpr(self.jaxpr, list(consts)))(*args)[0]
+
+
+def trace_mod(fn, kind: str):
+    """``(ModFn, consts)`` of ``fn``: ``kind`` ``"score_mod"`` (``fn(score, b, h, q_idx,
+    kv_idx) -> float score``) or ``"mask_mod"`` (``fn(b, h, q_idx, kv_idx) -> bool``), traced
+    at float32 / int32 scalars.
+
+    Raises:
+      TypeError: ``fn`` is not callable, or returns other than one scalar of the right dtype.
+    """
+    if not callable(fn):
+        raise TypeError(f"{kind} must be callable, got {type(fn).__name__}")
+    args = [jax.ShapeDtypeStruct((), _I32)] * 4
+    if kind == "score_mod":
+        args = [jax.ShapeDtypeStruct((), _F32)] + args
+    closed = jax.make_jaxpr(fn)(*args)
+    outs = closed.out_avals
+    want = "a floating score" if kind == "score_mod" else "a bool"
+    ok = len(outs) == 1 and outs[0].shape == () and (
+        jnp.issubdtype(outs[0].dtype, jnp.floating) if kind == "score_mod"
+        else outs[0].dtype == jnp.bool_)
+    if not ok:
+        got = ", ".join(f"{a.dtype}{list(a.shape)}" for a in outs)
+        raise TypeError(f"{kind} must return {want} per element (it is called elementwise, "
+                        f"on scalars, like PyTorch's FlexAttention), got {got}")
+    return ModFn(closed.jaxpr, kind), tuple(closed.consts)
+
+
+def _static(**kw):
+    return dataclasses.field(metadata=dict(static=True), **kw)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Mods:
+    """The core's mods hook (a pytree; the functions and the cap static).
+
+    Fields:
+      score_consts, mask_consts: the arrays ``score`` / ``mask`` close over (:func:`trace_mod`).
+      kv_blocks: ``None`` (every key block, ``mask`` on each) or ``(full_idx, full_cnt,
+        part_idx, part_cnt)``: per batch row (1 or ``B``) and query block, the key blocks seen
+        whole (no ``mask``) and in part (``mask`` applied), ``(Bt, nq, A)`` and ``(Bt, nq)``
+        int32, ascending; blocks in neither are never visited. Block size = the core's.
+      q_blocks: the same per key block ``(Bt, nk, A)`` / ``(Bt, nk)`` (the backward's).
+      score: ``ModFn`` of ``score_mod`` or None; mask: of ``mask_mod`` or None.
+      soft_cap: static float or None: ``s = cap * tanh(s / cap)`` before ``score``.
+
+    Positions are ``q_offset + row`` and ``k_offset + key`` of the call, heads the query heads
+    of an identity view, ``b`` the call's batch row.
+    """
+
+    score_consts: tuple = ()
+    mask_consts: tuple = ()
+    kv_blocks: tuple | None = None
+    q_blocks: tuple | None = None
+    score: ModFn | None = _static(default=None)
+    mask: ModFn | None = _static(default=None)
+    soft_cap: float | None = _static(default=None)
+
+    def cotangent(self, grads) -> Mods:
+        """The ``custom_vjp`` cotangent: ``grads`` for the float ``score_consts``, None else."""
+        blank = jax.tree.map(lambda _: None, dataclasses.replace(self, score_consts=()))
+        it = iter(grads)
+        return dataclasses.replace(blank, score_consts=tuple(
+            next(it) if _diff(c) else None for c in self.score_consts))
+
+
+def _diff(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def check_view(view) -> None:
+    heads = tuple(range(len(getattr(view, "q_index", ()))))
+    if getattr(view, "num_slots", None) != 1 or view.q_index != heads:
+        raise ValueError("score_mod / mask_mod need an identity view "
+                         "(dilax.core.identity_view): h is the query head")
+
+
+def on_block(fn, consts, b, h, q, kv, s=None):
+    """``fn`` over the block: ``h (H,)``, ``q (bq,)``, ``kv (bk,)`` -> ``(H, bq, bk)``."""
+    if s is None:
+        f = lambda h, q, kv: fn(consts, b, h, q, kv)  # noqa: E731
+        ax = ((None, None, 0), (None, 0, None), (0, None, None))
+        args = (h, q, kv)
+    else:
+        f = lambda s, h, q, kv: fn(consts, s, b, h, q, kv)  # noqa: E731
+        ax = ((0, None, None, 0), (0, None, 0, None), (0, 0, None, None))
+        args = (s, h, q, kv)
+    for a in ax:
+        f = jax.vmap(f, in_axes=a)
+    return f(*args)
+
+
+def _positions(b, u0, U, G, q_pos, k0, bk, k_offset):
+    h = u0 * G + lax.iota(_I32, U * G)
+    kv = k_offset + k0 + lax.iota(_I32, bk)
+    return jnp.asarray(b, _I32), h, q_pos.astype(_I32), kv
+
+
+def _score_fn(mods, b, h, q, kv, shape):
+    def f(s, consts):
+        s = s.reshape(len(h), len(q), len(kv))
+        if mods.soft_cap is not None:
+            cap = jnp.asarray(mods.soft_cap, _F32)
+            s = cap * jnp.tanh(s / cap)
+        if mods.score is not None:
+            s = on_block(mods.score, consts, b, h, q, kv, s).astype(_F32)
+        return s.reshape(shape)
+    return f
+
+
+def _masked(mods, mask, pos, U, G, apply_mask):
+    if mods.mask is None or not apply_mask:
+        return mask
+    b, h, q, kv = pos
+    allowed = on_block(mods.mask, mods.mask_consts, b, h, q, kv).reshape(U, G, len(q), -1)
+    return allowed if mask is None else mask & allowed
+
+
+def scores(mods, s, mask, b, u0, U, G, q_pos, k0, bk, k_offset, apply_mask=True):
+    """Forward: ``(s, mask)`` of a ``(U, G, bq, bk)`` (or flat ``(U, G*bq, bk)``) float32
+    block with the cap and ``score`` applied and ``mask`` and-ed in (unless ``apply_mask`` is
+    False: a block wholly inside the mask)."""
+    pos = _positions(b, u0, U, G, q_pos, k0, bk, k_offset)
+    if mods.score is not None or mods.soft_cap is not None:
+        s = _score_fn(mods, *pos, s.shape)(s, mods.score_consts)
+    return s, _masked(mods, mask, pos, U, G, apply_mask)
+
+
+def scores_vjp(mods, s, mask, b, U, G, q_pos, k0, bk, k_offset, apply_mask=True):
+    """Backward: ``(s, mask, vjp)``; ``vjp(ds) -> (ds_raw, d_consts)`` (float32 cotangents of
+    the float ``score_consts``, in order)."""
+    pos = _positions(b, 0, U, G, q_pos, k0, bk, k_offset)
+    mask = _masked(mods, mask, pos, U, G, apply_mask)
+    if mods.score is None and mods.soft_cap is None:
+        return s, mask, lambda ds: (ds, ())
+    consts = mods.score_consts
+    diff = tuple(c for c in consts if _diff(c))
+    f = _score_fn(mods, *pos, s.shape)
+
+    def g(s, diff):
+        it = iter(diff)
+        return f(s, tuple(next(it) if _diff(c) else c for c in consts))
+
+    s, pull = jax.vjp(g, s, diff)
+
+    def vjp(ds):
+        if mask is not None:  # masked pairs get no cotangent, whatever the mod's slope
+            ds = jnp.where(mask, ds, jnp.zeros((), ds.dtype))
+        ds_raw, dc = pull(ds)
+        return ds_raw, tuple(x.astype(_F32) for x in dc)
+
+    return s, mask, vjp
+
+
+def grad_init(mods) -> list:
+    """Float32 zero accumulators of the float ``score_consts`` (``[]`` without)."""
+    if mods is None or (mods.score is None and mods.soft_cap is None):
+        return []
+    return [jnp.zeros(jnp.shape(c), _F32) for c in mods.score_consts if _diff(c)]
+
+
+def grad_result(dc, mods) -> tuple:
+    """The accumulated cotangents in the consts' dtypes."""
+    diff = [c for c in (() if mods is None else mods.score_consts) if _diff(c)]
+    return tuple(g.astype(jnp.result_type(c)) for g, c in zip(dc, diff))
+
+
+def table_loops(tables, b, i):
+    """``((starts, count, apply_mask), ...)`` of block ``i`` of batch row ``b`` from
+    ``(full_idx, full_cnt, part_idx, part_cnt)``: whole blocks first, then partial ones."""
+    full_idx, full_cnt, part_idx, part_cnt = tables
+    bt = b if full_idx.shape[0] > 1 else 0
+    return ((full_idx[bt, i], full_cnt[bt, i], False), (part_idx[bt, i], part_cnt[bt, i], True))

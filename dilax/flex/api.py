@@ -1,0 +1,173 @@
+"""FlexAttention for JAX: your own scores and masks on the blockwise core (docs/semantics.md,
+"Custom scores and masks (FlexAttention semantics)").
+
+:func:`flex_attention` runs one :func:`dilax.core.attention` call on the XLA core with a
+:class:`dilax.core.mods.Mods` hook: the mods are traced once at scalars (their closed-over
+arrays become operands, so gradients reach them), applied to each block's float32 scaled
+logits, and recomputed per block in the backward. A :class:`~dilax.flex.block_mask.BlockMask`
+makes the key loop visit only its partial and full blocks. ``sinks`` are applied to the
+core's result from its log-sum-exp (the core's backward takes the lse cotangent).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from dilax import registry
+from dilax.core import XLA, BlockSizes, Mask, attention, identity_view
+from dilax.core.mods import Mods, trace_mod
+from dilax.flex.block_mask import BlockMask
+
+_F32 = jnp.float32
+_FLOATS = tuple(jnp.dtype(t) for t in ("float32", "bfloat16", "float16", "float64"))
+
+
+def _check_arrays(query, key, value):
+    names = ("query", "key", "value")
+    arrays = tuple(jnp.asarray(x) for x in (query, key, value))
+    for name, x in zip(names, arrays):
+        if x.ndim != 4:
+            raise ValueError(f"flex_attention: {name} must be rank 4 (b, n, h, d) like "
+                             f"jax.nn.dot_product_attention, got shape {x.shape}")
+        if x.dtype not in _FLOATS:
+            raise TypeError(f"flex_attention: {name} must be floating, got {x.dtype}")
+    q, k, v = arrays
+    if len({q.dtype, k.dtype, v.dtype}) != 1:
+        raise TypeError(f"flex_attention: query, key, value must share one dtype, got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+    (b, _, h, d), (bk, s, hk, dk) = q.shape, k.shape
+    if bk != b or v.shape[0] != b:
+        raise ValueError(f"flex_attention: batch mismatch: query {q.shape}, key {k.shape}, "
+                         f"value {v.shape}")
+    if dk != d:
+        raise ValueError(f"flex_attention: key head dim {dk} != query head dim {d}")
+    if v.shape[1:3] != (s, hk):
+        raise ValueError(f"flex_attention: value must be (b, s, hk, dv) with key's s={s} and "
+                         f"hk={hk}, got {v.shape}")
+    if hk == 0 or h % hk:
+        raise ValueError(f"flex_attention: query heads h={h} must be a multiple of the key "
+                         f"heads hk={hk} (GQA)")
+    return q, k, v
+
+
+def _check_block_mask(block_mask, b, h, n, s):
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"flex_attention: block_mask must be a dilax.flex.BlockMask "
+                        f"(dilax.create_block_mask), got {type(block_mask).__name__}")
+    Bm, Hm, Q_LEN, KV_LEN = block_mask.shape
+    if (Q_LEN, KV_LEN) != (n, s) or Bm not in (1, b) or Hm not in (1, h):
+        raise ValueError(f"flex_attention: block_mask of shape (B, H, Q_LEN, KV_LEN)="
+                         f"{block_mask.shape} does not fit query/key (b={b}, h={h}, n={n}, "
+                         f"s={s}): it needs Q_LEN == n, KV_LEN == s, B in (1, b), H in (1, h)")
+
+
+def flex_attention(query, key, value, *, score_mod=None, mask_mod=None, block_mask=None,
+                   scale=None, sinks=None, logits_soft_cap=None, return_residual=False,
+                   implementation=None):
+    """Attention with your own scores and masks (PyTorch FlexAttention semantics).
+
+    Per pair (query ``q_idx``, key ``kv_idx``) of head ``h`` in batch row ``b``:
+    ``s = scale * q . k``; ``s = cap * tanh(s / cap)`` when ``logits_soft_cap``;
+    ``s = score_mod(s, b, h, q_idx, kv_idx)``; pairs where ``mask_mod(b, h, q_idx, kv_idx)``
+    is False are removed; then one softmax over the key axis (with ``sinks``: one extra
+    logit per head, with no value, in the denominator).
+
+    Args:
+      query: ``(b, n, h, d)``; key: ``(b, s, hk, d)``; value: ``(b, s, hk, dv)``, one float
+        dtype, ``h % hk == 0`` (query head ``j`` reads kv head ``j // (h // hk)``); any
+        ``n``, ``s`` (positions of both start at 0).
+      score_mod: ``(score, b, h, q_idx, kv_idx) -> score``, called elementwise on a float32
+        scalar score and int32 scalar indices (vectorized with ``vmap``); it may close over
+        arrays, traced ones included; closed-over float arrays receive gradients
+        (:func:`dilax.flex.alibi`, :func:`dilax.flex.relative_bias`...).
+      mask_mod: ``(b, h, q_idx, kv_idx) -> bool``, elementwise likewise
+        (:func:`dilax.flex.causal_mask`, :func:`dilax.flex.document_mask`...). Default: the
+        ``block_mask``'s ``mask_mod``, else every pair.
+      block_mask: a :class:`dilax.flex.BlockMask` from :func:`dilax.create_block_mask` for
+        ``(b or 1, h or 1, n, s)``: only its partial and full blocks are computed, the
+        ``mask_mod`` only on partial ones. An optimization: the result is the same.
+      scale: logit scale, default ``1 / sqrt(d)``.
+      sinks: float ``(h,)`` or None: attention sinks (differentiable).
+      logits_soft_cap: float ``> 0`` or None.
+      return_residual: also return the log-sum-exp ``(b, n, h)`` float32 (with ``sinks``,
+        of the denominator including them), as ``jax.nn.dot_product_attention``.
+      implementation: ``None`` or ``"xla"`` (the blockwise core); ``"pallas"`` and
+        ``"cudnn"`` are refused with :mod:`dilax.registry`'s reason.
+
+    Returns:
+      ``(b, n, h, dv)`` in ``query.dtype`` (and the lse with ``return_residual``). A query
+      with no key gets 0 (and zero gradient), never NaN.
+
+    Raises:
+      ValueError / TypeError naming the argument: ranks, batch/head/head-dim mismatch,
+      mixed or non-float dtypes, non-callable mods or mods returning other than one float
+      (``score_mod``) / bool (``mask_mod``) per element, a ``block_mask`` that does not fit,
+      bad ``sinks``, ``scale`` or ``logits_soft_cap``, an implementation that cannot serve.
+    """
+    q, k, v = _check_arrays(query, key, value)
+    (b, n, h, d), s, dv = q.shape, k.shape[1], v.shape[-1]
+    if block_mask is not None:
+        _check_block_mask(block_mask, b, h, n, s)
+        if mask_mod is None:
+            mask_mod = block_mask.mask_mod
+    scale = 1.0 / math.sqrt(d) if scale is None else _positive(scale, "scale")
+    cap = None if logits_soft_cap is None else _positive(logits_soft_cap, "logits_soft_cap")
+    if sinks is not None:
+        sinks = jnp.asarray(sinks)
+        if sinks.shape != (h,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise ValueError(f"flex_attention: sinks must be a float array (h,) = ({h},), got "
+                             f"{sinks.dtype}{list(sinks.shape)}")
+    request = registry.CoreRequest(
+        "flex", q.dtype, d, has_score_mod=score_mod is not None or cap is not None,
+        has_mask_mod=mask_mod is not None, has_sinks=sinks is not None, value_head_dim=dv)
+    registry.choose(registry.check_name(implementation, "flex"), request)
+    score = mask = None
+    score_consts = mask_consts = ()
+    if score_mod is not None:
+        score, score_consts = trace_mod(score_mod, "score_mod")
+    if mask_mod is not None:
+        mask, mask_consts = trace_mod(mask_mod, "mask_mod")
+    if 0 in (b, n, s):  # nothing to compute: empty, or rows without keys (0, lse = -inf)
+        out = jnp.zeros((b, n, h, dv), q.dtype)
+        lse = jnp.full((b, n, h), -jnp.inf, _F32) if sinks is None else jnp.broadcast_to(
+            sinks.astype(_F32), (b, n, h))  # the denominator holds the sink alone
+        return (out, lse) if return_residual else out
+    tables = None if block_mask is None else (block_mask.kv_blocks, block_mask.q_blocks)
+    blocks = None if block_mask is None else block_mask.block_size
+    out, lse = _flex(q, k, v, score_consts, mask_consts, tables, sinks, score, mask, cap,
+                     float(scale), blocks)
+    return (out, lse) if return_residual else out
+
+
+def _positive(x, name: str) -> float:
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(f"flex_attention: {name} must be a static float, got a traced value")
+    x = float(x)
+    if not x > 0 or not math.isfinite(x):
+        raise ValueError(f"flex_attention: {name} must be a finite float > 0, got {x}")
+    return x
+
+
+# One compiled program per static configuration (mods compare by their traced text).
+@functools.partial(jax.jit, static_argnums=(7, 8, 9, 10, 11))
+def _flex(q, k, v, score_consts, mask_consts, tables, sinks, score, mask, cap, scale, blocks):
+    b, n, h, _ = q.shape
+    hk = k.shape[2]
+    mods = None
+    if score is not None or mask is not None or cap is not None or tables is not None:
+        kv_blocks, q_blocks = (None, None) if tables is None else tables
+        mods = Mods(tuple(score_consts), tuple(mask_consts), kv_blocks, q_blocks, score, mask,
+                    cap)
+    sizes = None if blocks is None else BlockSizes(*blocks, *blocks)
+    out, lse = attention(q, k, v, view=identity_view(hk, h // hk), scale=scale,
+                         mask=Mask(mods=mods), core=XLA, block_sizes=sizes,
+                         out_dtype=None if sinks is None else _F32)
+    if sinks is not None:  # out * e^lse / (e^sink + e^lse), gradients through lse
+        sink = sinks.astype(_F32)[None, None, :]
+        out = (out * jax.nn.sigmoid(lse - sink)[..., None]).astype(q.dtype)
+        lse = jnp.logaddexp(lse, sink)
+    return out, lse
