@@ -1,0 +1,196 @@
+"""``python -m benchmarks quality`` (issue 40) in a tiny form, ``python -m dilax.train
+--attention`` and the mixture-mode warning for branches with fewer heads than their rate."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dilax.dilated.settings import warn_uncovered_offsets
+from dilax.semantics import branch_mask, window_mask
+
+# ----------------------------------------------------------------------------- the command
+
+TINY = ["--quick", "--arms", "dense,longnet", "--probe-arms", "longnet", "--seeds", "1",
+        "--steps", "3", "--probe-steps", "2", "--d-model", "16", "--num-heads", "4",
+        "--num-layers", "1", "--dim-feedforward", "32", "--short", "16", "--factor", "4",
+        "--batch", "2", "--eval-windows", "2", "--probe-batch", "4", "--probe-eval", "10",
+        "--local-window", "4", "--max-bytes", "100000", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    from benchmarks import quality
+
+    out = tmp_path_factory.mktemp("quality")
+    assert quality.main([*TINY, "--out", str(out), "--name", "q"]) == 0
+    return out, json.loads((out / "q.json").read_text())
+
+
+def _brute_pairs(n: int, heads: int, ws, rs, window=None) -> int:
+    """Causal (head, query, key) pairs counted on the explicit masks of every branch."""
+    total = 0
+    for j in range(heads):
+        for w, r in zip(ws, rs):
+            total += int(branch_mask(n, w, r, j % r, True).sum())
+        if window is not None:
+            total += int(window_mask(n, window, True).sum())
+    return total
+
+
+def test_quality_outputs(tiny_run):
+    out, res = tiny_run
+    for name in ("q.json", "q.md", "q_curves.png", "q_positions.png", "q_probe.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert res["command"] == "quality"
+    assert [r["arm"] for r in res["rows"]] == ["dense", "longnet"]
+    short, long_ = res["eval_lengths"]
+    assert (short, long_) == (16, 64)
+    for r in res["rows"]:
+        assert r["seeds"] == 1
+        for n in (short, long_):
+            bpb = r["bpb"][str(n)]["mean"]
+            assert 0 < bpb < 10, (r["arm"], n, bpb)  # near log2(256) = 8 untrained
+        assert len(r["position_bpb"]) == 16 and all(np.isfinite(r["position_bpb"]))
+        assert r["curve"][-1][0] == 3
+    dense = res["rows"][0]
+    # beyond its training length the dense arm runs blockwise on blocks of its length: the
+    # same rows as the short evaluation, so the same bits per byte
+    assert dense["bpb"]["16"]["mean"] == pytest.approx(dense["bpb"]["64"]["mean"], rel=1e-5)
+    probe = res["probe"][0]
+    assert probe["arm"] == "longnet"
+    assert all(0 <= a["mean"] <= 1 for a in probe["accuracy"])
+    md = (out / "q.md").read_text()
+    assert "| dense | 16 |" in md and "| longnet | 64 |" in md and "Key-value recall" in md
+
+
+def test_quality_pairs_match_brute_force(tiny_run):
+    """The table's attended pairs per row against a count of the explicit masks."""
+    _, res = tiny_run
+    by = {r["arm"]: r for r in res["rows"]}
+    assert by["dense"]["attended_pairs_per_row"] == _brute_pairs(16, 4, (16,), (1,))
+    assert by["longnet"]["attended_pairs_per_row"] == _brute_pairs(64, 4, (16, 32, 64),
+                                                                   (1, 2, 4))
+    flops = 14 * 4 * by["longnet"]["attended_pairs_per_token"] * 1 * 3 * 2 * 64
+    assert by["longnet"]["attention_train_flops"] == pytest.approx(flops)
+
+
+def test_quality_sparse_and_window_pairs():
+    """The sparse arm's pattern counted on its token mask, and the window arm's pairs."""
+    from benchmarks import quality
+    from dilax.patterns import local_strided
+
+    s = dict(quality.QUICK, short=16, factor=4, num_heads=4, local_window=4)
+    arms = {a.name: a for a in quality.make_arms(s)}
+    fields = arms["sparse"].model_fields()
+    pat = local_strided(64, *fields["block_sparse"]).expanded_mask(64)
+    causal = pat & np.tri(64, dtype=bool)
+    longnet = quality.pairs_of(64, 4, arms["longnet"].model_fields())
+    sparse = quality.pairs_of(64, 4, fields)
+    assert sparse == 4 * int(causal.sum())
+    assert abs(sparse - longnet) / longnet < 0.2  # matched to LongNet's
+    assert quality.pairs_of(64, 4, arms["longnet+window"].model_fields()) == _brute_pairs(
+        64, 4, (16, 32, 64), (1, 2, 4), window=4)
+
+
+def test_quality_resume_skips_cached(tiny_run, capsys):
+    from benchmarks import quality
+
+    out, first = tiny_run
+    assert quality.main([*TINY, "--out", str(out), "--name", "q"]) == 0
+    again = json.loads((out / "q.json").read_text())
+    assert again["runs_cached_before"] == 3  # 2 LM runs + 1 probe run, none retrained
+    assert again["rows"][1]["bpb"] == first["rows"][1]["bpb"]
+
+
+def test_quality_data_split_is_stable():
+    from benchmarks import quality
+
+    assert quality.is_held_out("os.py") == quality.is_held_out("os.py")
+    files = [rel for rel, _ in quality.stdlib_files()][:400]
+    held = sum(map(quality.is_held_out, files))
+    assert 0 < held < len(files) // 4
+    x, a, d, key_pos = quality.probe_batch(0, 0, 8, 64, 3, np.arange(1, 9) * 7)
+    rows = np.arange(8)
+    assert (x[rows, 63] == x[rows, key_pos]).all()  # the query is the key
+    assert (x[rows, key_pos + 1] == a).all() and (d == np.arange(1, 9) * 7).all()
+
+
+# ----------------------------------------------------------------------------- --attention
+
+
+def test_train_attention_flag():
+    from dilax.train.cli import configs_from_argv
+
+    _, m = configs_from_argv(["--attention", "dense", "--seq-len", "64"])
+    assert (m.attention, m.segment_lengths, m.dilation_rates) == ("dense", (64,), (1,))
+    _, m = configs_from_argv(["--attention", "block-sparse", "--sparse-pattern", "16,32,4",
+                              "--seq-len", "64"])
+    assert (m.attention, m.block_sparse) == ("block-sparse", (16, 32, 4))
+    _, m = configs_from_argv([])
+    assert (m.attention, m.block_sparse) == ("dilated", None)
+    bad = {
+        ("--attention", "dense", "--segment-lengths", "32"): "does not take --segment-lengths",
+        ("--sparse-pattern", "16,32,4"): "needs --attention block-sparse",
+        ("--attention", "block-sparse", "--sparse-pattern", "16,32"): "--sparse-pattern",
+        ("--attention", "block-sparse", "--sparse-pattern", "0,32,4"): "block_size > 0",
+        ("--attention", "block-sparse", "--local-window", "8"): "--local-window",
+        ("--attention", "sparse"): "invalid choice",
+    }
+    for argv, match in bad.items():
+        with pytest.raises(ValueError, match=match):
+            configs_from_argv(list(argv))
+
+
+def test_train_block_sparse_model_is_causal():
+    """make_model of --attention block-sparse: a causal LM over local + strided blocks."""
+    from dilax.train.cli import configs_from_argv
+    from dilax.train.steps import make_model
+
+    _, m = configs_from_argv(["--attention", "block-sparse", "--sparse-pattern", "8,8,2",
+                              "--seq-len", "32", "--d-model", "16", "--num-heads", "2",
+                              "--num-layers", "1", "--dim-feedforward", "16"])
+    model = make_model(m, 0)
+    x = jnp.asarray(np.random.default_rng(0).integers(0, len(m.vocab), (1, 32)), jnp.int32)
+    y = x.at[0, 20].set((x[0, 20] + 1) % len(m.vocab))
+    a, b = model(x, deterministic=True), model(y, deterministic=True)
+    assert bool(jnp.isfinite(a).all())
+    np.testing.assert_array_equal(np.asarray(a[0, :20]), np.asarray(b[0, :20]))
+    assert not np.allclose(np.asarray(a[0, 20:]), np.asarray(b[0, 20:]))
+    with pytest.raises(NotImplementedError, match="block_sparse"):
+        model.long_net.decoder[0].self_attn.decode(jnp.zeros((1, 1, 16)), None)
+
+
+# ----------------------------------------------------------------------------- the warning
+
+
+def test_mixture_warns_for_uncovered_offsets():
+    import dilax
+
+    q = jax.random.normal(jax.random.PRNGKey(0), (1, 32, 2, 8))
+    with pytest.warns(UserWarning, match=r"branch 1 \(segment_length=32, dilation_rate=4\).*"
+                                         r"offsets \{2, 3\}"):
+        dilax.dilated_attention(q, q, q, (16, 32), (1, 4))
+    with warnings.catch_warnings():  # once per configuration, not per call
+        warnings.simplefilter("error")
+        dilax.dilated_attention(q, q, q, (16, 32), (1, 4))
+        # enough heads, or grouped mode (one offset per group by design): no warning
+        dilax.dilated_attention(q, q, q, (16, 32), (1, 2))
+        dilax.dilated_attention(q, q, q, (16, 32), (1, 4), mode="grouped")
+
+
+def test_model_warns_for_uncovered_offsets():
+    from flax import nnx
+
+    from dilax.models import LongNetLM
+
+    with pytest.warns(UserWarning, match=r"branch 2 .*dilation_rate=8.*offsets "
+                                         r"\{3, 4, 5, 6, 7\}"):
+        LongNetLM(16, 12, 3, 0, 1, 16, (8, 16, 64), (1, 2, 8), rngs=nnx.Rngs(0))
+    assert warn_uncovered_offsets(3, (8, 16, 64), (1, 2, 8), "mixture") == (2,)
+    assert warn_uncovered_offsets(8, (8, 16, 64), (1, 2, 8), "mixture") == ()
