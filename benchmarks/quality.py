@@ -58,18 +58,20 @@ import numpy as np
 # --quick: tiny models, a few minutes on 2 CPU cores
 QUICK = dict(d_model=64, num_heads=4, num_layers=2, dim_feedforward=128, short=64, factor=4,
              batch=4, steps=100, lr=3e-3, warmup=10, eval_windows=16, probe_steps=100,
-             probe_batch=8, probe_eval=128, probe_pairs=1, local_window=16, seeds=2)
+             probe_batch=8, probe_eval=128, probe_pairs=1, probe_queries=16, probe_lr=3e-3,
+             local_window=16, seeds=2)
 # the default: about two hours on this 2-core CPU for 2 seeds (docs/quality.md: estimated
 # with --estimate from timed steps)
-DEFAULT = dict(d_model=128, num_heads=4, num_layers=3, dim_feedforward=512, short=128,
-               factor=4, batch=8, steps=600, lr=2e-3, warmup=60, eval_windows=64,
-               probe_steps=500, probe_batch=16, probe_eval=512, probe_pairs=1,
-               local_window=32, seeds=2)
+DEFAULT = dict(d_model=128, num_heads=4, num_layers=2, dim_feedforward=512, short=128,
+               factor=4, batch=4, steps=1000, lr=2e-3, warmup=100, eval_windows=64,
+               probe_steps=1200, probe_batch=4, probe_eval=512, probe_pairs=1,
+               probe_queries=32, probe_lr=3e-3, local_window=32, seeds=2)
 SIZE_FLAGS = tuple(DEFAULT)
 
 HELD_OUT_BELOW = 26  # first SHA-1 byte of the relative path < 26: held out (26/256 ~ 10 %)
 POSITION_BUCKETS = 16
 PROBE_FILLER, PROBE_KEYS, PROBE_VALUES = 32, 16, 16  # probe vocabulary: 64 tokens
+FILLER_USED = 32
 # bytes as a ModelConfig vocabulary: only its length matters to the model
 BYTE_VOCAB = "".join(chr(i) for i in range(256))
 PROBE_VOCAB = "".join(chr(0x100 + i) for i in range(PROBE_FILLER + PROBE_KEYS + PROBE_VALUES))
@@ -144,39 +146,47 @@ def cut_rows(windows: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     return x.reshape(-1, n), y.reshape(-1, n)
 
 
-def probe_batch(seed: int, step: int, batch: int, n: int, pairs: int,
+def probe_batch(seed: int, step: int, batch: int, n: int, pairs: int, queries: int = 1,
                 distances: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray,
-                                                                np.ndarray, np.ndarray]:
-    """Key-value recall: ``(x (b, n), answer (b,), distance (b,), key position (b,))``.
+                                                                np.ndarray]:
+    """Key-value recall: ``(x (b, n), target (b, n), distance (b, n))``.
 
     Filler tokens (``0 .. 31``) with ``pairs`` key-value pairs ``(k, v)`` (keys ``32 .. 47``,
-    distinct within a row; values ``48 .. 63``) at random places; the last token is one of
-    the keys again and the answer (the target at the last position) is its value. The
-    distance is from the last position back to that value (``1 .. n - 2``); ``distances``
-    fixes it per row (the evaluation set spreads it evenly).
+    distinct within a row; values ``48 .. 63``): the key at ``p - 1``, its value at ``p``.
+    Later in the row the first pair's key appears again ``queries`` times, as a query: the
+    target at a query position is that pair's value (the value itself is never repeated, so
+    it must be read from position ``p``), and ``distance`` is the query position minus ``p``.
+    ``target`` and ``distance`` are -1 at the other positions. ``distances`` (one per row)
+    places one query per row at that distance (the evaluation set spreads them evenly);
+    otherwise ``p`` is uniform and the queries uniform after it.
     """
     rng = np.random.default_rng([seed, step, 41])
-    x = rng.integers(0, PROBE_FILLER, (batch, n))
-    ans = np.zeros(batch, np.int64)
-    dist = np.zeros(batch, np.int64)
-    last = n - 1
+    x = rng.integers(0, FILLER_USED, (batch, n))
+    target = np.full((batch, n), -1, np.int64)
+    dist = np.full((batch, n), -1, np.int64)
     for i in range(batch):
         keys = rng.choice(PROBE_KEYS, pairs, replace=False) + PROBE_FILLER
         vals = rng.integers(0, PROBE_VALUES, pairs) + PROBE_FILLER + PROBE_KEYS
-        d = int(distances[i]) if distances is not None else int(rng.integers(1, n - 1))
-        vpos = last - d  # the queried value; key just before it
-        taken = {vpos - 1, vpos}
+        if distances is not None:
+            d = int(distances[i])
+            vpos = int(rng.integers(1, n - d))
+            qpos = [vpos + d]
+        else:
+            vpos = int(rng.integers(1, n - 1))
+            after = np.arange(vpos + 1, n)
+            qpos = sorted(rng.choice(after, min(queries, len(after)), replace=False).tolist())
+        taken = {vpos - 1, vpos, *qpos}
         x[i, vpos - 1], x[i, vpos] = keys[0], vals[0]
         for k, v in zip(keys[1:], vals[1:]):  # distractor pairs elsewhere
             for _ in range(100):
-                p = int(rng.integers(1, last - 1))
+                p = int(rng.integers(1, n))
                 if not taken & {p - 1, p}:
                     taken |= {p - 1, p}
                     x[i, p - 1], x[i, p] = k, v
                     break
-        x[i, last] = keys[0]
-        ans[i], dist[i] = vals[0], d
-    return x.astype(np.int32), ans.astype(np.int32), dist, last - dist - 1
+        for q in qpos:
+            x[i, q], target[i, q], dist[i, q] = keys[0], vals[0], q - vpos
+    return x.astype(np.int32), target.astype(np.int32), dist
 
 
 # ----------------------------------------------------------------------------- arms
@@ -316,19 +326,21 @@ def _jitted():
         logits = model(x, deterministic=True).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y)
 
-    def probe_loss(model, x, a):
-        logits = model(x, deterministic=True)[:, -1].astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, a).mean()
+    def probe_loss(model, x, t):  # mean over the query positions (t >= 0)
+        logits = model(x, deterministic=True).astype(jnp.float32)
+        keep = t >= 0
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(t, 0))
+        return jnp.sum(jnp.where(keep, losses, 0.0)) / jnp.maximum(keep.sum(), 1)
 
     @nnx.jit(donate_argnums=(0, 1))
-    def probe_step(model, optimizer, x, a):
-        loss, grads = nnx.value_and_grad(probe_loss)(model, x, a)
+    def probe_step(model, optimizer, x, t):
+        loss, grads = nnx.value_and_grad(probe_loss)(model, x, t)
         optimizer.update(model, grads)
         return loss
 
     @nnx.jit
     def probe_predict(model, x):
-        return jnp.argmax(model(x, deterministic=True)[:, -1], axis=-1)
+        return jnp.argmax(model(x, deterministic=True), axis=-1)
 
     return dict(token_losses=token_losses, probe_step=probe_step, probe_predict=probe_predict,
                 jax=jax, jnp=jnp)
@@ -425,21 +437,24 @@ def run_probe(s: dict[str, Any], arm: Arm, seed: int, tick=lambda step: None
     jnp = f["jnp"]
     n = arm.train_len
     model = make_model(model_config(s, arm, PROBE_VOCAB), 1000 + seed)
-    opt = _optimizer(model, s, s["probe_steps"])
+    opt = _optimizer(model, dict(s, lr=s["probe_lr"]), s["probe_steps"])
     losses, step_times = [], []
     for step in range(s["probe_steps"]):
-        x, a, _, _ = probe_batch(seed, step, s["probe_batch"], n, s["probe_pairs"])
+        x, t, _ = probe_batch(seed, step, s["probe_batch"], n, s["probe_pairs"],
+                              s["probe_queries"])
         t0 = time.perf_counter()
-        losses.append(float(f["probe_step"](model, opt, jnp.asarray(x), jnp.asarray(a))))
+        losses.append(float(f["probe_step"](model, opt, jnp.asarray(x), jnp.asarray(t))))
         step_times.append(time.perf_counter() - t0)
         tick(step + 1)
     buckets = distance_buckets(s)
     per = max(1, s["probe_eval"] // len(buckets))
     dist = np.concatenate([np.linspace(lo, hi - 1, per).astype(np.int64) for lo, hi in buckets])
-    x, a, d, _ = probe_batch(10_000 + seed, 0, len(dist), n, s["probe_pairs"], dist)
+    x, t, d = probe_batch(10_000 + seed, 0, len(dist), n, s["probe_pairs"], 1, dist)
     pred = np.concatenate([np.asarray(f["probe_predict"](model, jnp.asarray(x[i:i + 32])))
                            for i in range(0, len(x), 32)])
-    acc = [float(np.mean(pred[(d >= lo) & (d < hi)] == a[(d >= lo) & (d < hi)]))
+    q = d >= 0  # one query per row
+    pred, t, d = pred[q], t[q], d[q]
+    acc = [float(np.mean(pred[(d >= lo) & (d < hi)] == t[(d >= lo) & (d < hi)]))
            for lo, hi in buckets]
     tail = max(1, len(losses) // 10)
     return dict(arm=arm.name, seed=seed, buckets=buckets, accuracy=acc,
@@ -535,7 +550,7 @@ def _sizes(args: argparse.Namespace) -> dict[str, Any]:
             base[k] = v
     checks = dict(d_model=1, num_heads=1, num_layers=1, dim_feedforward=1, short=8, factor=2,
                   batch=1, steps=2, eval_windows=1, probe_steps=2, probe_batch=1,
-                  probe_eval=1, probe_pairs=1, seeds=1)
+                  probe_eval=1, probe_pairs=1, probe_queries=1, seeds=1)
     for k, low in checks.items():
         if base[k] < low:
             raise SystemExit(f"--{k.replace('_', '-')} must be >= {low}, got {base[k]}")
@@ -555,7 +570,7 @@ def estimate(s: dict[str, Any], arms: list[Arm], probes: list[Arm],
              data: tuple[np.ndarray, np.ndarray], log) -> dict[str, Any]:
     """Times a few steps of every arm at these sizes (after its compile) and extrapolates
     the whole run: steps x seeds x step time, plus one compile and the evaluation per arm."""
-    t = dict(s, steps=4, probe_steps=4, eval_windows=max(1, s["eval_windows"] // 8),
+    t = dict(s, steps=8, probe_steps=8, eval_windows=max(1, s["eval_windows"] // 8),
              probe_eval=max(8, s["probe_eval"] // 8))
     total, parts = 0.0, {}
     for arm in arms:
@@ -823,7 +838,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("sizes (default: the two-hour CPU run, "
                              f"{json.dumps(DEFAULT)}; raise them on a GPU)")
     for k in SIZE_FLAGS:
-        kind = float if k == "lr" else int
+        kind = float if k in ("lr", "probe_lr") else int
         g.add_argument(f"--{k.replace('_', '-')}", type=kind, default=None,
                        help={"short": "short length L_s (the dense arm's training length)",
                              "factor": "long length L = factor x L_s (a power of two)",

@@ -115,10 +115,17 @@ def test_quality_data_split_is_stable():
     files = [rel for rel, _ in quality.stdlib_files()][:400]
     held = sum(map(quality.is_held_out, files))
     assert 0 < held < len(files) // 4
-    x, a, d, key_pos = quality.probe_batch(0, 0, 8, 64, 3, np.arange(1, 9) * 7)
-    rows = np.arange(8)
-    assert (x[rows, 63] == x[rows, key_pos]).all()  # the query is the key
-    assert (x[rows, key_pos + 1] == a).all() and (d == np.arange(1, 9) * 7).all()
+    dist = np.arange(1, 9) * 7
+    x, t, d = quality.probe_batch(0, 0, 8, 64, 3, 1, dist)
+    rows, q = np.nonzero(d >= 0)
+    assert (rows == np.arange(8)).all() and (d[rows, q] == dist).all()  # one query per row
+    vpos = q - dist
+    assert (x[rows, q] == x[rows, vpos - 1]).all()  # the query is the key before the value
+    assert (t[rows, q] == x[rows, vpos]).all()  # the target is that value
+    assert (np.sort(x, axis=1) >= 0).all() and (x < 64).all()
+    assert ((x >= 48).sum(axis=1) == 3).all()  # each value once: 1 queried + 2 distractors
+    x, t, d = quality.probe_batch(0, 1, 4, 64, 1, 5)
+    assert ((t >= 0).sum(axis=1) == 5).all() and (d[t >= 0] > 0).all()
 
 
 # ----------------------------------------------------------------------------- --attention
