@@ -31,7 +31,7 @@ and a synthetic key-value recall probe (:func:`probe_batch`) trained per arm of 
 (LongNet's branches together and each branch alone, same steps and sizes), whose accuracy is
 reported against the distance between the query and the value it must recall.
 
-Per-run results are cached in ``<out>/cache/`` as soon as a run finishes: Ctrl-C keeps them
+Per-run results are cached in ``<out>/<name>-cache/`` as soon as a run finishes: Ctrl-C keeps them
 and a rerun with the same flags skips them.
 """
 
@@ -57,7 +57,7 @@ import numpy as np
 
 # --quick: tiny models, a few minutes on 2 CPU cores
 QUICK = dict(d_model=64, num_heads=4, num_layers=2, dim_feedforward=128, short=64, factor=4,
-             batch=4, steps=100, lr=3e-3, warmup=10, eval_windows=16, probe_steps=100,
+             batch=4, steps=100, lr=1e-2, warmup=10, eval_windows=16, probe_steps=100,
              probe_batch=8, probe_eval=128, probe_pairs=1, probe_queries=16, probe_lr=3e-3,
              local_window=16, seeds=2)
 # the default: about two hours on this 2-core CPU for 2 seeds (docs/quality.md: estimated
@@ -473,9 +473,9 @@ def _fingerprint(s: dict[str, Any], kind: str, arm: Arm, seed: int) -> str:
     return hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
-def _cache_path(out: str, kind: str, arm: Arm, seed: int) -> Path:
+def _cache_path(cache: str, kind: str, arm: Arm, seed: int) -> Path:
     safe = arm.name.replace(" ", "_").replace("=", "").replace("+", "_")
-    return Path(out) / "cache" / f"{kind}-{safe}-seed{seed}.json"
+    return Path(cache) / f"{kind}-{safe}-seed{seed}.json"
 
 
 def _load_cached(path: Path, fp: str) -> dict[str, Any] | None:
@@ -523,6 +523,13 @@ def summarize(s: dict[str, Any], arms: list[Arm], lm: list[dict], probes: list[A
                    seeds=len(recs))
         if recs:
             row["bpb"] = {n: _spread([r["bpb"][n] for r in recs]) for n in recs[0]["bpb"]}
+            # paired by seed (same seed: the same training windows for every arm)
+            base = {r["seed"]: r for r in lm if r["arm"] == arms[0].name}
+            paired = [r for r in recs if r["seed"] in base]
+            if arm is not arms[0] and paired:
+                row["bpb_minus_first"] = {
+                    n: _spread([r["bpb"][n] - base[r["seed"]]["bpb"][n] for r in paired])
+                    for n in recs[0]["bpb"]}
             row["position_bpb"] = np.mean([r["position_bpb"] for r in recs], axis=0).tolist()
             row["curve"] = np.mean([r["curve"] for r in recs], axis=0).tolist()
             row["step_s"] = statistics.median(r["step_s"] for r in recs if r["step_s"])
@@ -611,12 +618,14 @@ def run(args: argparse.Namespace, log=None) -> dict[str, Any]:
         return dict(command="quality-estimate", sizes=s, estimate=est, data=data_desc)
     jobs = ([("lm", a, seed) for seed in range(s["seeds"]) for a in arms]
             + [("probe", a, seed) for seed in range(s["seeds"]) for a in probes])
+    if getattr(args, "cache", None) is None:
+        args.cache = os.path.join(args.out, "quality-cache")
     bar = common.progress(len(jobs), "quality", args.quiet)
     lm, pr, skipped = [], [], 0
     try:
         for kind, arm, seed in jobs:
             fp = _fingerprint(s, kind, arm, seed)
-            path = _cache_path(args.out, kind, arm, seed)
+            path = _cache_path(args.cache, kind, arm, seed)
             rec = _load_cached(path, fp)
             if rec is None:
                 steps = s["steps"] if kind == "lm" else s["probe_steps"]
@@ -637,7 +646,7 @@ def run(args: argparse.Namespace, log=None) -> dict[str, Any]:
     except KeyboardInterrupt:
         bar.close()
         done = len(lm) + len(pr)
-        log(f"\ninterrupted: {done} of {len(jobs)} runs are cached in {args.out}/cache; run "
+        log(f"\ninterrupted: {done} of {len(jobs)} runs are cached in {args.cache}; run "
             "the same command (same --out) to continue from there")
         raise
     bar.close()
@@ -694,6 +703,7 @@ def markdown(result: dict[str, Any]) -> str:
     s, m = result["sizes"], result.get("machine", {})
     short, long_ = result["eval_lengths"]
     seeds = s["seeds"]
+    first = result["rows"][0]["arm"] if result["rows"] else "—"
     lines = [
         f"### `quality{' --quick' if result.get('quick') else ''}` — {m.get('date', '')}, "
         f"{m.get('cpu', '')} ({m.get('cores', '?')} cores, {m.get('backend', '')}, jax "
@@ -710,21 +720,26 @@ def markdown(result: dict[str, Any]) -> str:
         "Bits per byte on held-out code (lower is better), laid out like the LongNet "
         "paper's Table 2:",
         "",
-        f"| model | train length | eval {short} | eval {long_} | attended pairs / token "
-        f"| attention train FLOPs | other train FLOPs |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        f"| model | train length | eval {short} | eval {long_} | eval {long_} − {first}, "
+        f"paired by seed | attended pairs / token | attention train FLOPs | other train "
+        f"FLOPs |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         b = r.get("bpb", {})
+        d = r.get("bpb_minus_first", {}).get(str(long_))
         lines.append(f"| {r['arm']} | {r['train_len']} | {_pm(b.get(str(short)))} | "
                      f"{_pm(b.get(str(long_)))}{' ¹' if r['arm'] == 'dense' else ''} | "
+                     f"{_pm(d, '+.3f') if d else '—'} | "
                      f"{r['attended_pairs_per_token']:.1f} | "
                      f"{_eng(r['attention_train_flops'])} | {_eng(r['other_train_flops'])} |")
     lines += ["", f"¹ beyond its training length: blockwise, blocks of {short} "
               "(every query attends the earlier tokens of its own block). Attended pairs: "
               "causal (head, query, key) entries per token and layer in the arm's training "
               "rows; attention FLOPs = 14 · head_dim per pair (forward + backward) · layers · "
-              "tokens. The sparse arm's window and stride are chosen to match LongNet's pairs.",
+              "tokens. The sparse arm's window and stride are chosen to match LongNet's pairs. "
+              f"Paired: the mean (min–max) over seeds of the arm's bits per byte minus "
+              f"{first}'s with the same seed (the same training windows), negative = better.",
               ""]
     lines += [f"Bits per byte by position in the {long_}-token window "
               f"({POSITION_BUCKETS} buckets of {long_ // POSITION_BUCKETS}):", "",
@@ -738,10 +753,11 @@ def markdown(result: dict[str, Any]) -> str:
     probe = [r for r in result["probe"] if "accuracy" in r]
     if probe:
         buckets = probe[0]["buckets"]
-        lines += ["", f"Key-value recall probe (length {long_}, {s['probe_steps']} steps of "
-                  f"{s['probe_batch']}, {s['probe_pairs']} pair(s) per row): accuracy by the "
-                  f"distance from the query back to the value (chance "
-                  f"{1 / PROBE_VALUES:.3f}):", "",
+        lines += ["", f"Key-value recall probe (length {long_}; {s['probe_steps']} steps of "
+                  f"{s['probe_batch']} rows with {s['probe_queries']} queries each, lr "
+                  f"{s['probe_lr']}; {s['probe_pairs']} pair(s) per row): accuracy by the "
+                  f"distance from the query back to the value, {s['probe_eval']} held-out "
+                  f"queries (chance {1 / PROBE_VALUES:.3f}):", "",
                   "| probe arm | " + " | ".join(f"d {lo}–{hi - 1}" for lo, hi in buckets)
                   + " | final train loss |",
                   "|---|" + "---:|" * (len(buckets) + 1)]
@@ -879,6 +895,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         name = args.name or "quality-estimate"
     if args.out is None:
         args.out = common.default_out(name)
+    args.cache = os.path.join(args.out, f"{name}-cache")  # one JSON per finished run
     t0 = time.time()
     try:
         result = run(args)

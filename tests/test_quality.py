@@ -201,3 +201,40 @@ def test_model_warns_for_uncovered_offsets():
         LongNetLM(16, 12, 3, 0, 1, 16, (8, 16, 64), (1, 2, 8), rngs=nnx.Rngs(0))
     assert warn_uncovered_offsets(3, (8, 16, 64), (1, 2, 8), "mixture") == (2,)
     assert warn_uncovered_offsets(8, (8, 16, 64), (1, 2, 8), "mixture") == ()
+
+
+def test_quality_ctrl_c_keeps_finished_runs(tmp_path, monkeypatch):
+    """Ctrl-C during a run: the finished runs stay cached, main returns 130, and the rerun
+    trains only the rest (the training itself faked: this tests the bookkeeping)."""
+    from benchmarks import quality
+
+    calls = []
+
+    def fake_lm(s, arm, seed, data, tick=None):
+        calls.append(("lm", arm.name, seed))
+        if len(calls) == 2 and interrupt:
+            raise KeyboardInterrupt
+        short, long_ = s["short"], s["short"] * s["factor"]
+        return dict(arm=arm.name, seed=seed, train_len=arm.train_len,
+                    bpb={str(short): 5.0, str(long_): 4.0}, curve=[[1, 6.0], [2, 5.0]],
+                    position_bpb=[4.0] * 16, first_step_s=1.0, step_s=0.1, eval_s=0.1)
+
+    def fake_probe(s, arm, seed, tick=None):
+        calls.append(("probe", arm.name, seed))
+        b = quality.distance_buckets(s)
+        return dict(arm=arm.name, seed=seed, buckets=b, accuracy=[0.5] * len(b),
+                    final_loss=1.0, first_step_s=1.0, step_s=0.1)
+
+    monkeypatch.setattr(quality, "run_lm", fake_lm)
+    monkeypatch.setattr(quality, "run_probe", fake_probe)
+    argv = [*TINY, "--arms", "dense,sparse,longnet", "--out", str(tmp_path), "--name", "c"]
+    interrupt = True
+    assert quality.main(argv) == 130
+    assert [p.name for p in (tmp_path / "c-cache").iterdir()] == ["lm-dense-seed0.json"]
+    assert not (tmp_path / "c.json").exists()
+    calls.clear()
+    interrupt = False
+    assert quality.main(argv) == 0
+    assert calls == [("lm", "sparse", 0), ("lm", "longnet", 0), ("probe", "longnet", 0)]
+    res = json.loads((tmp_path / "c.json").read_text())
+    assert res["runs_cached_before"] == 1 and len(res["rows"]) == 3
