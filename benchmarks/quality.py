@@ -533,6 +533,8 @@ def summarize(s: dict[str, Any], arms: list[Arm], lm: list[dict], probes: list[A
             row["position_bpb"] = np.mean([r["position_bpb"] for r in recs], axis=0).tolist()
             row["curve"] = np.mean([r["curve"] for r in recs], axis=0).tolist()
             row["step_s"] = statistics.median(r["step_s"] for r in recs if r["step_s"])
+            row["per_seed"] = [dict(seed=r["seed"], bpb=r["bpb"], step_s=r["step_s"])
+                               for r in recs]
         rows.append(row)
     prows = []
     for arm in probes:
@@ -543,6 +545,8 @@ def summarize(s: dict[str, Any], arms: list[Arm], lm: list[dict], probes: list[A
             row["accuracy"] = [_spread(list(v)) for v in zip(*[r["accuracy"] for r in recs])]
             row["final_loss"] = _spread([r["final_loss"] for r in recs])
             row["step_s"] = statistics.median(r["step_s"] for r in recs if r["step_s"])
+            row["per_seed"] = [dict(seed=r["seed"], accuracy=r["accuracy"],
+                                    final_loss=r["final_loss"]) for r in recs]
         prows.append(row)
     del mcfg
     return dict(rows=rows, probe=prows, training_tokens_per_arm=tokens,

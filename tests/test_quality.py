@@ -154,6 +154,19 @@ def test_train_attention_flag():
             configs_from_argv(list(argv))
 
 
+def test_checkpoints_without_the_attention_fields_still_load():
+    """A model config saved before --attention (no attention/block_sparse) is a dilated one."""
+    from dilax.train.checkpoints import _check_model_config
+    from dilax.train.config import ModelConfig
+
+    m = ModelConfig(vocab="ab")
+    old = {k: v for k, v in m.to_json().items() if k not in ("attention", "block_sparse")}
+    assert ModelConfig.from_json(old) == m
+    _check_model_config({"model_config": old}, m, "old")  # no difference reported
+    bs = ModelConfig(vocab="ab", attention="block-sparse", block_sparse=(8, 8, 2))
+    assert ModelConfig.from_json(json.loads(json.dumps(bs.to_json()))) == bs
+
+
 def test_train_block_sparse_model_is_causal():
     """make_model of --attention block-sparse: a causal LM over local + strided blocks."""
     from dilax.train.cli import configs_from_argv
