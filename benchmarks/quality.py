@@ -708,8 +708,10 @@ def markdown(result: dict[str, Any]) -> str:
     short, long_ = result["eval_lengths"]
     seeds = s["seeds"]
     first = result["rows"][0]["arm"] if result["rows"] else "—"
+    command = ("quality " + " ".join(result["argv"]) if "argv" in result
+               else f"quality{' --quick' if result.get('quick') else ''}")
     lines = [
-        f"### `quality{' --quick' if result.get('quick') else ''}` — {m.get('date', '')}, "
+        f"### `{command.strip()}` — {m.get('date', '')}, "
         f"{m.get('cpu', '')} ({m.get('cores', '?')} cores, {m.get('backend', '')}, jax "
         f"{m.get('jax', '')}); {result.get('wall_seconds', 0) / 60:.1f} min",
         "",
@@ -893,6 +895,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from benchmarks import common
     from benchmarks.report import write_outputs
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     name = args.name or ("quality-quick" if args.quick else "quality")
     if args.estimate:
@@ -907,6 +910,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     result["machine"] = common.machine_description()
     result["wall_seconds"] = time.time() - t0
+    result["argv"] = [a for a in argv if a not in ("--quiet",)]
     paths = write_outputs(result, args.out, name)
     print(paths["markdown_text"])
     print(f"results in {args.out}/:")

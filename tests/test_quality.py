@@ -184,6 +184,19 @@ def test_train_block_sparse_model_is_causal():
     assert not np.allclose(np.asarray(a[0, 20:]), np.asarray(b[0, 20:]))
     with pytest.raises(NotImplementedError, match="block_sparse"):
         model.long_net.decoder[0].self_attn.decode(jnp.zeros((1, 1, 16)), None)
+    # no KV-cache decoding: dilax.train's sampler recomputes the window for every token
+    from dilax.train.config import CharTokenizer
+    from dilax.train.sampling import sample
+
+    tok = CharTokenizer(m.vocab)
+    prompt = m.vocab[10:14]
+    text = sample(model, tok, prompt, 5, 32, 0.0, jax.random.key(0))
+    assert text.startswith(prompt) and len(text) == 9
+    greedy = tok.encode(prompt).tolist()
+    for _ in range(5):  # greedy = the argmax of the full forward pass, token by token
+        logits = model(jnp.asarray([greedy]), deterministic=True)[0, -1]
+        greedy.append(int(jnp.argmax(logits)))
+    assert text == tok.decode(greedy)
 
 
 # ----------------------------------------------------------------------------- the warning
