@@ -221,8 +221,16 @@ def pairs_of(n: int, heads: int, fields: dict[str, Any]) -> int:
     if fields.get("block_sparse") is not None:
         from dilax.patterns import local_strided
 
-        pat = local_strided(n, *fields["block_sparse"])
-        return heads * int(pat.expanded_mask(n, is_causal=True).sum())
+        block = fields["block_sparse"][0]
+        mask = local_strided(n, *fields["block_sparse"]).block_mask[0]
+        if n % block:  # a partial last block: count the token mask
+            pat = local_strided(n, *fields["block_sparse"])
+            return heads * int(pat.expanded_mask(n, is_causal=True).sum())
+        # whole blocks: an active block below the diagonal counts B^2 pairs, a diagonal one
+        # its causal half B (B + 1) / 2 (no n x n mask: this runs at GPU lengths too)
+        below = int(np.tril(mask, -1).sum())
+        diagonal = int(np.diag(mask).sum())
+        return heads * (below * block * block + diagonal * block * (block + 1) // 2)
     total = attended_pairs(n, heads, fields["segment_lengths"], fields["dilation_rates"],
                            fields.get("mode", "mixture"), is_causal=True)
     w = fields.get("local_window")
@@ -573,7 +581,10 @@ def _sizes(args: argparse.Namespace) -> dict[str, Any]:
     if long_ % POSITION_BUCKETS or base["short"] % 8:
         raise SystemExit(f"--short must be a multiple of 8 and --short * --factor of "
                          f"{POSITION_BUCKETS}")
-    longnet_branches(base["short"], base["factor"])
+    try:
+        longnet_branches(base["short"], base["factor"])
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     return base
 
 
