@@ -273,7 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="`python -m benchmarks <command> --help` lists a command's flags and defaults. "
                "`python -m benchmarks gpu-compile --help`: deviceless H100/A100 compiles "
                "(needs jax[cuda12], see `make gpu-check`). `python -m benchmarks gpu --help`: "
-               "checks and timings on the GPU at hand (benchmarks/gpu.py).")
+               "checks and timings on the GPU at hand (benchmarks/gpu.py). "
+               "`python -m benchmarks quality --help`: does dilated attention learn long "
+               "context? Small LMs that differ only in attention (docs/quality.md).")
     sub = p.add_subparsers(dest="command", required=True, metavar="command",
                            title="commands")
     for name in COMMANDS:
@@ -291,6 +293,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from benchmarks import gpu
 
         return gpu.main(argv[1:])
+    if argv[:1] == ["quality"]:  # its own flags (benchmarks/quality.py)
+        from benchmarks import quality
+
+        return quality.main(argv[1:])
     args = build_parser().parse_args(argv)
     if len(args.segment_lengths or ()) != len(args.dilation_rates or ()):
         raise SystemExit("--segment-lengths and --dilation-rates need the same number of values")

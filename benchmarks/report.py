@@ -18,6 +18,10 @@ def markdown(result: dict[str, Any]) -> str:
         from benchmarks.ring_plan_cli import markdown as plan_markdown
 
         return plan_markdown(result)
+    if result["command"] in ("quality", "quality-estimate"):
+        from benchmarks.quality import markdown as quality_markdown
+
+        return quality_markdown(result)
     cfg = result.get("config", {})
     m = result.get("machine", {})
     lines = [
@@ -133,6 +137,10 @@ def config_title(result: dict[str, Any]) -> str:
 
 
 def plots(result: dict[str, Any], out_dir: str, name: str) -> list[str]:
+    if result.get("command") in ("quality", "quality-estimate"):
+        from benchmarks.quality import plots as quality_plots
+
+        return quality_plots(result, out_dir, name)
     try:
         import matplotlib
 

@@ -9,6 +9,8 @@ against it and the :class:`dilax.AttentionMask` is built or checked.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 from typing import Any
 
 import jax
@@ -19,7 +21,7 @@ from dilax import registry
 from dilax.attention_mask import AttentionMask, check_attention_mask
 from dilax.core import BlockSizes
 
-__all__ = ["DilatedSettings", "check_dilated_request"]
+__all__ = ["DilatedSettings", "check_dilated_request", "warn_uncovered_offsets"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +95,38 @@ class DilatedSettings:
         return out
 
 
+@functools.lru_cache(maxsize=256)
+def warn_uncovered_offsets(num_heads: int, segment_lengths: tuple[int, ...],
+                           dilation_rates: tuple[int, ...], mode: str) -> tuple[int, ...]:
+    """Warns (``UserWarning``, once per configuration: the result is cached) when a mixture
+    branch has fewer heads than its dilation rate.
+
+    In ``mode="mixture"`` head ``j`` of branch ``(w, r)`` takes the positions ``p`` with
+    ``p % r == j % r``; with ``num_heads < r`` the offsets ``num_heads .. r - 1`` get no head,
+    so that branch neither reads those positions as keys nor writes them as queries (they are
+    left to the other branches). Returns the indices of the branches that leave offsets out.
+    Called where a configuration meets its head count: :func:`check_dilated_request` (at trace
+    time under ``jax.jit``) and when a :mod:`dilax.models` layer builds its attention.
+    """
+    if mode != "mixture":
+        return ()
+    short = []
+    for i, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
+        if num_heads < r:
+            short.append(i)
+            missing = list(range(num_heads, r))
+            shown = (", ".join(map(str, missing)) if len(missing) <= 8 else
+                     f"{missing[0]}, {missing[1]}, ..., {missing[-1]}")
+            warnings.warn(
+                f"dilated attention, mode='mixture': branch {i} (segment_length={w}, "
+                f"dilation_rate={r}) has only num_heads={num_heads} < {r} heads, so the "
+                f"offsets {{{shown}}} get no head: the positions p with p % {r} in "
+                f"{{{shown}}} are left out of this branch (neither attended as keys nor "
+                f"attending as queries). Use at least {r} heads (or a rate <= num_heads).",
+                UserWarning, stacklevel=3)
+    return tuple(short)
+
+
 _MASK_KEYWORDS = ("query_seq_lengths", "key_value_seq_lengths", "key_padding_mask",
                   "segment_ids")
 
@@ -116,6 +150,8 @@ def check_dilated_request(q: Any, k: Any, v: Any, settings: DilatedSettings,
                         f"{type(settings).__name__}")
     q, k, v = V.check_qkv(q, k, v, empty_batch=empty_batch)
     V.check_mode(settings.mode, q.shape[2], len(settings.segment_lengths))
+    warn_uncovered_offsets(q.shape[2], settings.segment_lengths, settings.dilation_rates,
+                           settings.mode)
     seq_len = num_shards * q.shape[1]
     if mask is None:
         mask = AttentionMask.build(q, is_causal=settings.is_causal, seq_len=seq_len,

@@ -77,6 +77,12 @@ class LongNetConfig:
         float32 range for windows up to ``127.7 * xpos_scale_base`` positions (65,391 at 512);
         longer ones are refused at trace time (raise it, or use ``"rope"``).
       rope_theta: the rotary base of both schemes (> 1; 10000).
+      block_sparse: optional ``(block_size, window, stride)``: every self-attention is
+        :func:`dilax.block_sparse_attention` over :func:`dilax.patterns.local_strided`
+        ``(n, block_size, window, stride)`` (built for the length ``n`` of each call) instead
+        of dilated attention; ``segment_lengths``/``dilation_rates``/``local_window`` are then
+        unused (keep them valid). Same parameters as the dilated model; no KV-cache decoding.
+        The Sparse-Transformer-style arm of ``python -m benchmarks quality``.
 
     Raises:
       ValueError / TypeError: naming the first invalid field.
@@ -104,6 +110,7 @@ class LongNetConfig:
     position_scheme: str = "xpos"
     xpos_scale_base: float = 512.0
     rope_theta: float = 10000.0
+    block_sparse: tuple[int, int, int] | None = None
 
     def __post_init__(self):
         d_model, num_heads, num_kv_heads = check_heads(self.d_model, self.num_heads,
@@ -142,6 +149,7 @@ class LongNetConfig:
             keep_rngs=V.check_bool(self.keep_rngs, "keep_rngs"),
             local_window=V.check_local_window(self.local_window, self.mode),
             position_scheme=scheme, xpos_scale_base=scale_base, rope_theta=theta,
+            block_sparse=check_block_sparse(self.block_sparse, self.sequence_parallel),
         )
         for name, value in normalized.items():
             object.__setattr__(self, name, value)
@@ -171,6 +179,29 @@ class LongNetOptions(TypedDict, total=False):
     position_scheme: str
     xpos_scale_base: float
     rope_theta: float
+    block_sparse: tuple[int, int, int] | None
+
+
+def check_block_sparse(spec: Any, sequence_parallel: Any = None) -> tuple[int, int, int] | None:
+    """``LongNetConfig.block_sparse``: ``None`` or ``(block_size > 0, window >= 0,
+    stride > 0)`` ints."""
+    if spec is None:
+        return None
+    try:
+        values = tuple(spec)
+    except TypeError:
+        values = ()
+    if len(values) != 3:
+        raise ValueError(f"block_sparse must be None or (block_size, window, stride), got "
+                         f"{spec!r}")
+    block_size, window, stride = (V.static_int(x, name) for x, name in
+                                  zip(values, ("block_size", "window", "stride")))
+    if block_size <= 0 or window < 0 or stride <= 0:
+        raise ValueError(f"block_sparse (block_size, window, stride) needs block_size > 0, "
+                         f"window >= 0, stride > 0, got {values}")
+    if sequence_parallel is not None:
+        raise ValueError("block_sparse with sequence_parallel is not supported by the models")
+    return block_size, window, stride
 
 
 _SIZES = ("d_model", "num_heads", "dim_feedforward", "segment_lengths", "dilation_rates")

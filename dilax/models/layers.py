@@ -25,6 +25,7 @@ from flax import nnx
 from dilax import _validation as V
 from dilax.attention_mask import document_positions
 from dilax.dilated.decode import KVCache
+from dilax.dilated.settings import warn_uncovered_offsets
 from dilax.models.config import Branches, LongNetConfig, LongNetOptions, resolve_config
 from dilax.models.positions import check_positions, check_xpos_length, rotary_qk
 from dilax.nn._heads import layer_norm, linear_factory, output_projection, project_qkv
@@ -88,15 +89,30 @@ class _SelfAttention(MultiheadDilatedAttention):
             positions = document_positions(segment_ids)
         q, k, v = project_qkv(self, query, None, None)
         q, k = self._rotary(q, k, positions, query.shape[1], "sequence length")
-        x = self.attention(q, k, v, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
-                           key_value_seq_lengths=key_value_seq_lengths,
-                           segment_ids=segment_ids).reshape(query.shape)
+        if self.block_sparse is not None:  # LongNetConfig.block_sparse
+            from dilax.block_sparse.api import block_sparse_attention
+            from dilax.patterns import local_strided
+
+            pattern = local_strided(query.shape[1], *self.block_sparse)
+            x = block_sparse_attention(q, k, v, pattern, is_causal=is_causal,
+                                       query_seq_lengths=query_seq_lengths,
+                                       key_value_seq_lengths=key_value_seq_lengths,
+                                       segment_ids=segment_ids)
+        else:
+            x = self.attention(q, k, v, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+                               key_value_seq_lengths=key_value_seq_lengths,
+                               segment_ids=segment_ids)
+        x = x.reshape(query.shape)
         return output_projection(self, self.dropout(x, deterministic=deterministic, rngs=rngs))
 
     def decode(self, query: jax.Array, cache: KVCache,
                positions: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """The next ``t`` positions ``query (b, t, E)``: ``positions`` default to
         ``cache.lengths[:, None] + arange(t)``; the cache holds the rotated keys."""
+        if self.block_sparse is not None:
+            raise NotImplementedError("KV-cache decoding of a block_sparse model (LongNetConfig."
+                                      "block_sparse) is not implemented; run it on the whole "
+                                      "window instead")
         b, t = query.shape[:2]
         if positions is None:
             positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
@@ -111,6 +127,8 @@ def _attention(cfg: LongNetConfig, gamma_init: float, *, layer_norm: bool,
                rngs: nnx.Rngs, self_attention: bool = False) -> MultiheadDilatedAttention:
     """The multi-head dilated attention of a layer of ``cfg`` (a self-attention: with the
     config's positions)."""
+    if cfg.block_sparse is None or not self_attention:  # once per configuration (cached)
+        warn_uncovered_offsets(cfg.num_heads, cfg.segment_lengths, cfg.dilation_rates, cfg.mode)
     attn = (_SelfAttention if self_attention else MultiheadDilatedAttention)(
         cfg.d_model, cfg.num_heads, cfg.segment_lengths, cfg.dilation_rates,
         num_kv_heads=cfg.num_kv_heads, dropout=cfg.dropout, use_bias=cfg.use_bias,
@@ -123,6 +141,7 @@ def _attention(cfg: LongNetConfig, gamma_init: float, *, layer_norm: bool,
         attn.position_scheme = cfg.position_scheme
         attn.xpos_scale_base = cfg.xpos_scale_base
         attn.rope_theta = cfg.rope_theta
+        attn.block_sparse = cfg.block_sparse
     return attn
 
 

@@ -24,6 +24,8 @@ With ``n % block_size != 0`` the last block is partial (``ceil(n / block_size)``
   everything (Longformer/BigBird style), plus :func:`local_window`.
 - :func:`hierarchical`: multi-resolution: dense near, one representative block per coarse
   block far away (see its docstring for ``levels``).
+- :func:`local_strided`: :func:`local_window` ``|`` :func:`dilated` with one stride (a
+  Sparse-Transformer-style fixed pattern).
 - :func:`random`: exactly ``round(density * nq * nk)`` active blocks per head, uniform.
 - :func:`from_mask`: any boolean ``(nq, nk)`` or ``(H, nq, nk)`` block mask.
 - :func:`dilated_segments`: the block cover of a dilated (LongNet) configuration.
@@ -44,6 +46,7 @@ from dilax.patterns.constructors import (
     from_mask,
     global_local,
     hierarchical,
+    local_strided,
     local_window,
     random,
 )
@@ -56,6 +59,7 @@ __all__ = [
     "from_mask",
     "global_local",
     "hierarchical",
+    "local_strided",
     "local_window",
     "mask_tables",
     "random",

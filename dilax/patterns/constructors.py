@@ -92,6 +92,19 @@ def dilated(n: int, block_size: int, dilation_rates: Sequence[int] | int) -> Blo
     return from_mask(mask, block_size)
 
 
+def local_strided(n: int, block_size: int, window: int, stride: int) -> BlockSparsePattern:
+    """Sparse-Transformer-style fixed pattern: :func:`local_window` ``|p - t| <= window``
+    (tokens) OR :func:`dilated` with the one rate ``stride`` (key block ``j`` for query block
+    ``i`` iff ``(i - j) % stride == 0``, counted in blocks).
+
+    Both parts depend on ``i - j`` only, so the pattern for a shorter ``n`` is the top-left
+    corner of the pattern for a longer one (a model built on it runs at any length).
+    """
+    n, block_size, _ = _num_blocks(n, block_size)
+    stride = positive_int(stride, "stride")
+    return local_window(n, block_size, window) | dilated(n, block_size, (stride,))
+
+
 def global_local(n: int, block_size: int, global_tokens: int, window: int) -> BlockSparsePattern:
     """Global tokens plus a sliding window (Longformer / BigBird without random blocks).
 

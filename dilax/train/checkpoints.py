@@ -27,6 +27,7 @@ from flax import nnx
 from dilax.models import LongNetLM
 from dilax.train.config import (
     LEGACY_CHECKPOINT,
+    MODEL_FIELDS_ADDED,
     MODEL_FREE_FIELDS,
     MODEL_TRAINING_FIELDS,
     CharTokenizer,
@@ -160,6 +161,7 @@ def _check_model_config(meta: dict, model_cfg: ModelConfig, where: str | Path,
     saved, now = meta.get("model_config") or {}, model_cfg.to_json()
     if "position_scheme" not in saved:
         raise CheckpointError(f"checkpoint {where}: {LEGACY_CHECKPOINT}")
+    saved = {**MODEL_FIELDS_ADDED, **saved}
     ignore = set(MODEL_FREE_FIELDS) | (set(MODEL_TRAINING_FIELDS) if allow_change else set())
     diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k)
                   and k not in ignore)

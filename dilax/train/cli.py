@@ -21,6 +21,8 @@ import numpy as np
 from dilax.data import load_corpus
 from dilax.train.checkpoints import CheckpointError, read_checkpoint_meta
 from dilax.train.config import (
+    ATTENTION_CHOICES,
+    DEFAULT_SPARSE_PATTERN,
     LEGACY_CHECKPOINT,
     MODEL_FREE_FIELDS,
     MODEL_TRAINING_FIELDS,
@@ -169,6 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--position-scheme", choices=("xpos", "rope"), default=m.position_scheme,
                    help="rotary positions on the queries and keys of every attention: XPOS "
                         "(as in torchscale's LongNet) or plain RoPE")
+    g.add_argument("--attention", choices=ATTENTION_CHOICES, default=m.attention,
+                   help="dilated: the --segment-lengths/--dilation-rates branches; dense: dense "
+                        "causal attention over the --seq-len window (one branch (seq_len, 1)); "
+                        "block-sparse: local + strided blocks (--sparse-pattern). The arms of "
+                        "python -m benchmarks quality")
+    g.add_argument("--sparse-pattern", type=_ints, default=None, metavar="B,W,S",
+                   help="with --attention block-sparse: block size B, local window W (tokens) "
+                        "and stride S (blocks) of dilax.patterns.local_strided (default: "
+                        f"{','.join(map(str, DEFAULT_SPARSE_PATTERN))})")
     return p
 
 
@@ -191,9 +202,38 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _attention_args(args: argparse.Namespace, given: set[str]) -> None:
+    """``--attention`` fills in the fields it fixes (in place): ``dense`` and ``block-sparse``
+    run one branch ``(seq_len, 1)`` (block-sparse does not use it), ``block-sparse`` its
+    ``--sparse-pattern`` (default :data:`DEFAULT_SPARSE_PATTERN`).
+
+    Raises:
+      ValueError: a flag that ``--attention`` fixes or excludes was given with it.
+    """
+    attention = args.attention
+    if attention not in ("dense", "block-sparse"):
+        if "sparse_pattern" in given:
+            raise ValueError(f"--sparse-pattern needs --attention block-sparse, got --attention "
+                             f"{attention}")
+        return
+    clash = sorted(_flag(k) for k in ("segment_lengths", "dilation_rates", "local_window",
+                                      "mode") if k in given)
+    if clash:
+        raise ValueError(f"--attention {attention} does not take {', '.join(clash)}: "
+                         + ("it attends every earlier position of the --seq-len window"
+                            if attention == "dense" else "its pattern is --sparse-pattern"))
+    args.segment_lengths, args.dilation_rates = (args.seq_len,), (1,)
+    if attention == "block-sparse":
+        spec = args.sparse_pattern if "sparse_pattern" in given else DEFAULT_SPARSE_PATTERN
+        args.sparse_pattern = tuple(spec)
+    elif "sparse_pattern" in given:
+        raise ValueError("--sparse-pattern needs --attention block-sparse, got --attention dense")
+
+
 def configs_from_args(args: argparse.Namespace, vocab: str) -> tuple[TrainConfig, ModelConfig]:
     """Parsed CLI arguments -> ``(TrainConfig, ModelConfig)`` (a fresh run)."""
-    values = dict(vars(args), prompt=TrainConfig.prompt if args.prompt is None else args.prompt)
+    values = dict(vars(args), block_sparse=getattr(args, "sparse_pattern", None),
+                  prompt=TrainConfig.prompt if args.prompt is None else args.prompt)
     tcfg = TrainConfig(**{f.name: values[f.name] for f in dataclasses.fields(TrainConfig)})
     mcfg = ModelConfig(vocab=vocab, **{f.name: values[f.name]
                                        for f in dataclasses.fields(ModelConfig)
@@ -255,6 +295,7 @@ def _prepare(argv: Sequence[str] | None, text: str | None
             raise ValueError("--resume needs --checkpoint-dir")
         tcfg, mcfg = _resumed_configs(args, given)
     else:
+        _attention_args(args, given)
         tcfg, mcfg = configs_from_args(args, vocab="")
     docs = None
     if tcfg.pack:  # a directory of documents, or a file split on separator lines

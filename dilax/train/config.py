@@ -33,6 +33,11 @@ class ModelConfig:
     local_window: int | None = None  # a local-window branch |p - t| <= W (mixture mode)
     # rotary positions inside attention (dilax.models.LongNetConfig.position_scheme)
     position_scheme: str = "xpos"
+    # "dilated" (the branches above), "dense" (one branch (seq_len, 1): dense causal
+    # attention over the training window) or "block-sparse" (block_sparse below)
+    attention: str = "dilated"
+    # (block_size, window, stride) of dilax.patterns.local_strided (LongNetConfig.block_sparse)
+    block_sparse: tuple[int, int, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v
@@ -50,9 +55,21 @@ class ModelConfig:
         d = dict(d)
         if "position_scheme" not in d:
             raise ValueError(LEGACY_CHECKPOINT)
+        d = {**MODEL_FIELDS_ADDED, **d}
         for k in ("segment_lengths", "dilation_rates"):
             d[k] = tuple(d[k])
+        if d["block_sparse"] is not None:
+            d["block_sparse"] = tuple(d["block_sparse"])
         return cls(**d)
+
+
+# Model fields added after checkpoints were first written, with the value an older
+# checkpoint (which lacks them) stands for.
+MODEL_FIELDS_ADDED: dict[str, Any] = {"attention": "dilated", "block_sparse": None}
+ATTENTION_CHOICES = ("dilated", "dense", "block-sparse")
+# --attention block-sparse without --sparse-pattern: 16-token blocks, a 64-token local window,
+# every 4th block
+DEFAULT_SPARSE_PATTERN = (16, 64, 4)
 
 
 # --pack: a line that is exactly this separates two documents of a --data file
@@ -176,6 +193,7 @@ def check_model_config(model_cfg: ModelConfig) -> None:
         _check_number(m, "local_window", low=0, strict=False, integer=True)
         if m.mode != "mixture":
             raise ValueError(f"{_flag('local_window')} needs --mode mixture, got {m.mode!r}")
+    _check_attention(m)
     if m.dtype not in ("float32", "bfloat16"):
         raise ValueError(f"{_flag('dtype')} must be float32 or bfloat16, got {m.dtype!r}")
     try:
@@ -184,6 +202,34 @@ def check_model_config(model_cfg: ModelConfig) -> None:
     except (ValueError, TypeError) as e:
         raise type(e)(f"invalid model flags (--segment-lengths, --dilation-rates, --mode, "
                       f"--num-heads): {e}") from None
+
+
+def _check_attention(m: ModelConfig) -> None:
+    """``attention`` and the fields it fixes (``--attention``, ``--sparse-pattern``)."""
+    from dilax.models.config import check_block_sparse
+
+    if m.attention not in ATTENTION_CHOICES:
+        raise ValueError(f"{_flag('attention')} must be one of {', '.join(ATTENTION_CHOICES)}, "
+                         f"got {m.attention!r}")
+    if m.attention == "block-sparse":
+        if m.block_sparse is None:
+            raise ValueError(f"--attention block-sparse needs {_flag('block_sparse')} "
+                             "(--sparse-pattern BLOCK,WINDOW,STRIDE)")
+        try:
+            check_block_sparse(m.block_sparse)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"--sparse-pattern: {e}") from None
+        if m.local_window is not None:
+            raise ValueError("--local-window is a branch of dilated attention; it does not "
+                             "apply to --attention block-sparse")
+    elif m.block_sparse is not None:
+        raise ValueError(f"--sparse-pattern needs --attention block-sparse, got --attention "
+                         f"{m.attention}")
+    if m.attention == "dense" and (len(m.segment_lengths) != 1 or m.dilation_rates != (1,)
+                                   or m.local_window is not None):
+        raise ValueError(f"--attention dense is one branch (seq_len, rate 1) without a local "
+                         f"window, got --segment-lengths {m.segment_lengths}, --dilation-rates "
+                         f"{m.dilation_rates}, --local-window {m.local_window}")
 
 
 def _activation_bytes(cfg: TrainConfig, m: ModelConfig) -> int:

@@ -292,11 +292,13 @@ def _report_positions(run: _Run, log: Callable[[str], None]) -> np.ndarray:
     import os
 
     losses = position_losses(run.model, run.evals)
-    rep = boundary_report(losses, run.model_cfg.segment_lengths)
-    log(f"eval loss at segment starts {rep['segment_starts']:.4f}, elsewhere "
-        f"{rep['elsewhere']:.4f} nats/char (ratio {rep['ratio']:.2f}; "
-        + ("local window " + str(run.model_cfg.local_window) if run.model_cfg.local_window
-           is not None else "no local window, see --local-window") + ")")
+    rep = None
+    if run.model_cfg.attention == "dilated":  # dense/block-sparse have no segment starts
+        rep = boundary_report(losses, run.model_cfg.segment_lengths)
+        log(f"eval loss at segment starts {rep['segment_starts']:.4f}, elsewhere "
+            f"{rep['elsewhere']:.4f} nats/char (ratio {rep['ratio']:.2f}; "
+            + ("local window " + str(run.model_cfg.local_window) if run.model_cfg.local_window
+               is not None else "no local window, see --local-window") + ")")
     if run.cfg.checkpoint_dir:
         base = os.path.join(run.cfg.checkpoint_dir, "eval_positions")
         with open(base + ".json", "w") as f:

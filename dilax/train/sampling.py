@@ -3,16 +3,47 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from dilax.models import LongNetLM, generate
 from dilax.train.config import CharTokenizer
 
 
+@nnx.jit
+def _next_logits(model: LongNetLM, x: jax.Array, pos: jax.Array) -> jax.Array:
+    return model(x, deterministic=True)[0, pos].astype(jnp.float32)
+
+
+def _generate_recompute(model: LongNetLM, padded: np.ndarray, length: int, new: int,
+                        temperature: float, key: jax.Array, top_k: int | None) -> list[int]:
+    """``new`` tokens after ``padded[0, :length]``, each from a forward pass over the whole
+    right-padded window (for models without KV-cache decoding: ``--attention
+    block-sparse``); the same sampling rule as :func:`dilax.models.generate`."""
+    x = np.zeros((1, padded.shape[1] + new), np.int32)
+    x[0, :length] = padded[0, :length]
+    out = []
+    for i in range(new):
+        logits = _next_logits(model, jnp.asarray(x), jnp.int32(length + i - 1))
+        if temperature <= 0:
+            tok = int(jnp.argmax(logits))
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                kth = jnp.sort(logits)[-top_k]
+                logits = jnp.where(logits < kth, -jnp.inf, logits)
+            tok = int(jax.random.categorical(jax.random.fold_in(key, i), logits))
+        x[0, length + i] = tok
+        out.append(tok)
+    return out
+
+
 def sample(model: LongNetLM, tok: CharTokenizer, prompt: str, num_tokens: int, seq_len: int,
            temperature: float, key: jax.Array, top_k: int | None = None) -> str:
     """Samples ``num_tokens`` characters after ``prompt`` in windows of ``seq_len`` (the
-    training length), with a KV cache (:func:`dilax.models.generate`).
+    training length), with a KV cache (:func:`dilax.models.generate`; a block-sparse model,
+    which has none, recomputes the window for every token).
 
     Every window is a ``seq_len`` window as in training (XPOS positions included): the model
     sees the window's tokens so far, exactly as if it ran on it right-padded to ``seq_len``
@@ -35,10 +66,15 @@ def sample(model: LongNetLM, tok: CharTokenizer, prompt: str, num_tokens: int, s
         # pad the prompt so that the cache window (prompt + new) is exactly seq_len long
         padded = np.zeros((1, seq_len - new), np.int32)
         padded[0, : len(ctx)] = ctx
-        out = generate(model, padded, new, temperature=max(float(temperature), 0.0),
-                       key=jax.random.fold_in(key, window), top_k=top_k,
-                       prompt_lengths=[len(ctx)])
-        ids += np.asarray(out)[0, len(ctx): len(ctx) + new].tolist()
+        if model.config.block_sparse is not None:  # no KV-cache decoding
+            ids += _generate_recompute(model, padded, len(ctx), new,
+                                       max(float(temperature), 0.0),
+                                       jax.random.fold_in(key, window), top_k)
+        else:
+            out = generate(model, padded, new, temperature=max(float(temperature), 0.0),
+                           key=jax.random.fold_in(key, window), top_k=top_k,
+                           prompt_lengths=[len(ctx)])
+            ids += np.asarray(out)[0, len(ctx): len(ctx) + new].tolist()
         keep, window = max(1, seq_len // 2), window + 1
     return tok.decode(ids)
 

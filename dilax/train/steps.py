@@ -22,6 +22,7 @@ def make_model(cfg: ModelConfig, seed: int) -> LongNetLM:
         param_dtype=jnp.float32, keep_rngs=False, position_scheme=cfg.position_scheme,
         rngs=nnx.Rngs(params=seed),
         **({} if cfg.local_window is None else dict(local_window=cfg.local_window)),
+        **({} if cfg.block_sparse is None else dict(block_sparse=tuple(cfg.block_sparse))),
     )
 
 
