@@ -16,6 +16,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from dilax import compile_cache
 from dilax.train.checkpoints import CheckpointError, load_model
 from dilax.train.cli import HelpFormatter
 from dilax.train.sampling import sample_text
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sample among the K most likely characters only (default: all)")
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="random seed: the same seed gives the same text")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="do not use the persistent compilation cache (dilax.compile_cache)")
     return p
 
 
@@ -52,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        compile_cache.enable(off=args.no_compile_cache)
         loaded = load_model(args.checkpoint_dir, args.step)
         prompt = loaded.train_config.prompt if args.prompt is None else args.prompt
         try:

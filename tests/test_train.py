@@ -243,3 +243,20 @@ def test_train_state_has_no_rng_keys():
     keys are derived from (seed, step), which is what makes resume exact."""
     model = nnx.eval_shape(lambda: T.make_model(dataclasses.replace(TINY_MODEL, dropout=0.1), 0))
     assert not jax.tree.leaves(nnx.state(model, nnx.RngState))
+
+
+def test_no_progress_prints_plain_lines_between_evaluations():
+    """Issue 39: ``--no-progress`` printed nothing between evaluations (60 s of silence). The
+    plain progress lines come after the first (compiling) step, then at most every
+    PLAIN_EVERY_S seconds, and at the last step, with the time left from the rate so far."""
+    import dilax.train.loop as L
+
+    now = [0.0]
+    lines: list[str] = []
+    bar = L._Progress(100, 0, False, lines.append, clock=lambda: now[0])
+    for step in range(1, 101):
+        now[0] = step * 1.0  # one second per step
+        bar.update(step, loss="1.0000")
+    assert [int(re.match(r"step (\d+)/100", x).group(1)) for x in lines] == [
+        1, 11, 21, 31, 41, 51, 61, 71, 81, 91, 100]
+    assert lines[1] == "step 11/100 (11%), loss 1.0000, 11 s elapsed, ~89 s left"

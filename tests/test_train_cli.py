@@ -178,3 +178,28 @@ def _re(s: str) -> str:
     import re
 
     return re.escape(s)
+
+
+def test_compile_cache_is_on_by_default_in_the_cli_and_can_be_turned_off(monkeypatch):
+    """Issue 39: every new shape cost 10-30 s of compile and a second run paid it again. The
+    CLIs point JAX's persistent compilation cache at $JAX_COMPILATION_CACHE_DIR or
+    $XDG_CACHE_HOME/dilax/jax; --no-compile-cache or DILAX_NO_COMPILE_CACHE=1 leave it off."""
+    import jax
+
+    from dilax import compile_cache
+    from dilax.train.cli import build_parser
+
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere")
+    assert compile_cache.default_dir() == "/somewhere/dilax/jax"
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/the/users/dir")
+    assert compile_cache.default_dir() == "/the/users/dir"
+    assert compile_cache.enable(off=True) is None
+    monkeypatch.setenv("DILAX_NO_COMPILE_CACHE", "1")
+    assert compile_cache.enable() is None
+    # on: the session's own cache directory (tests/conftest.py), so nothing else is touched
+    session_dir = jax.config.jax_compilation_cache_dir
+    monkeypatch.setenv("DILAX_NO_COMPILE_CACHE", "0")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", session_dir)
+    assert compile_cache.enable() == session_dir == jax.config.jax_compilation_cache_dir
+    assert build_parser().parse_args(["--no-compile-cache"]).no_compile_cache

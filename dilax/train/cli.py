@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dilax import compile_cache
 from dilax.data import load_corpus
 from dilax.train.checkpoints import CheckpointError, read_checkpoint_meta
 from dilax.train.config import (
@@ -132,8 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-after", type=int, default=None,
                    help="stop after this step (checkpointed), as if interrupted "
                         "(default: run to --steps)")
+    g.add_argument("--no-compile-cache", action="store_true",
+                   help="do not use the persistent compilation cache (default: on, in "
+                        "$JAX_COMPILATION_CACHE_DIR or ~/.cache/dilax/jax; a second run of the "
+                        "same command then compiles nothing; dilax.compile_cache)")
     g.add_argument("--no-progress", action="store_true",
-                   help="plain log lines instead of a progress bar")
+                   help="plain progress lines (after the first step, then every 10 s: step, "
+                        "loss, tokens/s, time left) instead of a progress bar")
     g = p.add_argument_group("sample printed at the end")
     g.add_argument("--sample-tokens", type=int, default=t.sample_tokens,
                    help="characters to sample after training (0: no sample)")
@@ -352,6 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except CheckpointError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        compile_cache.enable(off=args.no_compile_cache)
         if not tcfg.checkpoint_dir:
             tcfg = dataclasses.replace(
                 tcfg, checkpoint_dir=os.path.join("checkpoints", time.strftime("%Y%m%d-%H%M%S")))

@@ -80,11 +80,20 @@ class TrainResult:
         return self.eval_losses[max(self.eval_losses)] if self.eval_losses else None
 
 
-class _Progress:
-    """tqdm progress bar, or plain periodic lines where tqdm is not installed/disabled."""
+# --no-progress: a plain progress line at most this often (and after the first step)
+PLAIN_EVERY_S = 10.0
 
-    def __init__(self, total: int, initial: int, enabled: bool, log: Callable[[str], None]):
-        self.log, self.bar = log, None
+
+class _Progress:
+    """tqdm progress bar, or plain periodic lines where tqdm is not installed/disabled: one
+    line after the first (compiling) step and then one every :data:`PLAIN_EVERY_S` seconds
+    (step, loss, tokens/s, time left), so a run without a bar is never silent for long."""
+
+    def __init__(self, total: int, initial: int, enabled: bool, log: Callable[[str], None],
+                 clock: Callable[[], float] | None = None):
+        self.log, self.bar, self.total, self.initial = log, None, total, initial
+        self.clock = clock or _clock
+        self.t0 = self.last = self.clock()
         if enabled:
             try:
                 from tqdm.auto import tqdm
@@ -97,6 +106,16 @@ class _Progress:
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(postfix, refresh=False)
+            return
+        now = self.clock()
+        if step != self.initial + 1 and now - self.last < PLAIN_EVERY_S and step != self.total:
+            return
+        self.last = now
+        done = step - self.initial
+        left = (now - self.t0) / done * (self.total - step) if done else 0.0
+        extra = "".join(f", {k} {v}" for k, v in postfix.items())
+        self.log(f"step {step}/{self.total} ({100 * step / max(self.total, 1):.0f}%){extra}, "
+                 f"{now - self.t0:.0f} s elapsed, ~{left:.0f} s left")
 
     def write(self, msg: str) -> None:
         (self.bar.write if self.bar is not None else self.log)(msg)
