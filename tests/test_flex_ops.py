@@ -14,6 +14,7 @@ import pytest
 
 import dilax
 from dilax import flex, registry
+from dilax.block_sparse import tables
 from tests.test_flex import oracle
 from tests.tolerance import assert_scaled_close
 
@@ -120,3 +121,78 @@ def test_dot_product_mods_errors_and_refusals():
         for op in ("dense", "block_sparse"):
             why = registry.supports(name, registry.CoreRequest(op, has_score_mod=True))
             assert why is not None and "score_mod" in why
+
+
+@pytest.mark.parametrize("case", ["per_head_causal", "per_head_causal_steps", "shared_lengths"])
+def test_block_sparse_score_and_mask_mods(case, monkeypatch):
+    """The pattern on row positions AND the mask_mod; the score_mod sees row positions (never
+    gathered-block indices), per query head, per batch row ("steps": two query blocks per
+    step of the row loop, so the positions of later steps are offset)."""
+    b, n, h, hk, d, bs = 2, 44, 4, 2, 8, 8
+    q, k, v, w, rng = _arrays(b, n, n, h, hk, d, d, seed=13)
+    nb = -(-n // bs)
+    causal = case.startswith("per_head_causal")
+    scale = 0.3 if case.endswith("steps") else d**-0.5  # another static config: a new program
+    if case.endswith("steps"):
+        monkeypatch.setattr(tables, "rows_per_step", lambda *a, **kw: 2)
+    heads = h if causal else 1  # per-head tables (a head per virtual kv head) or one shared
+    blocks = rng.random((heads, nb, nb)) < 0.5
+    blocks[:, np.arange(nb), np.arange(nb)] = True
+    pattern = dilax.patterns.from_mask(blocks, bs)
+    seg = np.repeat(np.array([[0, 1, 2], [3, 3, 4]]), [13, 20, 11], axis=1)
+    kv_len = np.array([n, 37])
+    qi, ki = np.arange(n)[:, None], np.arange(n)[None, :]
+    doc = np.cumsum(np.concatenate([np.zeros((b, 1), int), seg[:, 1:] != seg[:, :-1]], 1), 1)
+    allowed = pattern.expanded_mask(n, causal)[None] & (doc[:, :, None] == doc[:, None, :])[
+        :, None]
+    if causal:
+        table = jnp.asarray(rng.standard_normal((h, 2 * 5 + 1)), jnp.float32)
+        score_mod, lengths = flex.relative_bias(table), None
+        idx = np.clip(ki - qi, -5, 5) + 5
+        bias = np.asarray(table, np.float64)[:, idx][None]
+    else:
+        table = jnp.asarray(rng.uniform(0.05, 0.5, h), jnp.float32)
+        score_mod, lengths = flex.alibi(table), jnp.asarray(kv_len, jnp.int32)
+        bias = np.asarray(table, np.float64)[None, :, None, None] * (ki - qi)[None, None]
+        allowed = allowed & (ki[None, None] < kv_len[:, None, None, None])
+    sinks = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    mask_mod = flex.document_mask(jnp.asarray(seg))
+
+    def fn(q, k, v, table, sinks):
+        mod = flex.relative_bias(table) if causal else flex.alibi(table)
+        return dilax.block_sparse_attention(q, k, v, pattern, is_causal=causal, scale=scale,
+                                            key_value_seq_lengths=lengths, score_mod=mod,
+                                            mask_mod=mask_mod, sinks=sinks, logits_soft_cap=3.0)
+
+    del score_mod
+    out, grads = _grads(fn, (q, k, v, table, sinks), w)
+    want, dq, dk, dvv, ds, dsinks = oracle(q, k, v, scale=scale, allowed=allowed, bias=bias,
+                                           cap=3.0, sinks=sinks, dout=w)
+    if causal:
+        dtable = np.zeros((h, 11))
+        for j in range(h):
+            np.add.at(dtable[j], idx.ravel(), ds[:, j].sum(0).ravel())
+    else:
+        dtable = (ds * (ki - qi)[None, None]).sum(axis=(0, 2, 3))
+    worst = _check(out, grads, want, (dq, dk, dvv, dtable, dsinks))
+    print(f"block_sparse {case}: max scaled error {worst:.2e}")
+
+
+def test_block_sparse_mods_refusals():
+    b, n, h, d, bs = 1, 32, 2, 8, 16
+    q, k, v, _, _ = _arrays(b, n, n, h, h, d, d, seed=14)
+    pattern = dilax.patterns.local_window(n, bs, 1)
+    f = dilax.block_sparse_attention
+    for name, why in (("pallas", "Pallas"), ("reference", "reference"), ("cudnn", "cuDNN")):
+        with pytest.raises(ValueError, match=why):
+            f(q, k, v, pattern, score_mod=flex.soft_cap(2.0), implementation=name,
+              interpret=True)
+    with pytest.raises(ValueError, match="sinks"):
+        f(q, k, v, pattern, sinks=jnp.zeros((h + 1,)))
+    with pytest.raises(TypeError, match="mask_mod"):
+        f(q, k, v, pattern, mask_mod="causal")
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        f(q, k, v, pattern, logits_soft_cap=0.0)
+    # a mask_mod that removes every pair of a row: out 0, never NaN
+    out = f(q, k, v, pattern, mask_mod=lambda b, h, qi, ki: qi != 3)
+    assert np.all(np.asarray(out[:, 3]) == 0) and np.all(np.isfinite(np.asarray(out)))

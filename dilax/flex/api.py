@@ -118,6 +118,15 @@ def prepare_mods(op: str, b: int, h: int, n: int, s: int, *, score_mod=None, mas
     return FlexMods(score, score_consts, mask, mask_consts, cap, sinks, block_mask)
 
 
+def core_mods(mods: FlexMods | None) -> Mods | None:
+    """The core's :class:`dilax.core.mods.Mods` of ``mods`` (no block tables, no positions;
+    ``sinks`` are the op's, :func:`with_sinks`), or None when it sets no score, mask or cap."""
+    if mods is None or (mods.score, mods.mask, mods.cap) == (None, None, None):
+        return None
+    return Mods(tuple(mods.score_consts), tuple(mods.mask_consts), None, None, mods.score,
+                mods.mask, mods.cap)
+
+
 def flex_core(q, k, v, mods: FlexMods, *, scale: float, base: Mask | None = None):
     """``(out (b, n, h, dv) in q.dtype, lse (b, n, h) float32)`` of the checked arrays
     ``q (b, n, h, d)``, ``k (b, s, hk, d)``, ``v (b, s, hk, dv)`` with ``mods`` on the XLA core
