@@ -140,10 +140,12 @@ def flex_core(q, k, v, mods: FlexMods, *, scale: float, base: Mask | None = None
             mods.sinks.astype(_F32), (b, n, h))  # the denominator holds the sink alone
         return out, lse
     bm = mods.block_mask
-    tables = None if bm is None else (bm.kv_blocks, bm.q_blocks)
     blocks = None if bm is None else bm.block_size
-    return _flex(q, k, v, mods.score_consts, mods.mask_consts, tables, mods.sinks, base,
-                 mods.score, mods.mask, mods.cap, float(scale), blocks)
+    mods_core = core_mods(mods)
+    if bm is not None:  # the block tables: a Mods even without score, mask or cap
+        mods_core = dataclasses.replace(mods_core or Mods(), kv_blocks=bm.kv_blocks,
+                                        q_blocks=bm.q_blocks)
+    return _flex(q, k, v, mods_core, mods.sinks, base, float(scale), blocks)
 
 
 def with_sinks(out, lse, sinks, dtype):
@@ -220,16 +222,11 @@ def _positive(x, name: str, op: str = "flex_attention") -> float:
     return x
 
 
-# One compiled program per static configuration (mods compare by their traced text).
-@functools.partial(jax.jit, static_argnums=(8, 9, 10, 11, 12))
-def _flex(q, k, v, score_consts, mask_consts, tables, sinks, base, score, mask, cap, scale,
-          blocks):
+# One compiled program per static configuration (mods compare by their traced text: the
+# Mods' functions and cap are static in its pytree).
+@functools.partial(jax.jit, static_argnums=(6, 7))
+def _flex(q, k, v, mods, sinks, base, scale, blocks):
     hk, h = k.shape[2], q.shape[2]
-    mods = None
-    if score is not None or mask is not None or cap is not None or tables is not None:
-        kv_blocks, q_blocks = (None, None) if tables is None else tables
-        mods = Mods(tuple(score_consts), tuple(mask_consts), kv_blocks, q_blocks, score, mask,
-                    cap)
     sizes = None if blocks is None else BlockSizes(*blocks, *blocks)
     spec = Mask(mods=mods) if base is None else dataclasses.replace(base, mods=mods)
     out, lse = attention(q, k, v, view=identity_view(hk, h // hk), scale=scale, mask=spec,
