@@ -50,6 +50,7 @@ from dilax.block_sparse.ring import check_sharded_block_sparse, sharded_block_sp
 from dilax.block_sparse.tables import check_pattern, head_layout, sparse_attention_tables
 from dilax.core import Mask, attention, identity_view
 from dilax.core.block_sparse import BlockSparsePallasCore
+from dilax.flex.api import core_mods, prepare_mods, with_sinks
 from dilax.patterns import BlockSparsePattern, mask_tables
 from dilax.reference import length_mask, masked_attention
 from dilax.sp.config import SequenceParallel, check_sequence_parallel
@@ -136,11 +137,13 @@ def table_lengths(idx, kv_len, diag_len, block_size: int, nq: int,
 
 def attend_tables(q, k, v, idx, kv_len, diag_len, *, block_size: int, U: int, G: int,
                   kvmap: tuple[int, ...], scale: float, block_k: int | None = None,
-                  query_seq_lengths=None, key_value_seq_lengths=None, segment_ids=None):
+                  query_seq_lengths=None, key_value_seq_lengths=None, segment_ids=None,
+                  mods=None, sinks=None):
     """:func:`sparse_attention_tables` on unpadded ``(b, n, ., d)`` inputs.
 
     Pads the sequence to whole blocks, runs the tables, crops. Optional valid lengths
-    ``(b,)`` (:func:`table_lengths`) and packed documents ``segment_ids (b, n)``. Returns
+    ``(b,)`` (:func:`table_lengths`), packed documents ``segment_ids (b, n)``, score / mask
+    ``mods`` (:class:`dilax.core.mods.Mods`, at row positions) and ``sinks (h,)``. Returns
     ``out (b, n, h, d)`` in ``q.dtype`` and ``lse (b, n, h)`` float32.
     """
     n = q.shape[1]
@@ -153,16 +156,21 @@ def attend_tables(q, k, v, idx, kv_len, diag_len, *, block_size: int, U: int, G:
         block_size=block_size, U=U, G=G, kvmap=kvmap, scale=scale, block_k=block_k,
         q_len=q_len, doc=None if segment_ids is None else tuple(
             jnp.pad(x, ((0, 0), (0, size - n)), constant_values=n)
-            for x in document_bounds(segment_ids)),
+            for x in document_bounds(segment_ids)), mods=mods,
     )
-    return out[:, :n].astype(q.dtype), lse[:, :n]
+    out, lse = out[:, :n], lse[:, :n]
+    if sinks is not None:  # one more logit per head in the denominator
+        return with_sinks(out, lse, sinks, q.dtype)
+    return out.astype(q.dtype), lse
 
 
 def block_sparse_attention_xla(q, k, v, pattern: BlockSparsePattern, *, is_causal: bool,
                                scale: float, block_k: int | None = None,
                                return_lse: bool = False, query_seq_lengths=None,
-                               key_value_seq_lengths=None, segment_ids=None):
-    """XLA path. Arguments must be validated (see :func:`block_sparse_attention`)."""
+                               key_value_seq_lengths=None, segment_ids=None, mods=None,
+                               sinks=None):
+    """XLA path. Arguments must be validated (see :func:`block_sparse_attention`); ``mods``:
+    a :class:`dilax.core.mods.Mods` without positions, ``sinks (h,)``."""
     b, n, h, d = q.shape
     plan = plan_pattern(pattern, n, h, k.shape[2], is_causal)
     use_gather = bool(np.any(plan.kv_len > 0))
@@ -175,7 +183,7 @@ def block_sparse_attention_xla(q, k, v, pattern: BlockSparsePattern, *, is_causa
         plan.diag_len if use_diag else None, block_size=pattern.block_size, U=plan.U,
         G=plan.G, kvmap=plan.kvmap, scale=scale, block_k=block_k,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-        segment_ids=segment_ids,
+        segment_ids=segment_ids, mods=mods, sinks=sinks,
     )
     return (out, lse) if return_lse else out
 
@@ -212,6 +220,10 @@ def block_sparse_attention(
     sequence_parallel: SequenceParallel | None = None,
     segment_ids: jax.Array | None = None,
     attention_mask: AttentionMask | None = None,
+    score_mod=None,
+    mask_mod=None,
+    sinks: jax.Array | None = None,
+    logits_soft_cap: float | None = None,
 ) -> jax.Array:
     """Exact block-sparse attention (docs/semantics.md, "Block-sparse attention").
 
@@ -254,6 +266,14 @@ def block_sparse_attention(
         Its hops run on the core ``implementation`` names (``"pallas"``: the block-sparse
         kernel on each visiting chunk, same rules as on one device; ``"reference"`` has no
         ring form) or, with None, the one the registry picks (Pallas on GPU where it serves).
+      score_mod, mask_mod, sinks, logits_soft_cap: FlexAttention's options, as
+        :func:`dilax.flex_attention` (docs/semantics.md, "Custom scores and masks"): per
+        attended pair the soft-cap, then ``score_mod(s, b, h, q_idx, kv_idx)``; a pair is
+        kept iff the pattern (and causality, lengths, documents) AND ``mask_mod`` allow it;
+        ``sinks (h,)`` add one logit per head to the denominator. ``q_idx``, ``kv_idx`` are
+        row positions, never indices of gathered blocks. XLA path only (``None`` /
+        ``"xla"``; ``"pallas"`` and ``"reference"`` refuse them with :mod:`dilax.registry`'s
+        reason); not with ``sequence_parallel`` yet.
 
     Returns:
       ``(b, n, h, d)`` in ``q.dtype``. Queries with no attended key get 0 (and 0 gradient).
@@ -286,7 +306,12 @@ def block_sparse_attention(
     q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n)
     kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)
     segment_ids = check_segment_ids(segment_ids, b, n)
+    flex = prepare_mods("block_sparse_attention", b, q.shape[2], n, n, score_mod=score_mod,
+                        mask_mod=mask_mod, sinks=sinks, logits_soft_cap=logits_soft_cap)
     if sequence_parallel is not None:
+        if flex is not None:
+            raise ValueError("block_sparse_attention: score_mod / mask_mod / sinks / "
+                             "logits_soft_cap are not supported with sequence_parallel yet")
         check_sequence_parallel(sequence_parallel, implementation, interpret=interpret,
                                 block_size=pattern.block_size)
         check_sharded_block_sparse(q, pattern, sequence_parallel)
@@ -296,7 +321,8 @@ def block_sparse_attention(
     request = registry.CoreRequest(
         "block_sparse", q.dtype, q.shape[3], is_causal,
         has_lengths=q_len is not None or kv_len is not None, interpret=interpret,
-        block_size=pattern.block_size, has_documents=segment_ids is not None)
+        block_size=pattern.block_size, has_documents=segment_ids is not None,
+        **({} if flex is None else flex.request_flags))
     # a name the op offers (the registry's rules: "cudnn" refused with its reason), then one
     # that serves this call
     implementation, _ = registry.choose(registry.check_name(implementation, "block_sparse"),
@@ -304,15 +330,16 @@ def block_sparse_attention(
     V.check_memory(q, k, dense=implementation == "reference", op="block_sparse_attention")
     if b == 0:  # the blockwise cores need a row; the result is empty anyway
         return unfold(V.empty_batch(q, v))
+    extra = () if flex is None else (core_mods(flex), flex.sinks)
     return unfold(_block_sparse_dispatch(q, k, v, q_len, kv_len, pattern, is_causal, scale,
-                                         implementation, interpret, segment_ids))
+                                         implementation, interpret, segment_ids, *extra))
 
 
 # One compiled program per static configuration: an eager call runs exactly the program a
 # jitted caller gets, so results are bitwise identical with and without jax.jit.
 @functools.partial(jax.jit, static_argnums=(5, 6, 7, 8, 9))
 def _block_sparse_dispatch(q, k, v, q_len, kv_len, pattern, is_causal, scale, implementation,
-                           interpret, segment_ids=None):
+                           interpret, segment_ids=None, mods=None, sinks=None):
     lengths = dict(query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
                    **({} if segment_ids is None else dict(segment_ids=segment_ids)))
     if implementation == "reference":
@@ -322,7 +349,7 @@ def _block_sparse_dispatch(q, k, v, q_len, kv_len, pattern, is_causal, scale, im
         return _block_sparse_pallas(q, k, v, q_len, kv_len, pattern, is_causal, scale,
                                     interpret)
     return block_sparse_attention_xla(q, k, v, pattern, is_causal=is_causal, scale=scale,
-                                      **lengths)
+                                      mods=mods, sinks=sinks, **lengths)
 
 
 def _block_sparse_pallas(q, k, v, q_len, kv_len, pattern, is_causal, scale, interpret):

@@ -9,6 +9,7 @@ imports neither, so the public op can dispatch to the ring without an import cyc
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -161,18 +162,43 @@ def document_ranges(doc, idx, kv_len, b, U, bs, q_first=None, k_first=0):
     return (keys, qrng), diag
 
 
+def row_mods(mods, idx, b, R, bs, q_first=None):
+    """The :class:`dilax.core.mods.Mods` of the gathered and the diagonal call of one group of
+    ``R`` query blocks (or None): the mods see row positions, never gathered indices. Row
+    ``i * R + r`` of the calls is batch row ``i``; its queries are at ``q_first[r] + 0 .. bs``
+    (default ``r * bs``), its gathered keys at ``idx[i, u, r, a] * bs + 0 .. bs`` per virtual
+    kv head ``u`` (the table's own head axis, 1 or ``U``), the diagonal's at the queries'."""
+    if mods is None:
+        return None, None
+    first = jnp.arange(R, dtype=jnp.int32) * bs if q_first is None else q_first
+    rows = first[:, None] + jnp.arange(bs, dtype=jnp.int32)  # (R, bs)
+    q_pos = jnp.broadcast_to(rows[None], (b, R, bs)).reshape(b * R, bs)
+    batch = jnp.repeat(jnp.arange(b, dtype=jnp.int32), R)
+    diag = dataclasses.replace(mods, q_pos=q_pos, kv_pos=q_pos[:, None], batch=batch)
+    if idx is None:
+        return None, diag
+    idx = jnp.asarray(idx, jnp.int32)  # (Bi, Ui, R, A)
+    Ui, A = idx.shape[1], idx.shape[-1]
+    keys = (idx[..., None] * bs + jnp.arange(bs, dtype=jnp.int32)).reshape(*idx.shape[:3], -1)
+    keys = jnp.broadcast_to(keys, (b, Ui, R, A * bs)).transpose(0, 2, 1, 3)
+    return dataclasses.replace(mods, q_pos=q_pos, kv_pos=keys.reshape(b * R, Ui, A * bs),
+                               batch=batch), diag
+
+
 def _attend_rows(q, k, v, kd, vd, idx, kv_len, diag_len, q_len=None, doc=None, q_first=None,
-                 *, bs, U, G, kvmap, shared, scale, block_k):
+                 *, bs, U, G, kvmap, shared, scale, block_k, mods=None):
     """One group of ``R`` query blocks.
 
     q: ``(b, R*B, h, d)``; k, v: all key blocks as laid out by :func:`_gather_source`;
     kd, vd: ``(b, R*B, hk, d)`` the rows' own key blocks (diagonal, causal only) or None;
     idx: ``(Bi, Ui, R, A)``; kv_len, diag_len: ``(Bi, Ui, R)``; q_first: ``(R,)`` the
     position of each query block's first row (documents; default ``r * B``: the first group).
+    mods: score / mask mods without positions (:func:`row_mods` adds them), or None.
     Returns ``out (b, R*B, h, d)`` float32 and ``lse (b, R*B, h)``.
     """
     b, RB, h, d = q.shape
     R = RB // bs
+    mods_g, mods_d = row_mods(mods, idx, b, R, bs, q_first)
     qr = q.reshape(b * R, bs, U, G, d)
     q_len = None if q_len is None else _rows_kv_len(q_len, b, U)
     gathered = diag = None
@@ -186,14 +212,14 @@ def _attend_rows(q, k, v, kd, vd, idx, kv_len, diag_len, q_len=None, doc=None, q
         out, lse = attention_core(qr, kg, vg, scale=scale, kv_len=_rows_kv_len(kv_len, b, U),
                                   block_sizes=BlockSizes(block_q=bs, block_k=bk), q_len=q_len,
                                   key_range=gathered and gathered[0],
-                                  query_range=gathered and gathered[1])
+                                  query_range=gathered and gathered[1], mods=mods_g)
     if diag_len is not None:
         kr = _head_take(kd, kvmap).reshape(b * R, bs, U, d)
         vr = _head_take(vd, kvmap).reshape(b * R, bs, U, d)
         o2, l2 = attention_core(qr, kr, vr, scale=scale, is_causal=True,
                                 kv_len=_rows_kv_len(diag_len, b, U),
                                 block_sizes=BlockSizes(block_q=bs, block_k=bs), q_len=q_len,
-                                key_range=diag, query_range=diag)
+                                key_range=diag, query_range=diag, mods=mods_d)
         if out is None:
             out, lse = o2.astype(jnp.float32), l2
         else:
@@ -242,6 +268,7 @@ def sparse_attention_tables(
     block_k: int | None = None,
     q_len: jax.Array | None = None,
     doc: tuple[jax.Array, jax.Array] | None = None,
+    mods=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of every query block over table-selected key blocks (internal building block).
 
@@ -254,6 +281,8 @@ def sparse_attention_tables(
       q_len: ``(Bi, 1, nq)`` valid query rows of each query block, or None (all valid).
       doc: packed documents, ``(start, end)`` int32 ``(b, nq*B)`` (:mod:`dilax.dilated.documents`),
         or None: a query attends only keys of its own document.
+      mods: a :class:`dilax.core.mods.Mods` (score / mask mods, cap; no tables, no
+        positions) applied at the rows' positions, or None.
     Returns:
       ``out (b, nq*B, h, d)`` float32 and ``lse (b, nq*B, h)`` float32.
     """
@@ -267,7 +296,7 @@ def sparse_attention_tables(
     ks = _gather_source(k, shared, bs) if idx is not None else None
     vs = _gather_source(v, shared, bs) if idx is not None else None
     fn = functools.partial(_attend_rows, bs=bs, U=U, G=G, kvmap=kvmap, shared=shared,
-                           scale=scale, block_k=block_k)
+                           scale=scale, block_k=block_k, mods=mods)
     causal = diag_len is not None
     if step == nq:
         return fn(q, ks, vs, k if causal else None, v if causal else None, idx, kv_len,

@@ -27,6 +27,7 @@ from jax import lax
 from dilax.core import pairwise, xla
 from dilax.core.blocks import BlockSizes, default_block_sizes
 from dilax.core.mask import Mask
+from dilax.core.mods import Mods
 from dilax.core.ordering import when
 from dilax.core.view import SlotView, identity_view
 from dilax.utils import output_delta, varying_axes  # delta: rowsum(dO * O) - dlse, float32
@@ -333,6 +334,7 @@ def attention_core(
     q_len: jax.Array | None = None,
     key_range: tuple[jax.Array, jax.Array] | None = None,
     query_range: tuple[jax.Array, jax.Array] | None = None,
+    mods: Mods | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Blockwise exact attention in the grouped layout, returning ``(out, lse)``.
 
@@ -352,6 +354,7 @@ def attention_core(
         see no key (``out = 0``, ``lse = -inf``).
       key_range, query_range: per-row key ranges ``(lo, hi)`` ``(B, Hk, Lq)`` and the
         queries' superset ranges per key ``(B, Hk, Lk)`` (:class:`Mask`), or None.
+      mods: a :class:`dilax.core.mods.Mods` (score / mask mods, soft-cap), or None.
 
     Returns:
       ``out: (B, Lq, Hk, G, d)`` in ``q.dtype`` and ``lse: (B, Lq, Hk, G)`` float32. A query
@@ -360,6 +363,7 @@ def attention_core(
     B, Lq, Hk, G, d = q.shape
     out, lse = attention(q.reshape(B, Lq, Hk * G, d), k, v, view=identity_view(Hk, G),
                          scale=scale, mask=Mask(kv_len, q_offset, k_offset, bool(is_causal), q_len,
-                                                key_range=key_range, query_range=query_range),
+                                                key_range=key_range, query_range=query_range,
+                                                mods=mods),
                          block_sizes=block_sizes)
     return out.reshape(B, Lq, Hk, G, d), lse.reshape(B, Lq, Hk, G)

@@ -87,8 +87,15 @@ class Mods:
       score: ``ModFn`` of ``score_mod`` or None; mask: of ``mask_mod`` or None.
       soft_cap: static float or None: ``s = cap * tanh(s / cap)`` before ``score``.
 
-    Positions are ``q_offset + row`` and ``k_offset + key`` of the call, heads the query heads
-    of an identity view, ``b`` the call's batch row.
+      q_pos, kv_pos, batch: optional int32 maps from the call to the mods' arguments (e.g. a
+        call over gathered key blocks, :func:`dilax.block_sparse_attention`): ``q_pos (B, Lq)``
+        and ``kv_pos (B, 1 or U, Lk)`` (per virtual kv head) give the position of call
+        position ``p = q_offset + row`` (``k_offset + key``) of batch row ``i``:
+        ``q_pos[i, p]``; ``batch (B,)`` the mods' ``b`` of batch row ``i``. Positions beyond
+        the arrays (padding) are clamped.
+
+    Without them positions are ``q_offset + row`` and ``k_offset + key`` of the call, heads
+    the query heads of an identity view, ``b`` the call's batch row.
     """
 
     score_consts: tuple = ()
@@ -98,6 +105,9 @@ class Mods:
     score: ModFn | None = _static(default=None)
     mask: ModFn | None = _static(default=None)
     soft_cap: float | None = _static(default=None)
+    q_pos: jax.Array | None = None
+    kv_pos: jax.Array | None = None
+    batch: jax.Array | None = None
 
     def cotangent(self, grads) -> Mods:
         """The ``custom_vjp`` cotangent: ``grads`` for the float ``score_consts``, None else."""
@@ -119,29 +129,38 @@ def check_view(view) -> None:
 
 
 def on_block(fn, consts, b, h, q, kv, s=None):
-    """``fn`` over the block: ``h (H,)``, ``q (bq,)``, ``kv (bk,)`` -> ``(H, bq, bk)``."""
+    """``fn`` over the block: ``h (H,)``, ``q (bq,)``, ``kv (bk,)`` or per head
+    ``(H, bk)`` -> ``(H, bq, bk)``."""
+    per_head = 0 if jnp.ndim(kv) == 2 else None
     if s is None:
         f = lambda h, q, kv: fn(consts, b, h, q, kv)  # noqa: E731
-        ax = ((None, None, 0), (None, 0, None), (0, None, None))
+        ax = ((None, None, 0), (None, 0, None), (0, None, per_head))
         args = (h, q, kv)
     else:
         f = lambda s, h, q, kv: fn(consts, s, b, h, q, kv)  # noqa: E731
-        ax = ((0, None, None, 0), (0, None, 0, None), (0, 0, None, None))
+        ax = ((0, None, None, 0), (0, None, 0, None), (0, 0, None, per_head))
         args = (s, h, q, kv)
     for a in ax:
         f = jax.vmap(f, in_axes=a)
     return f(*args)
 
 
-def _positions(b, u0, U, G, q_pos, k0, bk, k_offset):
+def _positions(mods, b, u0, U, G, q_pos, k0, bk, k_offset):
     h = u0 * G + lax.iota(_I32, U * G)
-    kv = k_offset + k0 + lax.iota(_I32, bk)
-    return jnp.asarray(b, _I32), h, q_pos.astype(_I32), kv
+    q, kv = q_pos.astype(_I32), k_offset + k0 + lax.iota(_I32, bk)
+    if mods.q_pos is not None:  # the call's positions mapped (clamped past the arrays)
+        q = jnp.take(mods.q_pos[b], q, mode="clip")
+    if mods.kv_pos is not None:
+        rows = mods.kv_pos[b]  # (1 or U_all, Lk)
+        kv = jnp.take(rows, kv, axis=1, mode="clip")
+        kv = kv[0] if rows.shape[0] == 1 else jnp.repeat(kv[u0:u0 + U], G, axis=0)
+    b = b if mods.batch is None else mods.batch[b]
+    return jnp.asarray(b, _I32), h, q, kv
 
 
 def _score_fn(mods, b, h, q, kv, shape):
     def f(s, consts):
-        s = s.reshape(len(h), len(q), len(kv))
+        s = s.reshape(len(h), len(q), kv.shape[-1])
         if mods.soft_cap is not None:
             cap = jnp.asarray(mods.soft_cap, _F32)
             s = cap * jnp.tanh(s / cap)
@@ -163,7 +182,7 @@ def scores(mods, s, mask, b, u0, U, G, q_pos, k0, bk, k_offset, apply_mask=True)
     """Forward: ``(s, mask)`` of a ``(U, G, bq, bk)`` (or flat ``(U, G*bq, bk)``) float32
     block with the cap and ``score`` applied and ``mask`` and-ed in (unless ``apply_mask`` is
     False: a block wholly inside the mask)."""
-    pos = _positions(b, u0, U, G, q_pos, k0, bk, k_offset)
+    pos = _positions(mods, b, u0, U, G, q_pos, k0, bk, k_offset)
     if mods.score is not None or mods.soft_cap is not None:
         s = _score_fn(mods, *pos, s.shape)(s, mods.score_consts)
     return s, _masked(mods, mask, pos, U, G, apply_mask)
@@ -172,7 +191,7 @@ def scores(mods, s, mask, b, u0, U, G, q_pos, k0, bk, k_offset, apply_mask=True)
 def scores_vjp(mods, s, mask, b, U, G, q_pos, k0, bk, k_offset, apply_mask=True):
     """Backward: ``(s, mask, vjp)``; ``vjp(ds) -> (ds_raw, d_consts)`` (float32 cotangents of
     the float ``score_consts``, in order)."""
-    pos = _positions(b, 0, U, G, q_pos, k0, bk, k_offset)
+    pos = _positions(mods, b, 0, U, G, q_pos, k0, bk, k_offset)
     mask = _masked(mods, mask, pos, U, G, apply_mask)
     if mods.score is None and mods.soft_cap is None:
         return s, mask, lambda ds: (ds, ())

@@ -9,6 +9,7 @@ with ``segment_lengths`` / ``dilation_rates`` it is :func:`dilax.dilated_attenti
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -20,6 +21,8 @@ from dilax import registry
 from dilax.attention_mask import check_segment_ids, document_bounds
 from dilax.core import Core, Mask, attention, identity_view
 from dilax.dilated.settings import DilatedSettings
+from dilax.flex.api import FlexMods, flex_core, prepare_mods
+from dilax.flex.block_mask import BlockMask
 from dilax.reference import dense_attention
 
 
@@ -91,6 +94,11 @@ def dot_product_attention(
     mode: str = "mixture",
     settings: DilatedSettings | None = None,
     segment_ids: jax.Array | None = None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
+    block_mask: BlockMask | None = None,
+    sinks: jax.Array | None = None,
+    logits_soft_cap: float | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention, a superset of ``jax.nn.dot_product_attention``.
 
@@ -101,7 +109,8 @@ def dot_product_attention(
 
     Args:
       query: ``(B, T, N, H)`` or ``(T, N, H)``.
-      key, value: ``(B, S, K, H)`` or ``(S, K, H)``, the dtype of ``query``.
+      key, value: ``(B, S, K, H)`` or ``(S, K, H)``, the dtype of ``query``; ``value`` may
+        have its own head dim ``(B, S, K, Hv)`` (then ``out`` is ``(B, T, N, Hv)``; XLA core).
       bias: optional, added to the scaled logits; rank <= 4, broadcastable to
         ``(B, N, T, S)`` (leading dims added as jax does). Differentiable (``dbias`` summed
         over the broadcast dims, in the bias's dtype).
@@ -130,6 +139,16 @@ def dot_product_attention(
         own positions (docs/semantics.md, "Packed documents"). Served by ``None``/``"xla"``
         (per-row key ranges: only the blocks of the query's document are read) and
         ``"reference"``.
+      score_mod, mask_mod, block_mask, sinks, logits_soft_cap: FlexAttention's options, as
+        :func:`dilax.flex_attention` (docs/semantics.md, "Custom scores and masks"), on top
+        of the call's own rules: per pair ``s = scale q.k + bias``; the soft-cap; then
+        ``score_mod(s, b, h, q_idx, kv_idx)`` (``q_idx``, ``kv_idx``: the positions ``0 ..``
+        of the query and key); a pair is kept iff ``mask``, causality, the band, lengths,
+        documents and ``mask_mod`` all allow it; ``sinks (N,)`` add one logit per head to the
+        denominator. ``block_mask`` (:func:`dilax.create_block_mask` for ``(B or 1, N or 1,
+        T, S)``; not with ``segment_ids``) only skips blocks. XLA core only (``None`` /
+        ``"xla"``; the other implementations refuse them with :mod:`dilax.registry`'s
+        reason); not with dilation settings.
 
     Returns:
       ``out`` shaped like ``query``, or ``(out, lse)`` with ``return_residual``. A query that
@@ -143,7 +162,7 @@ def dot_product_attention(
         to ``(B, N, T, S)``, an unknown ``implementation`` or one that cannot serve the call.
       TypeError: non-floating inputs, a traced ``scale`` or window.
     """
-    output_shape = jnp.shape(query)
+    output_shape = jnp.shape(query)[:-1] + jnp.shape(value)[-1:]  # (..., Hv)
     q, k, v = (_ensure_4d(jnp.asarray(x)) for x in (query, key, value))
     bias = None if bias is None else _ensure_4d(jnp.asarray(bias))
     mask = None if mask is None else _ensure_4d(jnp.asarray(mask))
@@ -151,7 +170,7 @@ def dot_product_attention(
     kv_len = None if key_value_seq_lengths is None else jnp.asarray(key_value_seq_lengths)
     window = _window(local_window_size)
     B, S, K, H = k.shape
-    _check(v, [B, S, K, H], k.dtype, "value")
+    _check(v, [B, S, K, -1], k.dtype, "value")
     _check(q, [B, -1, -1, H], k.dtype, "query")
     _check(mask, [-1] * 4, np.dtype(bool), "mask")
     _check(bias, [-1] * 4, None, "bias")
@@ -181,7 +200,20 @@ def dot_product_attention(
                             "segment_lengths, dilation_rates, scale and implementation out")
         settings = settings.replace(is_causal=True) if is_causal else settings
         segment_lengths, dilation_rates = settings.segment_lengths, settings.dilation_rates
-    if segment_lengths is not None or dilation_rates is not None:
+    flex = dict(score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask, sinks=sinks,
+                logits_soft_cap=logits_soft_cap)
+    dilated = segment_lengths is not None or dilation_rates is not None
+    for name, given in flex.items():
+        if given is not None and dilated:
+            raise ValueError(f"dot_product_attention: {name} is not supported with dilation "
+                             "settings (segment_lengths, dilation_rates) yet; use "
+                             "dilax.flex_attention or call without them")
+    mods = prepare_mods("dot_product_attention", B, N, T, S, **flex)
+    if block_mask is not None and segment_ids is not None:
+        raise ValueError("dot_product_attention: block_mask and segment_ids together are not "
+                         "supported; put the documents into the mask_mod "
+                         "(dilax.flex.document_mask) instead")
+    if dilated:
         out = _dilated(q, k, v, bias, mask, q_len, kv_len, window, return_residual,
                        segment_lengths, dilation_rates, mode, is_causal, scale, implementation,
                        settings, segment_ids)
@@ -190,7 +222,8 @@ def dot_product_attention(
         "dense", k.dtype, H, is_causal, has_window=window is not None,
         has_lengths=q_len is not None or kv_len is not None,
         has_pairwise=bias is not None or mask is not None,
-        has_documents=segment_ids is not None)
+        has_documents=segment_ids is not None, value_head_dim=v.shape[-1],
+        **({} if mods is None else mods.request_flags))
     name, _ = registry.choose(implementation, request)  # ValueError: what cannot serve it
     if name == "cudnn":  # jax's own cuDNN path, arguments as given
         return jax.nn.dot_product_attention(
@@ -199,8 +232,12 @@ def dot_product_attention(
             local_window_size=local_window_size, implementation="cudnn",
             return_residual=return_residual)
     core = registry.core(name)  # None: the dense mask-based reference
-    out, lse = _dense(q, k, v, bias, mask, q_len, kv_len, segment_ids, scale=scale,
-                      is_causal=is_causal, window=window, core=core)
+    if mods is not None:  # the XLA core with the mods (dilax.flex), the registry's choice
+        out, lse = _flex(q, k, v, bias, mask, q_len, kv_len, segment_ids, mods, scale=scale,
+                         is_causal=is_causal, window=window)
+    else:
+        out, lse = _dense(q, k, v, bias, mask, q_len, kv_len, segment_ids, scale=scale,
+                          is_causal=is_causal, window=window, core=core)
     out = out.reshape(output_shape)
     if not return_residual:
         return out
@@ -217,13 +254,26 @@ def _dense(q, k, v, bias, mask, q_len, kv_len, segment_ids, *, scale: float, is_
         return _reference(q, k, v, bias, mask, q_len, kv_len, scale, is_causal, window,
                           segment_ids)
     N, K = q.shape[2], k.shape[2]
+    spec = _spec(bias, mask, q_len, kv_len, segment_ids, is_causal, window)
+    return attention(q, k, v, view=identity_view(K, N // K), scale=scale, mask=spec, core=core)
+
+
+def _spec(bias, mask, q_len, kv_len, segment_ids, is_causal, window) -> Mask:
+    """The core's :class:`~dilax.core.Mask` of a dense call."""
     per_row = lambda x: None if x is None else x[:, None]  # noqa: E731 - (B,) -> (B, 1)
     ranges = None
     if segment_ids is not None:  # each row's document, as a key range (both sides)
         ranges = tuple(x[:, None] for x in document_bounds(segment_ids))
-    spec = Mask(per_row(kv_len), 0, 0, is_causal, per_row(q_len), window, None, bias, mask,
+    return Mask(per_row(kv_len), 0, 0, is_causal, per_row(q_len), window, None, bias, mask,
                 ranges, ranges)
-    return attention(q, k, v, view=identity_view(K, N // K), scale=scale, mask=spec, core=core)
+
+
+def _flex(q, k, v, bias, mask, q_len, kv_len, segment_ids, mods: FlexMods, *, scale: float,
+          is_causal: bool, window: tuple[int, int] | None):
+    """``(out, lse)`` of dense attention with FlexAttention's options on the XLA core
+    (:func:`dilax.flex.api.flex_core`: one implementation of the mods, sinks and cap)."""
+    spec = _spec(bias, mask, q_len, kv_len, segment_ids, is_causal, window)
+    return flex_core(q, k, v, mods, scale=scale, base=spec)
 
 
 def _reference(q, k, v, bias, mask, q_len, kv_len, scale, is_causal, window,

@@ -11,15 +11,17 @@ core's result from its log-sum-exp (the core's backward takes the lse cotangent)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from dilax import registry
 from dilax.core import XLA, BlockSizes, Mask, attention, identity_view
-from dilax.core.mods import Mods, trace_mod
+from dilax.core.mods import ModFn, Mods, trace_mod
 from dilax.flex.block_mask import BlockMask
 
 _F32 = jnp.float32
@@ -54,15 +56,105 @@ def _check_arrays(query, key, value):
     return q, k, v
 
 
-def _check_block_mask(block_mask, b, h, n, s):
+def _check_block_mask(block_mask, b, h, n, s, op="flex_attention"):
     if not isinstance(block_mask, BlockMask):
-        raise TypeError(f"flex_attention: block_mask must be a dilax.flex.BlockMask "
+        raise TypeError(f"{op}: block_mask must be a dilax.flex.BlockMask "
                         f"(dilax.create_block_mask), got {type(block_mask).__name__}")
     Bm, Hm, Q_LEN, KV_LEN = block_mask.shape
     if (Q_LEN, KV_LEN) != (n, s) or Bm not in (1, b) or Hm not in (1, h):
-        raise ValueError(f"flex_attention: block_mask of shape (B, H, Q_LEN, KV_LEN)="
+        raise ValueError(f"{op}: block_mask of shape (B, H, Q_LEN, KV_LEN)="
                          f"{block_mask.shape} does not fit query/key (b={b}, h={h}, n={n}, "
                          f"s={s}): it needs Q_LEN == n, KV_LEN == s, B in (1, b), H in (1, h)")
+
+
+class FlexMods(NamedTuple):
+    """Checked FlexAttention options of one call (:func:`prepare_mods`), ready for
+    :func:`flex_core`: the mods traced (:func:`dilax.core.mods.trace_mod`), the cap a static
+    float, ``sinks`` a float ``(h,)`` array, the block mask's tables."""
+
+    score: ModFn | None = None
+    score_consts: tuple = ()
+    mask: ModFn | None = None
+    mask_consts: tuple = ()
+    cap: float | None = None
+    sinks: jax.Array | None = None
+    block_mask: BlockMask | None = None
+
+    @property
+    def request_flags(self) -> dict:
+        """The :class:`dilax.registry.CoreRequest` fields these options set."""
+        return dict(has_score_mod=self.score is not None or self.cap is not None,
+                    has_mask_mod=self.mask is not None, has_sinks=self.sinks is not None)
+
+
+def prepare_mods(op: str, b: int, h: int, n: int, s: int, *, score_mod=None, mask_mod=None,
+                 block_mask=None, sinks=None, logits_soft_cap=None) -> FlexMods | None:
+    """Checks and traces the FlexAttention options of a call of ``op`` (its name starts the
+    messages) on ``b`` batch rows, ``h`` query heads, ``n`` queries and ``s`` keys; None when
+    none is set (the op's own path, unchanged).
+
+    Raises:
+      TypeError / ValueError naming the argument (see :func:`flex_attention`).
+    """
+    if (score_mod, mask_mod, block_mask, sinks, logits_soft_cap) == (None,) * 5:
+        return None
+    if block_mask is not None:
+        _check_block_mask(block_mask, b, h, n, s, op)
+        if mask_mod is None:
+            mask_mod = block_mask.mask_mod
+    cap = None if logits_soft_cap is None else _positive(logits_soft_cap, "logits_soft_cap",
+                                                         op)
+    if sinks is not None:
+        sinks = jnp.asarray(sinks)
+        if sinks.shape != (h,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise ValueError(f"{op}: sinks must be a float array (h,) = ({h},), got "
+                             f"{sinks.dtype}{list(sinks.shape)}")
+    score = mask = None
+    score_consts = mask_consts = ()
+    if score_mod is not None:
+        score, score_consts = trace_mod(score_mod, "score_mod")
+    if mask_mod is not None:
+        mask, mask_consts = trace_mod(mask_mod, "mask_mod")
+    return FlexMods(score, score_consts, mask, mask_consts, cap, sinks, block_mask)
+
+
+def core_mods(mods: FlexMods | None) -> Mods | None:
+    """The core's :class:`dilax.core.mods.Mods` of ``mods`` (no block tables, no positions;
+    ``sinks`` are the op's, :func:`with_sinks`), or None when it sets no score, mask or cap."""
+    if mods is None or (mods.score, mods.mask, mods.cap) == (None, None, None):
+        return None
+    return Mods(tuple(mods.score_consts), tuple(mods.mask_consts), None, None, mods.score,
+                mods.mask, mods.cap)
+
+
+def flex_core(q, k, v, mods: FlexMods, *, scale: float, base: Mask | None = None):
+    """``(out (b, n, h, dv) in q.dtype, lse (b, n, h) float32)`` of the checked arrays
+    ``q (b, n, h, d)``, ``k (b, s, hk, d)``, ``v (b, s, hk, dv)`` with ``mods`` on the XLA core
+    (identity view; positions ``0 ..``). ``base``: the op's own :class:`dilax.core.Mask`
+    (lengths, causality, band, dense bias / mask, key ranges) the mods are added to. With
+    ``sinks`` the lse is the denominator's, sinks included."""
+    (b, n, h, _), s, dv = q.shape, k.shape[1], v.shape[-1]
+    if 0 in (b, n, s):  # nothing to compute: empty, or rows without keys (0, lse = -inf)
+        out = jnp.zeros((b, n, h, dv), q.dtype)
+        lse = jnp.full((b, n, h), -jnp.inf, _F32) if mods.sinks is None else jnp.broadcast_to(
+            mods.sinks.astype(_F32), (b, n, h))  # the denominator holds the sink alone
+        return out, lse
+    bm = mods.block_mask
+    blocks = None if bm is None else bm.block_size
+    mods_core = core_mods(mods)
+    if bm is not None:  # the block tables: a Mods even without score, mask or cap
+        mods_core = dataclasses.replace(mods_core or Mods(), kv_blocks=bm.kv_blocks,
+                                        q_blocks=bm.q_blocks)
+    return _flex(q, k, v, mods_core, mods.sinks, base, float(scale), blocks)
+
+
+def with_sinks(out, lse, sinks, dtype):
+    """``(out, lse)`` of a core result ``out (..., h, dv)`` float32 and ``lse (..., h)`` with
+    one sink logit per head ``sinks (h,)`` added to the denominator (gradients through
+    ``lse``), ``out`` in ``dtype``."""
+    sink = sinks.astype(_F32)
+    out = (out * jax.nn.sigmoid(lse - sink)[..., None]).astype(dtype)
+    return out, jnp.logaddexp(lse, sink)
 
 
 def flex_attention(query, key, value, *, score_mod=None, mask_mod=None, block_mask=None,
@@ -110,64 +202,35 @@ def flex_attention(query, key, value, *, score_mod=None, mask_mod=None, block_ma
     """
     q, k, v = _check_arrays(query, key, value)
     (b, n, h, d), s, dv = q.shape, k.shape[1], v.shape[-1]
-    if block_mask is not None:
-        _check_block_mask(block_mask, b, h, n, s)
-        if mask_mod is None:
-            mask_mod = block_mask.mask_mod
     scale = 1.0 / math.sqrt(d) if scale is None else _positive(scale, "scale")
-    cap = None if logits_soft_cap is None else _positive(logits_soft_cap, "logits_soft_cap")
-    if sinks is not None:
-        sinks = jnp.asarray(sinks)
-        if sinks.shape != (h,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
-            raise ValueError(f"flex_attention: sinks must be a float array (h,) = ({h},), got "
-                             f"{sinks.dtype}{list(sinks.shape)}")
-    request = registry.CoreRequest(
-        "flex", q.dtype, d, has_score_mod=score_mod is not None or cap is not None,
-        has_mask_mod=mask_mod is not None, has_sinks=sinks is not None, value_head_dim=dv)
+    mods = prepare_mods("flex_attention", b, h, n, s, score_mod=score_mod, mask_mod=mask_mod,
+                        block_mask=block_mask, sinks=sinks,
+                        logits_soft_cap=logits_soft_cap) or FlexMods()
+    request = registry.CoreRequest("flex", q.dtype, d, value_head_dim=dv,
+                                   **mods.request_flags)
     registry.choose(registry.check_name(implementation, "flex"), request)
-    score = mask = None
-    score_consts = mask_consts = ()
-    if score_mod is not None:
-        score, score_consts = trace_mod(score_mod, "score_mod")
-    if mask_mod is not None:
-        mask, mask_consts = trace_mod(mask_mod, "mask_mod")
-    if 0 in (b, n, s):  # nothing to compute: empty, or rows without keys (0, lse = -inf)
-        out = jnp.zeros((b, n, h, dv), q.dtype)
-        lse = jnp.full((b, n, h), -jnp.inf, _F32) if sinks is None else jnp.broadcast_to(
-            sinks.astype(_F32), (b, n, h))  # the denominator holds the sink alone
-        return (out, lse) if return_residual else out
-    tables = None if block_mask is None else (block_mask.kv_blocks, block_mask.q_blocks)
-    blocks = None if block_mask is None else block_mask.block_size
-    out, lse = _flex(q, k, v, score_consts, mask_consts, tables, sinks, score, mask, cap,
-                     float(scale), blocks)
+    out, lse = flex_core(q, k, v, mods, scale=scale)
     return (out, lse) if return_residual else out
 
 
-def _positive(x, name: str) -> float:
+def _positive(x, name: str, op: str = "flex_attention") -> float:
     if isinstance(x, jax.core.Tracer):
-        raise TypeError(f"flex_attention: {name} must be a static float, got a traced value")
+        raise TypeError(f"{op}: {name} must be a static float, got a traced value")
     x = float(x)
     if not x > 0 or not math.isfinite(x):
-        raise ValueError(f"flex_attention: {name} must be a finite float > 0, got {x}")
+        raise ValueError(f"{op}: {name} must be a finite float > 0, got {x}")
     return x
 
 
-# One compiled program per static configuration (mods compare by their traced text).
-@functools.partial(jax.jit, static_argnums=(7, 8, 9, 10, 11))
-def _flex(q, k, v, score_consts, mask_consts, tables, sinks, score, mask, cap, scale, blocks):
-    b, n, h, _ = q.shape
-    hk = k.shape[2]
-    mods = None
-    if score is not None or mask is not None or cap is not None or tables is not None:
-        kv_blocks, q_blocks = (None, None) if tables is None else tables
-        mods = Mods(tuple(score_consts), tuple(mask_consts), kv_blocks, q_blocks, score, mask,
-                    cap)
+# One compiled program per static configuration (mods compare by their traced text: the
+# Mods' functions and cap are static in its pytree).
+@functools.partial(jax.jit, static_argnums=(6, 7))
+def _flex(q, k, v, mods, sinks, base, scale, blocks):
+    hk, h = k.shape[2], q.shape[2]
     sizes = None if blocks is None else BlockSizes(*blocks, *blocks)
-    out, lse = attention(q, k, v, view=identity_view(hk, h // hk), scale=scale,
-                         mask=Mask(mods=mods), core=XLA, block_sizes=sizes,
-                         out_dtype=None if sinks is None else _F32)
+    spec = Mask(mods=mods) if base is None else dataclasses.replace(base, mods=mods)
+    out, lse = attention(q, k, v, view=identity_view(hk, h // hk), scale=scale, mask=spec,
+                         core=XLA, block_sizes=sizes, out_dtype=None if sinks is None else _F32)
     if sinks is not None:  # out * e^lse / (e^sink + e^lse), gradients through lse
-        sink = sinks.astype(_F32)[None, None, :]
-        out = (out * jax.nn.sigmoid(lse - sink)[..., None]).astype(q.dtype)
-        lse = jnp.logaddexp(lse, sink)
+        out, lse = with_sinks(out, lse, sinks, q.dtype)
     return out, lse
