@@ -63,8 +63,8 @@ QUICK = dict(d_model=64, num_heads=4, num_layers=2, dim_feedforward=128, short=6
 # the default: about two hours on this 2-core CPU for 2 seeds (docs/quality.md: estimated
 # with --estimate from timed steps)
 DEFAULT = dict(d_model=128, num_heads=4, num_layers=2, dim_feedforward=512, short=128,
-               factor=4, batch=4, steps=1000, lr=2e-3, warmup=100, eval_windows=64,
-               probe_steps=1200, probe_batch=4, probe_eval=512, probe_pairs=1,
+               factor=4, batch=4, steps=2000, lr=2e-3, warmup=100, eval_windows=64,
+               probe_steps=2400, probe_batch=4, probe_eval=512, probe_pairs=1,
                probe_queries=32, probe_lr=3e-3, local_window=32, seeds=2)
 SIZE_FLAGS = tuple(DEFAULT)
 
