@@ -63,8 +63,8 @@ QUICK = dict(d_model=64, num_heads=4, num_layers=2, dim_feedforward=128, short=6
 # the default: about two hours on this 2-core CPU for 2 seeds (docs/quality.md: estimated
 # with --estimate from timed steps)
 DEFAULT = dict(d_model=128, num_heads=4, num_layers=2, dim_feedforward=512, short=128,
-               factor=4, batch=4, steps=1000, lr=2e-3, warmup=100, eval_windows=64,
-               probe_steps=1200, probe_batch=4, probe_eval=512, probe_pairs=1,
+               factor=4, batch=4, steps=2000, lr=2e-3, warmup=100, eval_windows=64,
+               probe_steps=2400, probe_batch=4, probe_eval=512, probe_pairs=1,
                probe_queries=32, probe_lr=3e-3, local_window=32, seeds=2)
 SIZE_FLAGS = tuple(DEFAULT)
 
@@ -789,6 +789,19 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def config_title(result: dict[str, Any]) -> str:
+    """Sizes and machine in two short lines, for a plot's title (and its PNG metadata)."""
+    s, m = result.get("sizes", {}), result.get("machine", {})
+    long_ = s.get("short", 0) * s.get("factor", 0)
+    sizes = (f"d={s.get('d_model')} h={s.get('num_heads')} layers={s.get('num_layers')} "
+             f"ffn={s.get('dim_feedforward')}, L_s={s.get('short')} L={long_}, "
+             f"{s.get('steps')} steps x {s.get('batch')}, probe {s.get('probe_steps')} x "
+             f"{s.get('probe_batch')}, {s.get('seeds')} seed(s)")
+    machine = (f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('backend', '?')}, "
+               f"jax {m.get('jax', '?')}, {str(m.get('date', ''))[:10]}")
+    return f"{sizes}\n{machine}"
+
+
 def plots(result: dict[str, Any], out_dir: str, name: str) -> list[str]:
     if result["command"] != "quality":
         return []
@@ -799,15 +812,13 @@ def plots(result: dict[str, Any], out_dir: str, name: str) -> list[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    s = result["sizes"]
     short, long_ = result["eval_lengths"]
-    m = result.get("machine", {})
-    sub = (f"d={s['d_model']} h={s['num_heads']} layers={s['num_layers']}, {s['seeds']} "
-           f"seed(s), {m.get('cpu', '?')}, {str(m.get('date', ''))[:10]}")
+    sub = config_title(result)
     paths = []
 
     def save(fig, ax, title, fname):
-        ax.set_title(f"{title}\n{sub}", fontsize=8)
+        title = f"{title}\n{sub}"
+        ax.set_title(title, fontsize=8)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()

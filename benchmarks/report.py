@@ -121,6 +121,10 @@ def _row_table(rows: list[dict[str, Any]]) -> list[str]:
 def config_title(result: dict[str, Any]) -> str:
     """The configuration and machine of a result in two short lines, for a plot's title (a
     PNG shown alone must say what it measured)."""
+    if result.get("command") in ("quality", "quality-estimate"):
+        from benchmarks.quality import config_title as quality_title
+
+        return quality_title(result)
     cfg, m = result.get("config", {}), result.get("machine", {})
     shape = (f"b={cfg.get('batch')} h={cfg.get('heads')} hk={cfg.get('kv_heads')} "
              f"d={cfg.get('head_dim')} {cfg.get('dtype')}")

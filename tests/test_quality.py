@@ -264,3 +264,15 @@ def test_quality_ctrl_c_keeps_finished_runs(tmp_path, monkeypatch):
     assert calls == [("lm", "sparse", 0), ("lm", "longnet", 0), ("probe", "longnet", 0)]
     res = json.loads((tmp_path / "c.json").read_text())
     assert res["runs_cached_before"] == 1 and len(res["rows"]) == 3
+
+
+@pytest.mark.parametrize("name", ["quality-quick", "quality-quick-probe800", "quality-estimate"])
+def test_committed_quality_tables_match_their_json(name):
+    """The committed Markdown is what the JSON renders to (nothing edited by hand)."""
+    from pathlib import Path
+
+    from benchmarks.report import markdown
+
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    result = json.loads((results / f"{name}.json").read_text())
+    assert markdown(result) == (results / f"{name}.md").read_text()
