@@ -29,6 +29,7 @@ from benchmarks.rows import (  # noqa: F401 - the FLOP constants re-exported (th
     config_of,
     measure_rows,
 )
+from dilax import compile_cache
 
 # --------------------------------------------------------------------------- commands
 
@@ -275,7 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
                "(needs jax[cuda12], see `make gpu-check`). `python -m benchmarks gpu --help`: "
                "checks and timings on the GPU at hand (benchmarks/gpu.py). "
                "`python -m benchmarks quality --help`: does dilated attention learn long "
-               "context? Small LMs that differ only in attention (docs/quality.md).")
+               "context? Small LMs that differ only in attention (docs/quality.md). Every "
+               "command but gpu-compile uses the persistent compilation cache "
+               "(dilax.compile_cache: ~/.cache/dilax/jax); --no-compile-cache after the command "
+               "turns it off (compile time is never part of a measured time).")
     sub = p.add_subparsers(dest="command", required=True, metavar="command",
                            title="commands")
     for name in COMMANDS:
@@ -289,6 +293,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tools.gpu import compile as gpu_compile
 
         return gpu_compile.main(argv[1:])
+    off = "--no-compile-cache" in argv  # every other command: compiled programs kept
+    argv = [a for a in argv if a != "--no-compile-cache"]
+    compile_cache.enable(off=off)
     if argv[:1] == ["gpu"]:  # its own flags (benchmarks/gpu.py)
         from benchmarks import gpu
 

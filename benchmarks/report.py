@@ -19,7 +19,7 @@ def markdown(result: dict[str, Any]) -> str:
 
         return plan_markdown(result)
     if result["command"] in ("quality", "quality-estimate"):
-        from benchmarks.quality import markdown as quality_markdown
+        from benchmarks.quality_report import markdown as quality_markdown
 
         return quality_markdown(result)
     cfg = result.get("config", {})
@@ -122,7 +122,7 @@ def config_title(result: dict[str, Any]) -> str:
     """The configuration and machine of a result in two short lines, for a plot's title (a
     PNG shown alone must say what it measured)."""
     if result.get("command") in ("quality", "quality-estimate"):
-        from benchmarks.quality import config_title as quality_title
+        from benchmarks.quality_report import config_title as quality_title
 
         return quality_title(result)
     cfg, m = result.get("config", {}), result.get("machine", {})
@@ -142,7 +142,7 @@ def config_title(result: dict[str, Any]) -> str:
 
 def plots(result: dict[str, Any], out_dir: str, name: str) -> list[str]:
     if result.get("command") in ("quality", "quality-estimate"):
-        from benchmarks.quality import plots as quality_plots
+        from benchmarks.quality_report import plots as quality_plots
 
         return quality_plots(result, out_dir, name)
     try:

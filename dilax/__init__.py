@@ -27,7 +27,7 @@ from dilax.semantics import dilated_counts
 from dilax.sp.config import SequenceParallel
 
 # Submodules that import Flax (or are rarely needed): attributes of dilax on first access.
-_LAZY_SUBMODULES = ("data", "factory", "models", "nn", "sample", "train")
+_LAZY_SUBMODULES = ("compile_cache", "data", "factory", "models", "nn", "sample", "train")
 
 
 # Old doors, kept working: each warns and names its replacement (one door per op).

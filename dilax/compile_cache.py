@@ -1,7 +1,8 @@
 """The command-line tools' persistent compilation cache: a second run of the same command
 loads its compiled programs instead of compiling them again.
 
-``python -m dilax.train`` and ``python -m dilax.sample`` call :func:`enable` first. The
+``python -m dilax.train``, ``python -m dilax.sample`` and ``python -m benchmarks`` (every
+command but ``gpu-compile``, whose report times the compiles) call :func:`enable` first. The
 cache is JAX's own (``jax_compilation_cache_dir``), in
 ``$JAX_COMPILATION_CACHE_DIR`` when that is set, else in ``$XDG_CACHE_HOME/dilax/jax``
 (``~/.cache/dilax/jax``). Turn it off with ``--no-compile-cache`` or

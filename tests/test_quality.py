@@ -82,19 +82,19 @@ def test_quality_pairs_match_brute_force(tiny_run):
 
 def test_quality_sparse_and_window_pairs():
     """The sparse arm's pattern counted on its token mask, and the window arm's pairs."""
-    from benchmarks import quality
+    from benchmarks import quality_setup
     from dilax.patterns import local_strided
 
-    s = dict(quality.QUICK, short=16, factor=4, num_heads=4, local_window=4)
-    arms = {a.name: a for a in quality.make_arms(s)}
+    s = dict(quality_setup.QUICK, short=16, factor=4, num_heads=4, local_window=4)
+    arms = {a.name: a for a in quality_setup.make_arms(s)}
     fields = arms["sparse"].model_fields()
     pat = local_strided(64, *fields["block_sparse"]).expanded_mask(64)
     causal = pat & np.tri(64, dtype=bool)
-    longnet = quality.pairs_of(64, 4, arms["longnet"].model_fields())
-    sparse = quality.pairs_of(64, 4, fields)
+    longnet = quality_setup.pairs_of(64, 4, arms["longnet"].model_fields())
+    sparse = quality_setup.pairs_of(64, 4, fields)
     assert sparse == 4 * int(causal.sum())
     assert abs(sparse - longnet) / longnet < 0.2  # matched to LongNet's
-    assert quality.pairs_of(64, 4, arms["longnet+window"].model_fields()) == _brute_pairs(
+    assert quality_setup.pairs_of(64, 4, arms["longnet+window"].model_fields()) == _brute_pairs(
         64, 4, (16, 32, 64), (1, 2, 4), window=4)
 
 
@@ -109,14 +109,14 @@ def test_quality_resume_skips_cached(tiny_run, capsys):
 
 
 def test_quality_data_split_is_stable():
-    from benchmarks import quality
+    from benchmarks import quality_setup
 
-    assert quality.is_held_out("os.py") == quality.is_held_out("os.py")
-    files = [rel for rel, _ in quality.stdlib_files()][:400]
-    held = sum(map(quality.is_held_out, files))
+    assert quality_setup.is_held_out("os.py") == quality_setup.is_held_out("os.py")
+    files = [rel for rel, _ in quality_setup.stdlib_files()][:400]
+    held = sum(map(quality_setup.is_held_out, files))
     assert 0 < held < len(files) // 4
     dist = np.arange(1, 9) * 7
-    x, t, d = quality.probe_batch(0, 0, 8, 64, 3, 1, dist)
+    x, t, d = quality_setup.probe_batch(0, 0, 8, 64, 3, 1, dist)
     rows, q = np.nonzero(d >= 0)
     assert (rows == np.arange(8)).all() and (d[rows, q] == dist).all()  # one query per row
     vpos = q - dist
@@ -124,7 +124,7 @@ def test_quality_data_split_is_stable():
     assert (t[rows, q] == x[rows, vpos]).all()  # the target is that value
     assert (np.sort(x, axis=1) >= 0).all() and (x < 64).all()
     assert ((x >= 48).sum(axis=1) == 3).all()  # each value once: 1 queried + 2 distractors
-    x, t, d = quality.probe_batch(0, 1, 4, 64, 1, 5)
+    x, t, d = quality_setup.probe_batch(0, 1, 4, 64, 1, 5)
     assert ((t >= 0).sum(axis=1) == 5).all() and (d[t >= 0] > 0).all()
 
 
