@@ -190,10 +190,10 @@ def test_train_block_sparse_model_is_causal():
 
     tok = CharTokenizer(m.vocab)
     prompt = m.vocab[10:14]
-    text = sample(model, tok, prompt, 5, 32, 0.0, jax.random.key(0))
-    assert text.startswith(prompt) and len(text) == 9
+    text = sample(model, tok, prompt, 2, 32, 0.0, jax.random.key(0))
+    assert text.startswith(prompt) and len(text) == 6
     greedy = tok.encode(prompt).tolist()
-    for _ in range(5):  # greedy = the argmax of the full forward pass, token by token
+    for _ in range(2):  # greedy = the argmax of the full forward pass, token by token
         logits = model(jnp.asarray([greedy]), deterministic=True)[0, -1]
         greedy.append(int(jnp.argmax(logits)))
     assert text == tok.decode(greedy)
