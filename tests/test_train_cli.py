@@ -20,11 +20,12 @@ from dilax import sample as S
 from dilax import train as T
 
 REPO = Path(__file__).resolve().parents[1]
-# The README's training example ("Training"): its text (Latin with diacritics, Cyrillic,
+# The training guide's example (docs/training.md, whose block is not run again by
+# tests/test_readme.py): its text (Latin with diacritics, Cyrillic,
 # Japanese), its model and its training flags, so that the eval step, the train step of its
 # schedule (--steps 30, the resume below) and the sampling program (its prompt and --tokens)
-# are the README's: compiled once in a test session (the persistent compilation cache of
-# tests/conftest.py) for tests/test_readme.py and this module.
+# are the guide's: compiled once in a test session (the persistent compilation cache of
+# tests/conftest.py).
 README_LINE = "Ünïcödé: Привет, мир! 日本語のテキスト. Straße {i}."
 README_STEPS = 30
 MODEL = ["--d-model", "32", "--num-heads", "2", "--num-layers", "1", "--dim-feedforward", "64",
@@ -34,7 +35,7 @@ RUN = ["--batch-size", "4", "--seq-len", "64", "--eval-every", "1", "--eval-batc
 
 
 def _text(lines: int = 300) -> str:
-    """The README's ``my.txt``: ``echo "<README_LINE>"`` for ``i`` in ``$(seq 300)``."""
+    """The training guide's ``my.txt``: ``echo "<README_LINE>"`` for ``i`` in ``$(seq 300)``."""
     return "".join(README_LINE.format(i=i) + "\n" for i in range(1, lines + 1))
 
 
