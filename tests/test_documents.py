@@ -245,9 +245,7 @@ def test_block_sparse_documents_are_pattern_and_same_document():
     pattern = patterns.random(N, 8, 0.5, seed=3, num_heads=H)
     q, k, v, g = _data(6)
     ids = _ids()
-    doc = np.cumsum(np.concatenate([np.zeros((2, 1), bool), ids[:, 1:] != ids[:, :-1]], 1), 1)
-    weights = (np.asarray(pattern.expanded_mask(N, True))[None]
-               * (doc[:, None, :, None] == doc[:, None, None, :]))
+    weights = _pattern_and_documents(pattern, ids)
 
     def loss(q, k, v):
         out = dilax.block_sparse_attention(q, k, v, pattern, is_causal=True,
@@ -259,6 +257,13 @@ def test_block_sparse_documents_are_pattern_and_same_document():
     for got, exp, name in zip((out, *grads), (want.out, want.dq, want.dk, want.dv),
                               ("out", "dq", "dk", "dv")):
         assert_scaled_close(got, exp, FP32, err_msg=name)
+
+
+def _pattern_and_documents(pattern, ids) -> np.ndarray:
+    """The oracle's weights (b, h, n, n): the causal pattern AND same document."""
+    doc = np.cumsum(np.concatenate([np.zeros((2, 1), bool), ids[:, 1:] != ids[:, :-1]], 1), 1)
+    return (np.asarray(pattern.expanded_mask(N, True))[None]
+            * (doc[:, None, :, None] == doc[:, None, None, :]))
 
 
 def test_block_sparse_documents_rows_in_several_steps(monkeypatch):
@@ -274,9 +279,7 @@ def test_block_sparse_documents_rows_in_several_steps(monkeypatch):
     pattern = patterns.random(N, 8, 0.5, seed=4, num_heads=H)
     q, k, v, g = _data(7)
     ids = _ids()
-    doc = np.cumsum(np.concatenate([np.zeros((2, 1), bool), ids[:, 1:] != ids[:, :-1]], 1), 1)
-    weights = (np.asarray(pattern.expanded_mask(N, True))[None]
-               * (doc[:, None, :, None] == doc[:, None, None, :]))
+    weights = _pattern_and_documents(pattern, ids)
 
     def loss(q, k, v):
         out = block_sparse_attention_xla(q, k, v, pattern, is_causal=True, scale=D ** -0.5,

@@ -299,3 +299,25 @@ def test_semantics_is_the_bottom_and_reference_a_leaf():
     users = {m for m, targets in graph.items() if "dilax.reference" in targets}
     assert users == {"dilax.dilated.api", "dilax.block_sparse.api", "dilax.dropin.dot_product",
                      "dilax.dropin.attention_fn"}, users
+
+
+def test_old_doors_still_work_and_warn():
+    """Issue 37: one door per op; the old names keep working for a new user and warn, naming
+    the replacement."""
+    import warnings
+
+    import dilax
+    from dilax.block_sparse.api import sharded_block_sparse_attention as bs_alias
+    from dilax.dilated.ring import sharded_dilated_attention as alias
+
+    with pytest.warns(DeprecationWarning, match=r"dilated_attention\(\.\.\., sequence_parallel="):
+        from dilax import sharded_dilated_attention
+    assert sharded_dilated_attention is alias
+    with pytest.warns(DeprecationWarning, match=r"block_sparse_attention\(\.\.\., sequence_par"):
+        assert dilax.sharded_block_sparse_attention is bs_alias
+    with pytest.warns(DeprecationWarning, match="moved: use dilax.ring_dilated_attention"):
+        from dilax.sp import ring_dilated_attention
+    assert ring_dilated_attention is dilax.ring_dilated_attention
+    with warnings.catch_warnings():  # the one doors do not warn
+        warnings.simplefilter("error")
+        from dilax import SequenceParallel, dilated_attention, ring_dilated_attention  # noqa: F401

@@ -9,6 +9,8 @@ their arrays (document ids, slopes, tables); closed-over float arrays receive gr
 
 from __future__ import annotations
 
+import operator
+
 import jax.numpy as jnp
 
 
@@ -84,30 +86,26 @@ def document_mask(segment_ids, kv_segment_ids=None):
     return mask_mod
 
 
-def and_masks(*mask_mods):
-    """A pair is kept iff every ``mask_mod`` keeps it (no argument: every pair)."""
-    _callables(mask_mods, "and_masks")
+def _combine(mask_mods, op, start: bool, name: str):
+    _callables(mask_mods, name)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        out = jnp.asarray(True)
+        out = jnp.asarray(start)
         for m in mask_mods:
-            out = out & m(b, h, q_idx, kv_idx)
+            out = op(out, m(b, h, q_idx, kv_idx))
         return out
 
     return mask_mod
+
+
+def and_masks(*mask_mods):
+    """A pair is kept iff every ``mask_mod`` keeps it (no argument: every pair)."""
+    return _combine(mask_mods, operator.and_, True, "and_masks")
 
 
 def or_masks(*mask_mods):
     """A pair is kept iff some ``mask_mod`` keeps it (no argument: no pair)."""
-    _callables(mask_mods, "or_masks")
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        out = jnp.asarray(False)
-        for m in mask_mods:
-            out = out | m(b, h, q_idx, kv_idx)
-        return out
-
-    return mask_mod
+    return _combine(mask_mods, operator.or_, False, "or_masks")
 
 
 def soft_cap(cap: float):
