@@ -171,7 +171,7 @@ def row_mods(mods, idx, b, R, bs, q_first=None):
     if mods is None:
         return None, None
     first = jnp.arange(R, dtype=jnp.int32) * bs if q_first is None else q_first
-    rows = first[:, None] + jnp.arange(bs, dtype=jnp.int32)  # (R, bs)
+    rows = first[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]  # (R, bs)
     q_pos = jnp.broadcast_to(rows[None], (b, R, bs)).reshape(b * R, bs)
     batch = jnp.repeat(jnp.arange(b, dtype=jnp.int32), R)
     diag = dataclasses.replace(mods, q_pos=q_pos, kv_pos=q_pos[:, None], batch=batch)
@@ -179,7 +179,8 @@ def row_mods(mods, idx, b, R, bs, q_first=None):
         return None, diag
     idx = jnp.asarray(idx, jnp.int32)  # (Bi, Ui, R, A)
     Ui, A = idx.shape[1], idx.shape[-1]
-    keys = (idx[..., None] * bs + jnp.arange(bs, dtype=jnp.int32)).reshape(*idx.shape[:3], -1)
+    offsets = jnp.arange(bs, dtype=jnp.int32).reshape((1,) * idx.ndim + (bs,))
+    keys = (idx[..., None] * bs + offsets).reshape(*idx.shape[:3], -1)
     keys = jnp.broadcast_to(keys, (b, Ui, R, A * bs)).transpose(0, 2, 1, 3)
     return dataclasses.replace(mods, q_pos=q_pos, kv_pos=keys.reshape(b * R, Ui, A * bs),
                                batch=batch), diag

@@ -152,7 +152,7 @@ def with_sinks(out, lse, sinks, dtype):
     """``(out, lse)`` of a core result ``out (..., h, dv)`` float32 and ``lse (..., h)`` with
     one sink logit per head ``sinks (h,)`` added to the denominator (gradients through
     ``lse``), ``out`` in ``dtype``."""
-    sink = sinks.astype(_F32)
+    sink = sinks.astype(_F32).reshape((1,) * (lse.ndim - 1) + sinks.shape)  # rank-safe
     out = (out * jax.nn.sigmoid(lse - sink)[..., None]).astype(dtype)
     return out, jnp.logaddexp(lse, sink)
 
