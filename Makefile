@@ -45,7 +45,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 lint: $(STAMP)
-	$(PY) -m ruff check dilax pallas_kernels benchmarks tests docs notebooks
+	$(PY) -m ruff check dilax pallas_kernels benchmarks tools tests docs notebooks
 
 ## make docs: install the docs extras (first time) and build the docs site (docs/: the guides,
 ## the notebooks with their committed outputs, never executed, and the API reference from the
