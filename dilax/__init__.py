@@ -32,7 +32,7 @@ _LAZY_SUBMODULES = ("compile_cache", "data", "factory", "models", "nn", "sample"
 
 # Old doors, kept working: each warns and names its replacement (one door per op).
 _DEPRECATED = {
-    "sharded_dilated_attention": ("dilax.dilated.ring", "dilated_attention(..., "
+    "sharded_dilated_attention": ("dilax.dilated.api", "dilated_attention(..., "
                                   "sequence_parallel=dilax.SequenceParallel(mesh, axis))"),
     "sharded_block_sparse_attention": ("dilax.block_sparse.api", "block_sparse_attention(..., "
                                        "sequence_parallel=dilax.SequenceParallel(mesh, axis))"),

@@ -308,7 +308,7 @@ def test_old_doors_still_work_and_warn():
 
     import dilax
     from dilax.block_sparse.api import sharded_block_sparse_attention as bs_alias
-    from dilax.dilated.ring import sharded_dilated_attention as alias
+    from dilax.dilated.api import sharded_dilated_attention as alias
 
     with pytest.warns(DeprecationWarning, match=r"dilated_attention\(\.\.\., sequence_parallel="):
         from dilax import sharded_dilated_attention

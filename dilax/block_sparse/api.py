@@ -416,17 +416,8 @@ def sharded_block_sparse_attention(
                   "dilax.block_sparse_attention(..., "
                   "sequence_parallel=dilax.SequenceParallel(mesh, seq_axis))",
                   DeprecationWarning, stacklevel=2)
-    sp = SequenceParallel(mesh, seq_axis, batch_axis)
-    interpret = V.check_bool(interpret, "interpret")
-    q, k, v = V.check_qkv(q, k, v)
-    pattern = check_pattern(pattern, q)
-    check_sequence_parallel(sp, implementation, interpret=interpret,
-                            block_size=pattern.block_size)
-    is_causal = V.check_bool(is_causal, "is_causal")
-    scale = V.check_scale(scale, q.shape[3])
-    b, n = q.shape[:2]
-    q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n)
-    kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n)
-    check_sharded_block_sparse(q, pattern, sp)
-    return sharded_block_sparse(q, k, v, pattern, is_causal, scale, sp, q_len, kv_len,
-                                implementation, interpret)
+    return block_sparse_attention(
+        q, k, v, pattern, is_causal=is_causal, scale=scale, implementation=implementation,
+        interpret=interpret, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        sequence_parallel=SequenceParallel(mesh, seq_axis, batch_axis))

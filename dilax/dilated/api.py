@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from dilax import _validation as V
 from dilax.attention_mask import AttentionMask, document_bounds, take_attention_mask
@@ -213,3 +215,65 @@ def _dilated_jit(q, k, v, mask: AttentionMask, settings: DilatedSettings):
             local_window=settings.local_window, key_padding_mask=mask.key_padding_mask,
             segment_ids=mask.segment_ids)
     return dilated_attention_core(q, k, v, mask, settings, core)
+
+
+def sharded_dilated_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_lengths: tuple[int, ...] | list[int] | int | None = None,
+    dilation_rates: tuple[int, ...] | list[int] | int | None = None,
+    *,
+    mesh: Mesh,
+    seq_axis: str = "sp",
+    batch_axis: str | None = None,
+    is_causal: bool = False,
+    mode: str = "mixture",
+    scale: float | None = None,
+    layout: str = "contiguous",
+    block_sizes: BlockSizes | None = None,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window: int | None = None,
+    settings: DilatedSettings | None = None,
+    mask: AttentionMask | None = None,
+) -> jax.Array:
+    """Sequence-parallel dilated attention over ``mesh`` (global view; builds the shard_map).
+
+    An alias of ``dilax.dilated_attention(q, k, v, ..., sequence_parallel=
+    dilax.SequenceParallel(mesh, seq_axis, batch_axis, layout))``, the one way to call it.
+
+    Args:
+      q: ``(b, n, h, d)``; k, v: ``(b, n, hk, d)`` in natural position order.
+      mesh: a ``jax.sharding.Mesh``; the sequence is sharded over ``seq_axis`` (``P`` devices,
+        ``n % P == 0``) and, optionally, the batch over ``batch_axis``.
+      layout: ``"contiguous"`` or ``"zigzag"``. With ``"zigzag"`` the shards are permuted to the
+        zigzag layout with point-to-point transfers inside the shard_map (``n % 2P == 0``) and
+        the output is permuted back, so the caller always sees natural order.
+      query_seq_lengths, key_value_seq_lengths: optional int ``(b,)`` valid lengths (sharded
+        over ``batch_axis`` with the batch); local_window: optional ``W <= n/P`` (``n/(2P)``
+        with zigzag).
+      settings, mask: as in :func:`dilax.dilated_attention`.
+      Other arguments: as in :func:`dilax.dilated_attention`.
+
+    Returns:
+      ``(b, n, h, d)`` in ``q.dtype``, sharded like ``q``; equal to
+      ``dilated_attention(q, k, v, ...)``.
+
+    Raises:
+      TypeError: ``mesh`` is not a ``Mesh``; dtypes or non-static config as in
+        :func:`dilax.dilated_attention`.
+      ValueError: ``seq_axis``/``batch_axis`` not mesh axes or equal, ``n % P != 0``,
+        ``layout="zigzag"`` with ``n % 2P != 0``, batch not divisible by the ``batch_axis``
+        size, ``local_window`` longer than a local chunk, and every input error of
+        :func:`dilax.dilated_attention`.
+    """
+    warnings.warn("dilax.sharded_dilated_attention is deprecated: use dilax.dilated_attention(..., "
+                  "sequence_parallel=dilax.SequenceParallel(mesh, seq_axis))",
+                  DeprecationWarning, stacklevel=2)
+    return dilated_attention(
+        q, k, v, segment_lengths, dilation_rates, is_causal=is_causal, mode=mode, scale=scale,
+        block_sizes=block_sizes, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, local_window=local_window,
+        settings=settings, attention_mask=mask,
+        sequence_parallel=SequenceParallel(mesh, seq_axis, batch_axis, layout))

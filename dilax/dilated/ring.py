@@ -28,8 +28,8 @@ Branches are merged exactly like the single-device function (log-sum-exp weights
 Layouts (:mod:`dilax.sp.layout`). ``layout="contiguous"``: device ``i`` holds positions
 ``[i n/P, (i+1) n/P)``. ``layout="zigzag"`` (causal load balance): the sequence is cut into
 ``2P`` chunks of ``n/(2P)`` positions and device ``i`` holds chunk ``i`` followed by chunk
-``2P-1-i``; see :func:`dilax.sp.zigzag_permutation`. :func:`sharded_dilated_attention`
-converts to and from it for you.
+``2P-1-i``; see :func:`dilax.sp.zigzag_permutation`. ``dilated_attention(...,
+sequence_parallel=SequenceParallel(..., layout="zigzag"))`` converts to and from it for you.
 
 Validation happens once, at the public entry (:func:`dilax.dilated_attention` with
 ``sequence_parallel=``, or the aliases below); :func:`sharded_dilated` and
@@ -50,13 +50,11 @@ device-varying; the Pallas kernels' outputs carry no such type, so with them cal
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh
 
 from dilax import _validation as V
 from dilax import registry
@@ -67,7 +65,7 @@ from dilax.core import BlockSizes, Core
 from dilax.dilated.ring_branches import WindowBranch, branch_op, chunk_starts, is_local
 from dilax.dilated.ring_documents import document_core, ring_documents_core
 from dilax.dilated.settings import DilatedSettings, check_dilated_request, settings_from_keywords
-from dilax.sp.config import SequenceParallel, check_sequence_parallel
+from dilax.sp.config import SequenceParallel
 from dilax.sp.layout import check_layout, relayout
 from dilax.sp.mesh import axis_size, check_sharded_shape, shard_sequence
 from dilax.sp.ring_vjp import RING_BLOCKS
@@ -283,73 +281,6 @@ def ring_dilated_core(q, k, v, mask: AttentionMask, settings: DilatedSettings, *
         pos = jnp.concatenate([s0 + jnp.arange(m // C) for s0 in starts])  # (m,)
         out = jnp.where((pos[None] < q_len[:, None])[..., None, None], out, 0)
     return out
-
-
-def sharded_dilated_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_lengths: tuple[int, ...] | list[int] | int | None = None,
-    dilation_rates: tuple[int, ...] | list[int] | int | None = None,
-    *,
-    mesh: Mesh,
-    seq_axis: str = "sp",
-    batch_axis: str | None = None,
-    is_causal: bool = False,
-    mode: str = "mixture",
-    scale: float | None = None,
-    layout: str = "contiguous",
-    block_sizes: BlockSizes | None = None,
-    query_seq_lengths: jax.Array | None = None,
-    key_value_seq_lengths: jax.Array | None = None,
-    local_window: int | None = None,
-    settings: DilatedSettings | None = None,
-    mask: AttentionMask | None = None,
-) -> jax.Array:
-    """Sequence-parallel dilated attention over ``mesh`` (global view; builds the shard_map).
-
-    An alias of ``dilax.dilated_attention(q, k, v, ..., sequence_parallel=
-    dilax.SequenceParallel(mesh, seq_axis, batch_axis, layout))``, the one way to call it.
-
-    Args:
-      q: ``(b, n, h, d)``; k, v: ``(b, n, hk, d)`` in natural position order.
-      mesh: a ``jax.sharding.Mesh``; the sequence is sharded over ``seq_axis`` (``P`` devices,
-        ``n % P == 0``) and, optionally, the batch over ``batch_axis``.
-      layout: ``"contiguous"`` or ``"zigzag"``. With ``"zigzag"`` the shards are permuted to the
-        zigzag layout with point-to-point transfers inside the shard_map (``n % 2P == 0``) and
-        the output is permuted back, so the caller always sees natural order.
-      query_seq_lengths, key_value_seq_lengths: optional int ``(b,)`` valid lengths (sharded
-        over ``batch_axis`` with the batch); local_window: optional ``W <= n/P`` (``n/(2P)``
-        with zigzag).
-      settings, mask: as in :func:`dilax.dilated_attention`.
-      Other arguments: as in :func:`dilax.dilated_attention`.
-
-    Returns:
-      ``(b, n, h, d)`` in ``q.dtype``, sharded like ``q``; equal to
-      ``dilated_attention(q, k, v, ...)``.
-
-    Raises:
-      TypeError: ``mesh`` is not a ``Mesh``; dtypes or non-static config as in
-        :func:`dilax.dilated_attention`.
-      ValueError: ``seq_axis``/``batch_axis`` not mesh axes or equal, ``n % P != 0``,
-        ``layout="zigzag"`` with ``n % 2P != 0``, batch not divisible by the ``batch_axis``
-        size, ``local_window`` longer than a local chunk, and every input error of
-        :func:`dilax.dilated_attention`.
-    """
-    warnings.warn("dilax.sharded_dilated_attention is deprecated: use dilax.dilated_attention(..., "
-                  "sequence_parallel=dilax.SequenceParallel(mesh, seq_axis))",
-                  DeprecationWarning, stacklevel=2)
-    settings = settings_from_keywords(
-        settings, segment_lengths, dilation_rates, is_causal=is_causal, mode=mode, scale=scale,
-        block_sizes=block_sizes, local_window=local_window)
-    sp = SequenceParallel(mesh, seq_axis, batch_axis, layout)
-    check_sequence_parallel(sp, settings.implementation, interpret=settings.interpret,
-                            dilated=True)
-    q, k, v, mask, settings = check_dilated_request(
-        q, k, v, settings, mask, query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths)
-    check_sharded(q, k.shape[2], mask, settings, sp)
-    return sharded_dilated(q, k, v, mask, settings, sp)
 
 
 def sharded_dilated(q, k, v, mask: AttentionMask, settings: DilatedSettings,

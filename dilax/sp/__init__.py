@@ -20,7 +20,7 @@ __all__ = ["LAYOUTS", "SequenceParallel", "zigzag_permutation"]
 
 # Names that lived here before the rings moved to their ops: kept working, with a warning.
 _MOVED = {"ring_dilated_attention": "dilax.dilated.ring",
-          "sharded_dilated_attention": "dilax.dilated.ring",
+          "sharded_dilated_attention": "dilax.dilated.api",
           "ring_block_sparse_attention": "dilax.block_sparse.ring",
           "sharded_block_sparse_attention": "dilax.block_sparse.api"}
 
