@@ -182,19 +182,38 @@ def run_lm(s: dict[str, Any], arm: Arm, seed: int, data: tuple[np.ndarray, np.nd
                 eval_s=time.perf_counter() - t0)
 
 
-def distance_buckets(s: dict[str, Any]) -> list[tuple[int, int]]:
-    """``[lo, hi)`` distance buckets: quarters and halves of ``L_s``, then doublings to ``L``."""
-    short, long_ = s["short"], s["short"] * s["factor"]
+def distance_buckets(s: dict[str, Any], n: int | None = None) -> list[tuple[int, int]]:
+    """``[lo, hi)`` distance buckets in a row of ``n`` (default the long length): quarters
+    and halves of ``L_s``, then doublings to ``n``."""
+    short, n = s["short"], n or s["short"] * s["factor"]
     edges = [1, short // 4, short // 2, short]
-    while edges[-1] < long_:
+    while edges[-1] < n:
         edges.append(edges[-1] * 2)
-    edges[-1] = long_ - 1  # distances run to n - 2
+    edges[-1] = n - 1  # distances run to n - 2
     return [(a, b) for a, b in zip(edges[:-1], edges[1:]) if b > a]
+
+
+def _probe_accuracy(s: dict[str, Any], model, seed: int, n: int
+                    ) -> tuple[list[tuple[int, int]], list[float]]:
+    """Held-out recall accuracy by distance bucket in rows of ``n``, one query per row."""
+    f = fns()
+    buckets = distance_buckets(s, n)
+    per = max(1, s["probe_eval"] // len(buckets))
+    dist = np.concatenate([np.linspace(lo, hi - 1, per).astype(np.int64) for lo, hi in buckets])
+    x, t, d = probe_batch(10_000 + seed, 0, len(dist), n, s["probe_pairs"], 1, dist)
+    rows = max(1, 32 * s["short"] * s["factor"] // n)  # rows per call: same tokens per call
+    pred = np.concatenate([np.asarray(f["probe_predict"](model, f["jnp"].asarray(x[i:i + rows])))
+                           for i in range(0, len(x), rows)])
+    q = d >= 0  # one query per row
+    pred, t, d = pred[q], t[q], d[q]
+    return buckets, [float(np.mean(pred[(d >= lo) & (d < hi)] == t[(d >= lo) & (d < hi)]))
+                     for lo, hi in buckets]
 
 
 def run_probe(s: dict[str, Any], arm: Arm, seed: int, tick=lambda step: None
               ) -> dict[str, Any]:
-    """Trains one probe arm with one seed on key-value recall; accuracy by distance."""
+    """Trains one probe arm with one seed on key-value recall; accuracy by distance at the
+    training length and at twice it (where the arm's reach must end)."""
     from dilax.train.steps import make_model
 
     f = fns()
@@ -210,18 +229,11 @@ def run_probe(s: dict[str, Any], arm: Arm, seed: int, tick=lambda step: None
         losses.append(float(f["probe_step"](model, opt, jnp.asarray(x), jnp.asarray(t))))
         step_times.append(time.perf_counter() - t0)
         tick(step + 1)
-    buckets = distance_buckets(s)
-    per = max(1, s["probe_eval"] // len(buckets))
-    dist = np.concatenate([np.linspace(lo, hi - 1, per).astype(np.int64) for lo, hi in buckets])
-    x, t, d = probe_batch(10_000 + seed, 0, len(dist), n, s["probe_pairs"], 1, dist)
-    pred = np.concatenate([np.asarray(f["probe_predict"](model, jnp.asarray(x[i:i + 32])))
-                           for i in range(0, len(x), 32)])
-    q = d >= 0  # one query per row
-    pred, t, d = pred[q], t[q], d[q]
-    acc = [float(np.mean(pred[(d >= lo) & (d < hi)] == t[(d >= lo) & (d < hi)]))
-           for lo, hi in buckets]
+    buckets, acc = _probe_accuracy(s, model, seed, n)
+    buckets_2x, acc_2x = _probe_accuracy(s, model, seed, 2 * n)
     tail = max(1, len(losses) // 10)
     return dict(arm=arm.name, seed=seed, buckets=buckets, accuracy=acc,
+                buckets_2x=buckets_2x, accuracy_2x=acc_2x,
                 final_loss=float(np.mean(losses[-tail:])),
                 first_step_s=step_times[0],
                 step_s=float(np.median(step_times[1:])) if len(step_times) > 1 else None)
@@ -377,8 +389,8 @@ def run(args: argparse.Namespace, log=None) -> dict[str, Any]:
                            "counted; the window branch min(p, W) + 1 per query); attention "
                            f"training FLOPs = {14} x head_dim x pairs per token x layers x "
                            "training tokens; other = 6 x matmul weights x tokens"),
-                    probe=("key-value recall: filler, key k and value v at distance d from "
-                           "the end, the query k as the last token; the answer is v "
+                    probe=("key-value recall: filler tokens, the key k at p - 1 and its "
+                           "value v at p, later the query k at p + d; the answer is v "
                            f"({PROBE_VALUES} values: chance {1 / PROBE_VALUES:.3f}); "
                            f"{s['probe_pairs']} pair(s) per row (the rest distractors)"),
                 ))

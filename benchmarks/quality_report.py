@@ -18,6 +18,7 @@ from benchmarks.quality_setup import (
     Arm,
     model_config,
     pairs_of,
+    structural_reach,
 )
 
 # ----------------------------------------------------------------------------- outputs
@@ -77,11 +78,33 @@ def summarize(s: dict[str, Any], arms: list[Arm], lm: list[dict], probes: list[A
             row["step_s"] = statistics.median(r["step_s"] for r in recs if r["step_s"])
             row["per_seed"] = [dict(seed=r["seed"], accuracy=r["accuracy"],
                                     final_loss=r["final_loss"]) for r in recs]
+            row["reach"] = structural_reach(long_, s["num_heads"], s["num_layers"],
+                                            arm.model_fields(), row["buckets"])
+            if all("accuracy_2x" in r for r in recs):  # at twice the training length
+                row["buckets_2x"] = recs[0]["buckets_2x"]
+                row["accuracy_2x"] = [_spread(list(v))
+                                      for v in zip(*[r["accuracy_2x"] for r in recs])]
+                row["reach_2x"] = structural_reach(2 * long_, s["num_heads"],
+                                                   s["num_layers"], arm.model_fields(),
+                                                   row["buckets_2x"])
+                row["reach_ends"] = _reach_end(row["buckets_2x"], row["accuracy_2x"])
         prows.append(row)
     del mcfg
     return dict(rows=rows, probe=prows, training_tokens_per_arm=tokens,
                 eval_lengths=[short, long_])
 
+
+
+def _reach_end(buckets: list[tuple[int, int]], acc: list[dict[str, float]],
+               level: float = 0.5) -> int | None:
+    """The upper end of the last distance bucket of a run of buckets, from the first, where
+    the mean accuracy is at least ``level`` (None when the first bucket is below it)."""
+    end = None
+    for (_, hi), a in zip(buckets, acc):
+        if a["mean"] < level:
+            break
+        end = hi - 1
+    return end
 
 
 def _pm(sp: dict[str, float] | None, spec: str = ".3f") -> str:
@@ -174,12 +197,46 @@ def markdown(result: dict[str, Any]) -> str:
         for r in probe:
             lines.append(f"| {r['arm']} | " + " | ".join(_pm(a, ".2f") for a in r["accuracy"])
                          + f" | {_pm(r['final_loss'], '.2f')} |")
+        reach = [r for r in probe if "reach" in r]
+        lines += [] if not reach else [
+                  "", "Structural reach: the fraction of (value, query) pairs at each distance "
+                  f"that a {s['num_layers']}-layer model of the arm's attention pattern can "
+                  "connect at all (some position must read both the key and the value, and "
+                  "the query must read that position; a necessary condition, "
+                  "benchmarks.quality_setup.structural_reach):", "",
+                  "| probe arm | " + " | ".join(f"d {lo}–{hi - 1}" for lo, hi in buckets)
+                  + " |", "|---|" + "---:|" * len(buckets)]
+        for r in reach:
+            lines.append(f"| {r['arm']} | " + " | ".join(f"{a:.2f}" for a in r["reach"])
+                         + " |")
+        lines += _beyond_lines(probe, long_)
     lines += ["", "Reproduce an arm by hand: `python -m dilax.train --data FILE "
               f"--d-model {s['d_model']} --num-heads {s['num_heads']} --num-layers "
               f"{s['num_layers']} --dim-feedforward {s['dim_feedforward']} ARM-FLAGS` with:", ""]
     for r in result["rows"]:
         lines.append(f"- {r['arm']}: `{r['flags']}`")
     return "\n".join(lines) + "\n"
+
+
+def _beyond_lines(probe: list[dict[str, Any]], long_: int) -> list[str]:
+    """The probe at twice the training length: accuracy and structural reach by distance,
+    and where each arm's reach ends."""
+    probe = [r for r in probe if "accuracy_2x" in r]
+    if not probe:
+        return []
+    buckets = probe[0]["buckets_2x"]
+    lines = ["", f"The same probe models evaluated at {2 * long_} tokens, twice their training "
+             "length (the segments keep their lengths; the rows hold more of them): accuracy "
+             "/ structural reach by distance, and the last distance up to which the mean "
+             "accuracy stays at or above 0.5 from the shortest distances on:", "",
+             "| probe arm | " + " | ".join(f"d {lo}–{hi - 1}" for lo, hi in buckets)
+             + " | reach ends at |", "|---|" + "---:|" * (len(buckets) + 1)]
+    for r in probe:
+        end = r.get("reach_ends")
+        lines.append(f"| {r['arm']} | " + " | ".join(
+            f"{a['mean']:.2f} / {c:.2f}" for a, c in zip(r["accuracy_2x"], r["reach_2x"]))
+            + f" | {'—' if end is None else f'd = {end}'} |")
+    return lines
 
 
 def config_title(result: dict[str, Any]) -> str:

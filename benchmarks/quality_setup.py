@@ -215,6 +215,41 @@ def match_sparse(n: int, heads: int, target: int, block: int) -> tuple[int, int,
     return best[1]
 
 
+def structural_reach(n: int, heads: int, layers: int, fields: dict[str, Any],
+                     buckets: list[tuple[int, int]]) -> list[float]:
+    """Per distance bucket ``[lo, hi)``: the fraction of (value ``p``, query ``q = p + d``)
+    pairs of a row of ``n`` that a causal model of ``layers`` layers with this dilated
+    configuration can connect at all (a necessary condition for the recall probe).
+
+    The key sits at ``p - 1`` and the value at ``p``: some position ``x`` must hold both
+    (within ``l`` layers it has read from both, any head, residual included), and the query
+    must read ``x`` in the remaining ``layers - l`` layers (``1 <= l < layers``). A dilated
+    branch of rate ``r >= 2`` alone never meets this: its positions only exchange across
+    multiples of ``r``, so ``p - 1`` and ``p`` never reach one position.
+    """
+    from dilax.semantics import dilated_counts
+
+    fields = dict(fields)
+    counts = dilated_counts(n, heads, tuple(fields["segment_lengths"]),
+                            tuple(fields["dilation_rates"]), "mixture", True,
+                            fields.get("local_window"))
+    step = (counts.any(0) | np.eye(n, dtype=bool)).astype(np.float32)  # reads [x, t]
+    power = [np.eye(n, dtype=np.float32)]
+    for _ in range(layers):
+        power.append(np.minimum(power[-1] @ step, 1.0))  # reach within l layers
+    ok = np.zeros((n, n), bool)  # ok[q, p]
+    for lay in range(1, layers):
+        both = np.zeros((n, n), np.float32)  # both[x, p]: x has read p - 1 and p
+        both[:, 1:] = power[lay][:, :-1] * power[lay][:, 1:]
+        ok |= (power[layers - lay] @ both) > 0
+    out = []
+    for lo, hi in buckets:
+        hits = [np.diagonal(ok, -d)[1:] for d in range(lo, min(hi, n - 1))]
+        hits = np.concatenate([h for h in hits if h.size]) if hits else np.zeros(0)
+        out.append(float(hits.mean()) if hits.size else float("nan"))
+    return out
+
+
 def make_arms(s: dict[str, Any]) -> list[Arm]:
     short, long_ = s["short"], s["short"] * s["factor"]
     ws, rs = longnet_branches(short, s["factor"])

@@ -65,6 +65,9 @@ def test_quality_outputs(tiny_run):
     probe = res["probe"][0]
     assert probe["arm"] == "longnet"
     assert all(0 <= a["mean"] <= 1 for a in probe["accuracy"])
+    assert all(0 <= a["mean"] <= 1 for a in probe["accuracy_2x"])  # at twice the length
+    assert probe["buckets_2x"][-1][1] == 2 * probe["buckets"][-1][1] + 1  # to 2n - 2
+    assert "reach ends at" in (out / "q.md").read_text()
     md = (out / "q.md").read_text()
     assert "| dense | 16 |" in md and "| longnet | 64 |" in md and "Key-value recall" in md
 
@@ -106,6 +109,33 @@ def test_quality_resume_skips_cached(tiny_run, capsys):
     again = json.loads((out / "q.json").read_text())
     assert again["runs_cached_before"] == 3  # 2 LM runs + 1 probe run, none retrained
     assert again["rows"][1]["bpb"] == first["rows"][1]["bpb"]
+
+
+def _reach_brute_force(n, fields, d):
+    """Structural reach of 2 layers by enumeration: some x reads p - 1 and p, q reads x."""
+    from dilax.semantics import dilated_counts
+
+    c = dilated_counts(n, 4, fields["segment_lengths"], fields["dilation_rates"], "mixture",
+                       True, fields.get("local_window")).any(0) | np.eye(n, dtype=bool)
+    hits = [any(c[x, p - 1] and c[x, p] and c[p + d, x] for x in range(n))
+            for p in range(1, n - d)]
+    return np.mean(hits)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(segment_lengths=(16, 32), dilation_rates=(1, 2)),
+    dict(segment_lengths=(16,), dilation_rates=(1,)),
+    dict(segment_lengths=(32,), dilation_rates=(2,), local_window=3),
+    dict(segment_lengths=(32,), dilation_rates=(4,))])
+def test_structural_reach_matches_enumeration(fields):
+    from benchmarks import quality_setup
+
+    buckets = [(d, d + 1) for d in (1, 5, 15, 16, 20, 30)]
+    got = quality_setup.structural_reach(32, 4, 2, fields, buckets)
+    want = [_reach_brute_force(32, fields, d) for d, _ in buckets]
+    np.testing.assert_allclose(got, want)
+    if fields["dilation_rates"] == (4,):  # a rate-4 branch alone: key and value never meet
+        assert max(got) == 0
 
 
 def test_quality_data_split_is_stable():
