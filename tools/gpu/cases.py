@@ -90,7 +90,7 @@ class Case:
 
 
 # Ops whose cases compile an attention program and nothing else (see Case.no_xla_matmul).
-ATTENTION_OPS = ("dilated", "block_sparse", "ring", "decode", "flash", "reference")
+ATTENTION_OPS = ("dilated", "block_sparse", "ring", "decode", "flash", "reference", "flex")
 
 
 def _sds(shape, dtype):
@@ -176,6 +176,32 @@ def _flash(*, n=8192, h=16, d=64, dtype="bfloat16", causal=True, grad=True, offs
 
         args = (_sds((1, n, h, 1, d), dtype), _sds((1, n, h, d), dtype), _sds((1, n, h, d), dtype))
         return (loss_grad(f) if grad else f), args
+
+    return build
+
+
+def _flex(mod: str, *, n=4096, h=8, hk=2, d=64, dtype="bfloat16"):
+    """dilax.flex_attention on the Pallas kernels, fwd+bwd, causal, GQA, with one mod:
+    ``"softcap"`` (logits_soft_cap=30), ``"alibi"`` (learnable slopes: their gradient too)
+    or ``"documents"`` (a document mask_mod over traced ids (b, n), and-ed with causal)."""
+
+    def build():
+        import dilax
+        from dilax import flex
+
+        def attend(q, k, v, extra):
+            kw = dict(mask_mod=flex.causal_mask)
+            if mod == "softcap":
+                kw["logits_soft_cap"] = 30.0
+            elif mod == "alibi":
+                kw["score_mod"] = flex.alibi(extra)
+            else:
+                kw["mask_mod"] = flex.and_masks(flex.document_mask(extra), flex.causal_mask)
+            return dilax.flex_attention(q, k, v, implementation="pallas", **kw)
+
+        extra = (_sds((h,), "float32") if mod == "alibi" else _sds((1, n), "int32"))
+        argnums = (0, 1, 2, 3) if mod == "alibi" else (0, 1, 2)
+        return loss_grad(attend, argnums), (*_qkv(1, n, h, hk, d, dtype), extra)
 
     return build
 
@@ -396,6 +422,13 @@ def cases() -> list[Case]:
     out.append(Case("decode step pallas d=96", "decode", _decode_step("pallas", d=96),
                     expect="refused", why="the Pallas decode kernel needs head_dim a power "
                                           "of two in [16, 256]"))
+    # FlexAttention mods traced inside the flash kernels (pallas_kernels/mods.py)
+    for mod, what in (("softcap", "logits_soft_cap"), ("alibi", "ALiBi score_mod, slopes' grad"),
+                      ("documents", "document mask_mod")):
+        for d in (64, 128):
+            out.append(Case(f"flex pallas bf16 {what} GQA 8/2 n=4096 d={d} causal fwd+bwd",
+                            "flex", _flex(mod, d=d), targets=("h100",),
+                            report=_resources(d, BF16)))
     out += report_cases()
     return out
 
