@@ -91,7 +91,9 @@ def _keys_ok(k_idx, kv_len, kv_valid_ref, start, block_k):
 # (traced int) tiles at ``block_index(step)`` (in tile units), visited in order. Only tiles
 # that straddle ``kv_len``, the causal diagonal or a band edge (and every tile under a per-key
 # mask) need the element mask; the callers put the others in ``masked=False`` segments, whose
-# body has no mask, no ``where`` on K/V.
+# body has no mask, no ``where`` on K/V. ``masked=WHOLE``: masked, but wholly inside the
+# ``mask_mod`` (a block mask's full block), so the mod's mask is skipped.
+WHOLE = "whole"
 
 
 def _run_segments(segments, body_of, carry):
@@ -137,6 +139,7 @@ def online_softmax(q, q_pos, k_ref, v_ref, *, segments, kv_len, k_offset, scale,
                 k_idx = start + arange_i32(block_k)
             if mods is not None:
                 s, allowed = _mods_at(mods, s, q_pos, k_idx, k_offset)
+                allowed = None if masked is WHOLE else allowed
             if masked:
                 ok, k_valid = _keys_ok(k_idx, kv_len, kv_valid_ref, start, block_k)
                 s = jnp.where(_visible(q_pos, k_idx, kv_len, k_offset, is_causal, window,
@@ -187,7 +190,7 @@ def dq_loop(q, do, lse, delta, q_pos, k_ref, v_ref, *, segments, kv_len, k_offse
                 k_idx = start + arange_i32(block_k)
                 qp, kp = q_pos[:, None], (k_offset + k_idx)[None, :]
                 s, pull = mods.scores_vjp(s, qp, kp, grads)
-                allowed = mods.allowed(qp, kp)
+                allowed = None if masked is WHOLE else mods.allowed(qp, kp)
             if masked:
                 vis = _visible(q_pos, k_idx, kv_len, k_offset, is_causal, window, k_valid,
                                None if mods is None else allowed)
@@ -233,7 +236,7 @@ def dkdv_loop(carry, g, k, v, k_idx, kv_len, q_ref, do_ref, lse_ref, delta_ref, 
             if mods is not None:
                 qp, kp = q_pos[:, None], (k_offset + k_idx)[None, :]
                 s, pull = mods.scores_vjp(s, qp, kp, False)
-                allowed = mods.allowed(qp, kp)
+                allowed = None if masked is WHOLE else mods.allowed(qp, kp)
             if masked:
                 vis = _visible(q_pos, k_idx, kv_len, k_offset, is_causal, window, k_valid,
                                None if mods is None else allowed)

@@ -42,6 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import (
+    WHOLE,
     arange_i32,
     backward_rows,
     band,
@@ -63,9 +64,9 @@ from pallas_kernels.config import (
     tile,
     triton_compiler_params,
 )
-from pallas_kernels.mods import BoundMods, KernelMods
+from pallas_kernels.mods import BoundMods, KernelMods, operand
 from pallas_kernels.reference import attention_reference
-from pallas_kernels.segments import key_segments, query_segments
+from pallas_kernels.segments import key_segments, query_segments, table_segments
 
 __all__ = [
     "flash_attention",
@@ -84,20 +85,23 @@ _F32 = jnp.float32
 
 
 def _tables(refs, has_q_len: bool, has_kv_valid: bool, mods: KernelMods | None = None,
-            head=None):
+            head=None, blocks=None):
     """Splits a kernel's refs into ``(q_offset, k_offset, kv_len, q_len or None,
-    kv_valid_ref or None, rest)``, the optional tables passed only when given; with ``mods``
-    also the mods bound to this program's batch row and query ``head`` (default: program id
-    2), after the tables: ``(..., bound mods or None, rest)``."""
+    kv_valid_ref or None, bound mods or None, block table refs or None, rest)``, the optional
+    operands passed only when given: ``mods`` bound to this program's batch row and query
+    ``head`` (default: program id 2), then (``blocks``) a block mask's 4 tables."""
     offs_ref, kvlen_ref, *refs = refs
     q_len = refs.pop(0)[0] if has_q_len else None
     kv_valid_ref = refs.pop(0) if has_kv_valid else None
     out = (offs_ref[0], offs_ref[1], kvlen_ref[0], q_len, kv_valid_ref)
     if mods is None:
-        return (*out, None, refs)
+        return (*out, None, None, refs)
     n = len(mods.score_avals) + len(mods.mask_avals)
     head = pl.program_id(2) if head is None else head
-    return (*out, BoundMods(mods, tuple(refs[:n]), pl.program_id(1), head), refs[n:])
+    bound = BoundMods(mods, tuple(refs[:n]), pl.program_id(1), head)
+    if blocks is None:
+        return (*out, bound, None, refs[n:])
+    return (*out, bound, refs[n:n + 4], refs[n + 4:])
 
 
 def _every_tile_masked(has_kv_valid, mods):
@@ -105,14 +109,16 @@ def _every_tile_masked(has_kv_valid, mods):
 
 
 def _fwd_kernel(*refs, scale, is_causal, window, has_q_len, has_kv_valid, block_q, block_k,
-                mods=None):
-    q_offset, k_offset, kv_len, q_len, kv_valid_ref, bound, refs = _tables(
-        refs, has_q_len, has_kv_valid, mods)
+                mods=None, blocks=None):
+    q_offset, k_offset, kv_len, q_len, kv_valid_ref, bound, table_refs, refs = _tables(
+        refs, has_q_len, has_kv_valid, mods, blocks=blocks)
     q_ref, k_ref, v_ref, o_ref, lse_ref = refs
     i = pl.program_id(0)
     q_pos, segments = key_segments(i, q_offset, k_offset, kv_len, q_len, is_causal=is_causal,
                                    window=window, per_key=_every_tile_masked(has_kv_valid, mods),
                                    block_q=block_q, block_k=block_k)
+    if blocks is not None:  # a block mask's key blocks instead (every tile masked)
+        segments = table_segments(table_refs, i, blocks, WHOLE)
     out, lse = online_softmax(
         q_ref[...], q_pos, k_ref, v_ref, segments=segments, kv_len=kv_len, k_offset=k_offset,
         scale=scale, is_causal=is_causal, block_k=block_k, window=window,
@@ -127,14 +133,16 @@ def _fwd_kernel(*refs, scale, is_causal, window, has_q_len, has_kv_valid, block_
 
 
 def _dq_kernel(*refs, scale, is_causal, window, has_q_len, has_kv_valid, block_q, block_k,
-               mods=None):
-    q_offset, k_offset, kv_len, q_len, kv_valid_ref, bound, refs = _tables(
-        refs, has_q_len, has_kv_valid, mods)
+               mods=None, blocks=None):
+    q_offset, k_offset, kv_len, q_len, kv_valid_ref, bound, table_refs, refs = _tables(
+        refs, has_q_len, has_kv_valid, mods, blocks=blocks)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *dc_ref = refs
     q_pos, segments = key_segments(pl.program_id(0), q_offset, k_offset, kv_len, q_len,
                                    is_causal=is_causal, window=window,
                                    per_key=_every_tile_masked(has_kv_valid, mods),
                                    block_q=block_q, block_k=block_k)
+    if blocks is not None:
+        segments = table_segments(table_refs, pl.program_id(0), blocks, WHOLE)
     # rows past q_len: lse = +inf (backward_rows), so p = 0 and dq = 0 there
     dq = dq_loop(
         q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], q_pos, k_ref, v_ref,
@@ -148,9 +156,9 @@ def _dq_kernel(*refs, scale, is_causal, window, has_q_len, has_kv_valid, block_q
 
 
 def _dkdv_kernel(*refs, scale, is_causal, window, has_q_len, has_kv_valid, block_q, block_k,
-                 num_q_blocks, groups, mods=None):
-    q_offset, k_offset, kv_len, q_len, kv_valid_ref, bound, refs = _tables(
-        refs, has_q_len, has_kv_valid, mods, head=pl.program_id(2) * groups)
+                 num_q_blocks, groups, mods=None, blocks=None):
+    q_offset, k_offset, kv_len, q_len, kv_valid_ref, bound, table_refs, refs = _tables(
+        refs, has_q_len, has_kv_valid, mods, head=pl.program_id(2) * groups, blocks=blocks)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
     j = pl.program_id(0)
     k_idx = j * block_k + arange_i32(block_k)
@@ -161,6 +169,8 @@ def _dkdv_kernel(*refs, scale, is_causal, window, has_q_len, has_kv_valid, block
     segments = query_segments(j, q_offset, k_offset, kv_len, q_len, is_causal=is_causal,
                               window=window, per_key=_every_tile_masked(has_kv_valid, mods),
                               block_q=block_q, block_k=block_k, num_q_blocks=num_q_blocks)
+    if blocks is not None:  # a block mask's query blocks of this key block
+        segments = table_segments(table_refs, j, blocks, WHOLE)
 
     def per_group(g, carry):
         return dkdv_loop(
@@ -205,7 +215,7 @@ def _group_of(h, groups: int):
 
 def flash_forward(q, k, v, *, kv_len, offsets, scale: float, is_causal: bool,
                   config: KernelConfig, interpret: bool = False, debug: bool = False,
-                  window=None, q_len=None, kv_valid=None, mods=None):
+                  window=None, q_len=None, kv_valid=None, mods=None, block_tables=None):
     """Forward kernel: ``out (B, Lq, Hk, G, d)`` in ``q.dtype`` and ``lse (B, Lq, Hk, G)``.
 
     ``kv_len``: int32 ``(B, Hk)`` in ``[0, Lk]``; ``offsets``: int32 ``(2,)``, the global
@@ -214,7 +224,10 @@ def flash_forward(q, k, v, *, kv_len, offsets, scale: float, is_causal: bool,
     ``kv_valid`` bool ``(B, Hk, Lk)`` and ``mods``: FlexAttention mods
     ``(KernelMods, operands)`` of :func:`pallas_kernels.mods.kernel_mods`, applied to the
     scaled logits at positions ``q_offset + row``, ``k_offset + key``, batch row ``b`` and
-    query head ``c * G + g``."""
+    query head ``c * G + g``; ``block_tables`` (with ``mods``): a block mask's
+    ``(kv_blocks, q_blocks, (q_block, kv_block))`` (``dilax.flex.BlockMask``): where its
+    blocks are whole tiles of a kernel, that kernel visits only their partial and full
+    blocks, ``mask_mod`` on the partial ones only; else every tile, ``mask_mod`` on each."""
     B, Lq, Hk, G, d = q.shape
     Lk = k.shape[1]
     dp = padded_head_dim(d)
@@ -231,7 +244,8 @@ def flash_forward(q, k, v, *, kv_len, offsets, scale: float, is_causal: bool,
     extra, extra_specs, flags = mask_tables(
         q_len, kv_valid, lk_pad, len_spec,
         pl.BlockSpec((None, None, lk_pad), lambda i, b, h: (b, _kv_of(h, G), 0)))
-    extra, extra_specs, flags = _with_mods(mods, extra, extra_specs, flags)
+    extra, extra_specs, flags = _with_mods(mods, extra, extra_specs, flags, block_tables,
+                                           (bq, bk, False), (lq_pad, lk_pad))
     out, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, scale=scale, is_causal=is_causal, window=band(window),
                           block_q=bq, block_k=bk, **flags),
@@ -257,7 +271,8 @@ def flash_forward(q, k, v, *, kv_len, offsets, scale: float, is_causal: bool,
 
 def flash_backward(q, k, v, *, kv_len, offsets, lse, dout, delta, scale: float,
                    is_causal: bool, config: KernelConfig, interpret: bool = False,
-                   debug: bool = False, window=None, q_len=None, kv_valid=None, mods=None):
+                   debug: bool = False, window=None, q_len=None, kv_valid=None, mods=None,
+                   block_tables=None):
     """Backward kernels: ``(dq, dk, dv)`` in the input dtypes, recomputed from ``lse``.
 
     ``lse, dout`` as :func:`flash_forward` returned them and their cotangent;
@@ -292,7 +307,8 @@ def flash_backward(q, k, v, *, kv_len, offsets, lse, dout, delta, scale: float,
     extra, extra_specs, flags = mask_tables(
         q_len, kv_valid, lk_pad, len_spec,
         pl.BlockSpec((None, None, lk_pad), lambda i, b, h: (b, _kv_of(h, G), 0)))
-    extra, extra_specs, flags = _with_mods(mods, extra, extra_specs, flags)
+    extra, extra_specs, flags = _with_mods(mods, extra, extra_specs, flags, block_tables,
+                                           (bq_q, bk_q, False), (lq_pad, lk_pad))
     width = 0 if mods is None else mods[0].grad_width  # the consts' partial gradients
     nq = lq_pad // bq_q
     dq = pl.pallas_call(
@@ -319,7 +335,8 @@ def flash_backward(q, k, v, *, kv_len, offsets, lse, dout, delta, scale: float,
     extra, extra_specs, flags = mask_tables(
         q_len, kv_valid, lk_pad, len_spec,
         pl.BlockSpec((None, None, bk_kv), lambda j, b, c: (b, c, j)))
-    extra, extra_specs, flags = _with_mods(mods, extra, extra_specs, flags)
+    extra, extra_specs, flags = _with_mods(mods, extra, extra_specs, flags, block_tables,
+                                           (bk_kv, bq_kv, True), (lk_pad, lq_pad))
     dk, dv = dkdv_call(
         functools.partial(_dkdv_kernel, scale=scale, block_q=bq_kv, block_k=bk_kv,
                           num_q_blocks=lq_pad // bq_kv, groups=G, **masks, **flags),
@@ -337,12 +354,26 @@ def flash_backward(q, k, v, *, kv_len, offsets, lse, dout, delta, scale: float,
                      for i, off, size in mods[0].grad_slots])
 
 
-def _with_mods(mods, extra, extra_specs, flags):
+def _with_mods(mods, extra, extra_specs, flags, block_tables=None, tiles=None, pads=None):
     """The mods' closed-over arrays appended to a call's tables, passed whole to every
-    program (``mods``: ``(KernelMods, operands)`` or None: the call as without)."""
+    program (``mods``: ``(KernelMods, operands)`` or None: the call as without), then a
+    block mask's tables when its blocks are whole tiles of this kernel: ``block_tables``
+    ``(kv_blocks, q_blocks, (q_block, kv_block))``, ``tiles`` the kernel's ``(own, loop)``
+    tiles (own: the program's axis; ``pads``: both axes' padded lengths), ``q_blocks`` read
+    when the program's axis is the keys' (``tiles[2]``: True)."""
     if mods is None:
         return extra, extra_specs, flags
     km, operands = mods
+    operands = list(operands)
+    if block_tables is not None:
+        kv_blocks, q_blocks, (qb, kb) = block_tables
+        own, loop, key_side = tiles
+        own_b, loop_b = (kb, qb) if key_side else (qb, kb)
+        table = q_blocks if key_side else kv_blocks
+        n_own, n_loop = table[1].shape[1], table[0].shape[2]
+        if own_b % own == 0 and loop_b % loop == 0 and n_loop * loop_b <= pads[1]:
+            operands += [operand(x) for x in table]
+            flags = dict(flags, blocks=(own_b // own, loop_b // loop, n_own))
     specs = [pl.BlockSpec(x.shape, functools.partial(lambda n, *_: (0,) * n, x.ndim))
              for x in operands]
     return [*extra, *operands], [*extra_specs, *specs], dict(flags, mods=km)

@@ -88,10 +88,12 @@ def kernel_mods(score=None, score_consts=(), mask=None, mask_consts=(), cap=None
     operands (power-of-two shapes, bool as int8, 0-d as ``(1,)``), score ones first."""
     avals = lambda cs: tuple((tuple(jnp.shape(c)), jnp.result_type(c)) for c in cs)  # noqa: E731
     km = KernelMods(score, mask, cap, avals(score_consts), avals(mask_consts))
-    return km, [_operand(c) for c in (*score_consts, *mask_consts)]
+    return km, [operand(c) for c in (*score_consts, *mask_consts)]
 
 
-def _operand(c):
+def operand(c):
+    """An array as a kernel operand passed whole: power-of-two shape, bool as int8, 0-d as
+    ``(1,)``."""
     c = jnp.asarray(c)
     if c.dtype == jnp.bool_:  # Triton loads no i1 tiles
         c = c.astype(jnp.int8)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 from pallas_kernels.common import arange_i32, cdiv_nonneg, floordiv_clamped
 
@@ -95,3 +96,26 @@ def query_segments(j, q_offset, k_offset, kv_len, q_len, *, is_causal, window, p
         return [(mid - lo, lambda s: lo + s, True), (hi - mid, lambda s: mid + s, False)]
     end = jnp.clip(floordiv_clamped(rel + left + 1, block_q), mid, hi)
     return _masked_between(lo, mid, end, hi)
+
+
+def table_segments(table_refs, i, ratios, whole):
+    """The segments of program block ``i`` read off a block mask's tables ``(full_idx,
+    full_cnt, part_idx, part_cnt)`` (``(Bt, n_blocks, A)`` / ``(Bt, n_blocks)`` refs, batch
+    row = program id 1 when ``Bt > 1``): its full blocks (``whole``: masked but without the
+    ``mask_mod``), then its partial ones (masked), never the empty ones. ``ratios``: static
+    ``(own, loop, n)``: tiles per block on the program's axis and on the loop's axis, and
+    the number of blocks on the program's axis (tiles past them, padding, visit nothing)."""
+    full_idx, full_cnt, part_idx, part_cnt = table_refs
+    own, loop, n = ratios
+    bt = pl.program_id(1) if full_idx.shape[0] > 1 else 0
+    blk = lax.div(i, jnp.int32(own))
+    inside = blk < n
+    blk = jnp.minimum(blk, n - 1)
+
+    def segment(idx_ref, cnt_ref, masked):
+        def block_index(s):
+            return idx_ref[bt, blk, lax.div(s, jnp.int32(loop))] * loop + lax.rem(
+                s, jnp.int32(loop))
+        return jnp.where(inside, cnt_ref[bt, blk], 0) * loop, block_index, masked
+
+    return [segment(full_idx, full_cnt, whole), segment(part_idx, part_cnt, True)]

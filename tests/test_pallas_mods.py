@@ -73,13 +73,15 @@ def test_flash_softcap_alibi_causal_gqa_sinks(dtype):
 def test_flash_documents_causal_relative_bias_block_mask():
     """A closed-over per-position array (document ids, read at ``q_idx`` and ``kv_idx``),
     causal, and a per-head relative-bias table whose gradient is a scatter over many
-    entries per tile; a BlockMask is accepted (the kernels visit every tile)."""
+    entries per tile; a per-batch BlockMask of 64-blocks drives the backward kernels' loops
+    (whole tiles of dq 64 x 32 and dk/dv 32 x 32), the forward's 128-row query tile visits
+    every key tile with the mask_mod."""
     b, n, h, hk, d, radius = 2, 72, 2, 1, 8, 6
     (q, k, v), w, rng = _inputs(b, n, h, hk, d, seed=2)
     seg = np.repeat(np.array([[0, 1, 2, 3], [5, 5, 7, 5]]), [10, 30, 20, 12], axis=1)
     table = jnp.asarray(rng.standard_normal((h, 2 * radius + 1)), jnp.float32)
     mask_mod = flex.and_masks(flex.document_mask(jnp.asarray(seg)), flex.causal_mask)
-    bm = dilax.create_block_mask(mask_mod, b, None, n, n, block_size=16)
+    bm = dilax.create_block_mask(mask_mod, b, None, n, n, block_size=64)
 
     def fn(q, k, v, table):
         return dilax.flex_attention(q, k, v, score_mod=flex.relative_bias(table),
@@ -100,6 +102,39 @@ def test_flash_documents_causal_relative_bias_block_mask():
     assert_scaled_close(out, want)
     for got, exp in zip(grads, (dq, dk, dv, dtable)):
         assert_scaled_close(got, exp, scale=max(1.0, float(np.abs(exp).max())))
+
+
+def test_block_mask_tables_steer_the_kernels():
+    """With a block mask whose blocks are whole tiles of every kernel (128 x 64 blocks;
+    tiles: forward 128 x 64, dq 64 x 32, dk/dv 32 x 32) the kernels visit only its partial
+    and full blocks: values of key blocks no query attends (NaN here) are never read,
+    forward or backward (their dk, dv are 0); without it every tile is visited and 0 * NaN
+    leaks. The full block (queries 128.., keys ..63) skips the mask_mod."""
+    b, n, h, d = 1, 192, 2, 8
+    (q, k, v), w, _ = _inputs(b, n, h, h, d, seed=5)
+    v = v.at[:, 64:].set(jnp.nan)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx < 64) & (kv_idx <= q_idx)
+
+    bm = dilax.create_block_mask(mask_mod, None, None, n, n, block_size=(128, 64))
+    assert np.asarray(bm.classes)[0, 0].tolist() == [[1, 0, 0], [2, 0, 0]]  # partial, full
+
+    def fn(q, k, v):
+        return dilax.flex_attention(q, k, v, block_mask=bm, implementation="pallas",
+                                    interpret=True)
+
+    out, grads, kernels = _run(fn, (q, k, v), w)
+    assert kernels
+    qi, ki = np.arange(n)[:, None], np.arange(n)[None, :]
+    want, dq, dk, dv, _, _ = oracle(q, k, np.nan_to_num(np.asarray(v)), scale=d**-0.5,
+                                    allowed=(ki < 64) & (ki <= qi), dout=w)
+    assert_scaled_close(out, want)
+    for got, exp in zip(grads, (dq, dk, dv)):
+        assert_scaled_close(got, exp, scale=max(1.0, float(np.abs(exp).max())))
+    dense = dilax.flex_attention(q, k, v, mask_mod=mask_mod, implementation="pallas",
+                                 interpret=True)
+    assert np.isnan(np.asarray(dense)).any()
 
 
 def _decode_oracle(q, kc, vc, pos, branches, *, scale, cap, slopes, allowed):

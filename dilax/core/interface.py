@@ -157,8 +157,9 @@ class PallasCore:
     causality, the band ``window`` (only the tiles that meet it are visited) and the per-key
     ``kv_valid``, and FlexAttention mods (:class:`dilax.core.mods.Mods` on an identity view:
     cap, ``score_mod`` and ``mask_mod`` traced into the kernels, :mod:`pallas_kernels.mods`;
-    block tables are not read: every tile the other masks leave is visited, ``mask_mod`` on
-    each). A dense bias or mask raises (:mod:`dilax.registry` never sends one here)."""
+    a block mask's tables steer each kernel whose tiles divide its blocks, else every tile
+    the other masks leave is visited, ``mask_mod`` on each). A dense bias or mask raises
+    (:mod:`dilax.registry` never sends one here)."""
 
     interpret: bool = False
     name: ClassVar[str] = "pallas"
@@ -166,12 +167,14 @@ class PallasCore:
     def _args(self, q, k, view, mask, block_sizes):
         _refuse_masks(self.name, mask, band_and_keys=True, mods=True)
         B, Lq, Lk, d = q.shape[0], q.shape[1], k.shape[1], q.shape[-1]
-        mods = None
+        mods, tables = None, {}
         if (m := mask.mods) is not None:
             from pallas_kernels.mods import kernel_mods  # lazy: optional kernels
 
             check_view(view)
             mods = kernel_mods(m.score, m.score_consts, m.mask, m.mask_consts, m.soft_cap)
+            if m.kv_blocks is not None and m.table_block is not None:  # a block mask's
+                tables = dict(block_tables=(m.kv_blocks, m.q_blocks, m.table_block))
         U = len(view.kv_index)
         mask = mask.resolve(B, U, Lk, Lq)
         kv_len = mask.kv_len if mask.kv_len is not None else jnp.full((B, U), Lk, jnp.int32)
@@ -183,7 +186,7 @@ class PallasCore:
                     is_causal=mask.is_causal, interpret=self.interpret,
                     config=pallas_config(block_sizes, Lq, Lk, d, q.dtype, masked=masked),
                     window=mask.window, q_len=q_len, kv_valid=mask.kv_valid,
-                    **({} if mods is None else dict(mods=mods)))
+                    **({} if mods is None else dict(mods=mods, **tables)))
 
     def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):
         from pallas_kernels.flash_attention import flash_forward

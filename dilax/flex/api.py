@@ -133,20 +133,20 @@ def flex_core(q, k, v, mods: FlexMods, *, scale: float, base: Mask | None = None
     (identity view; positions ``0 ..``). ``base``: the op's own :class:`dilax.core.Mask`
     (lengths, causality, band, dense bias / mask, key ranges) the mods are added to. With
     ``sinks`` the lse is the denominator's, sinks included. ``core``: the
-    :class:`dilax.core.Core` that runs it (the Pallas one takes no block tables: it visits
-    every tile, ``mask_mod`` on each)."""
+    :class:`dilax.core.Core` that runs it (the Pallas kernels read the block tables with
+    their own tiles where these divide the blocks, else visit every tile)."""
     (b, n, h, _), s, dv = q.shape, k.shape[1], v.shape[-1]
     if 0 in (b, n, s):  # nothing to compute: empty, or rows without keys (0, lse = -inf)
         out = jnp.zeros((b, n, h, dv), q.dtype)
         lse = jnp.full((b, n, h), -jnp.inf, _F32) if mods.sinks is None else jnp.broadcast_to(
             mods.sinks.astype(_F32), (b, n, h))  # the denominator holds the sink alone
         return out, lse
-    bm = mods.block_mask if core is XLA else None
-    blocks = None if bm is None else bm.block_size
+    bm = mods.block_mask
+    blocks = None if bm is None or core.name != "xla" else bm.block_size
     mods_core = core_mods(mods)
     if bm is not None:  # the block tables: a Mods even without score, mask or cap
         mods_core = dataclasses.replace(mods_core or Mods(), kv_blocks=bm.kv_blocks,
-                                        q_blocks=bm.q_blocks)
+                                        q_blocks=bm.q_blocks, table_block=bm.block_size)
     return _flex(q, k, v, mods_core, mods.sinks, base, float(scale), blocks, core)
 
 
@@ -193,8 +193,8 @@ def flex_attention(query, key, value, *, score_mod=None, mask_mod=None, block_ma
         or with ``interpret``, else the XLA core), ``"xla"`` (the blockwise core) or
         ``"pallas"`` (the flash kernels with the mods traced inside them,
         :mod:`pallas_kernels.mods`; ``dv == d``; a mod must read its closed-over arrays by
-        scalar indexing; a ``block_mask`` only checks the call, the kernels visit every
-        tile); ``"cudnn"`` is refused with the registry's reason.
+        scalar indexing; a ``block_mask`` steers the kernels whose tiles divide its
+        blocks); ``"cudnn"`` is refused with the registry's reason.
       interpret: run the Pallas kernels in the Pallas interpreter (any backend, e.g. CPU).
 
     Returns:

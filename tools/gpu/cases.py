@@ -183,7 +183,9 @@ def _flash(*, n=8192, h=16, d=64, dtype="bfloat16", causal=True, grad=True, offs
 def _flex(mod: str, *, n=4096, h=8, hk=2, d=64, dtype="bfloat16"):
     """dilax.flex_attention on the Pallas kernels, fwd+bwd, causal, GQA, with one mod:
     ``"softcap"`` (logits_soft_cap=30), ``"alibi"`` (learnable slopes: their gradient too)
-    or ``"documents"`` (a document mask_mod over traced ids (b, n), and-ed with causal)."""
+    or ``"documents"`` (a document mask_mod over traced ids (b, n), and-ed with causal;
+    ``"documents+blocks"``: with its BlockMask of 128-blocks built in the program, which
+    steers the kernels' loops)."""
 
     def build():
         import dilax
@@ -197,6 +199,8 @@ def _flex(mod: str, *, n=4096, h=8, hk=2, d=64, dtype="bfloat16"):
                 kw["score_mod"] = flex.alibi(extra)
             else:
                 kw["mask_mod"] = flex.and_masks(flex.document_mask(extra), flex.causal_mask)
+            if mod == "documents+blocks":
+                kw["block_mask"] = dilax.create_block_mask(kw.pop("mask_mod"), 1, None, n, n)
             return dilax.flex_attention(q, k, v, implementation="pallas", **kw)
 
         extra = (_sds((h,), "float32") if mod == "alibi" else _sds((1, n), "int32"))
@@ -424,7 +428,8 @@ def cases() -> list[Case]:
                                           "of two in [16, 256]"))
     # FlexAttention mods traced inside the flash kernels (pallas_kernels/mods.py)
     for mod, what in (("softcap", "logits_soft_cap"), ("alibi", "ALiBi score_mod, slopes' grad"),
-                      ("documents", "document mask_mod")):
+                      ("documents", "document mask_mod"),
+                      ("documents+blocks", "document mask_mod + BlockMask")):
         for d in (64, 128):
             out.append(Case(f"flex pallas bf16 {what} GQA 8/2 n=4096 d={d} causal fwd+bwd",
                             "flex", _flex(mod, d=d), targets=("h100",),
