@@ -269,6 +269,32 @@ def _decode_step(impl, *, b=1, max_len=32768, h=32, hk=8, d=128, dtype="bfloat16
     return build
 
 
+def _decode_kernel_mods(*, b=8, max_len=32768, h=32, hk=8, d=128, dtype="bfloat16"):
+    """pallas_kernels.decode_attention directly with FlexAttention mods (soft-cap 30, ALiBi
+    slopes, a document mask_mod over ids (b, max_len)): dilated branches + a local window."""
+
+    def build():
+        from dilax import flex
+        from dilax.core.mods import trace_mod
+        from pallas_kernels.decode import DecodeBranch, decode_attention
+        from pallas_kernels.mods import kernel_mods
+
+        branches = (DecodeBranch(8192, 4, 2048, (0, h)), DecodeBranch(None, 1, 129, (0, h)))
+
+        def f(q, k, v, pos, slopes, ids):
+            score, sc = trace_mod(flex.alibi(slopes), "score_mod")
+            mask, mc = trace_mod(flex.document_mask(ids), "mask_mod")
+            return decode_attention(q, k, v, pos, branches=branches, scale=d ** -0.5,
+                                    mods=kernel_mods(score, sc, mask, mc, 30.0))[0]
+
+        args = (_sds((b, 1, h, d), dtype), _sds((b, max_len, hk, d), dtype),
+                _sds((b, max_len, hk, d), dtype), _sds((b, 1), "int32"), _sds((h,), "float32"),
+                _sds((b, max_len), "int32"))
+        return f, args
+
+    return build
+
+
 def _train_step(impl, *, n=1024, dtype="bfloat16"):
     """One LongNetLM training step (loss, grads, AdamW update), parameters float32."""
 
@@ -422,6 +448,10 @@ def cases() -> list[Case]:
     out.append(Case("decode step pallas fp16 b=8 d=128 GQA 32/8 local_window=128", "decode",
                     _decode_step("pallas", b=8, dtype=FP16, window=128),
                     report=dict(kernel="decode", n=32768, h=32, d=128, dtype=FP16,
+                                causal=True)))
+    out.append(Case("decode kernel pallas bf16 b=8 d=128 GQA 32/8 soft-cap + ALiBi + document "
+                    "mask_mod", "decode", _decode_kernel_mods(), targets=("h100",),
+                    report=dict(kernel="decode", n=32768, h=32, d=128, dtype=BF16,
                                 causal=True)))
     out.append(Case("decode step pallas d=96", "decode", _decode_step("pallas", d=96),
                     expect="refused", why="the Pallas decode kernel needs head_dim a power "
