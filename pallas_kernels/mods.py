@@ -38,7 +38,10 @@ _SUB = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
         "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
         "remat": "jaxpr", "checkpoint": "jaxpr"}
 _SHAPE_ONLY = ("squeeze", "reshape", "broadcast_in_dim", "expand_dims")
-MAX_GRAD_ELEMENTS = 4096  # float closed-over elements whose gradient the dq kernel sums
+# Float closed-over elements whose gradient the dq kernel sums: each program writes a partial
+# of this many float32 (programs x width x 4 bytes in all) and scatters a tile into it with
+# one masked sum per element read at varying indices (per-head or scalar reads: one).
+MAX_GRAD_ELEMENTS = 1024
 
 
 def _pow2(n: int) -> int:

@@ -204,6 +204,9 @@ def test_registry_serves_flex_mods_and_falls_back():
     mod = lambda s, b, h, qi, ki: s + jnp.sum(bias)  # noqa: E731
     with pytest.raises(ValueError, match="scalar indexing"):
         dilax.flex_attention(q, k, v, score_mod=mod, implementation="pallas", interpret=True)
+    big = flex.relative_bias(jnp.zeros((h, 1025), jnp.float32))  # a gradient too wide
+    with pytest.raises(ValueError, match="at most 1024 elements, got 2050"):
+        dilax.flex_attention(q, k, v, score_mod=big, implementation="pallas", interpret=True)
     out = dilax.flex_attention(q, k, v, score_mod=mod, interpret=True)
     want = oracle(q, k, v, scale=d**-0.5, allowed=True, bias=float(jnp.sum(bias)))
     assert_scaled_close(np.asarray(out), want)
