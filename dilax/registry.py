@@ -62,7 +62,8 @@ class CoreRequest:
     block-sparse ring), or ``None``.
     ``has_pairwise``: a ``bias`` or ``mask`` operand ``(B, N, T, S)`` (``op="dense"``).
     ``has_score_mod`` (a score_mod or soft-cap), ``has_mask_mod``, ``has_sinks``: FlexAttention
-    mods (docs/semantics.md); ``value_head_dim``: ``dv`` when known (``!= head_dim``: dv != d).
+    mods (docs/semantics.md); ``value_head_dim``: ``dv`` when known (``!= head_dim``: dv != d);
+    ``mod_problem``: why the mods have no form inside a kernel (:mod:`pallas_kernels.mods`).
     """
 
     op: str
@@ -81,6 +82,7 @@ class CoreRequest:
     has_mask_mod: bool = False
     has_sinks: bool = False
     value_head_dim: int | None = None
+    mod_problem: str | None = None
 
     def __post_init__(self):
         if self.op not in OPS:
@@ -99,11 +101,15 @@ class CoreRequest:
 # -- what each implementation serves (the one table) ------------------------------------------
 
 
-def _flex_features(r: CoreRequest, kernel: str) -> str | None:  # XLA core only, for now
-    what = [w for w, f in (("score_mod / soft-cap", r.has_score_mod), ("mask_mod",
-            r.has_mask_mod), ("sinks", r.has_sinks), ("dv != d", r.value_head_dim not in (
-            None, r.head_dim)), ("flex_attention", r.op == "flex")) if f]
-    return f"{kernel}: no {' or '.join(what)} yet (the XLA core serves it)" if what else None
+def _flex_features(r: CoreRequest, kernel: str, flex: bool = False) -> str | None:
+    # flex: the kernel serves flex_attention's mods (sinks from its lse) with a tile form
+    mods = not (flex and r.op == "flex")
+    what = [w for w, f in (("score_mod / soft-cap", r.has_score_mod and mods), ("mask_mod",
+            r.has_mask_mod and mods), ("sinks", r.has_sinks and mods), ("dv != d",
+            r.value_head_dim not in (None, r.head_dim)), ("flex_attention",
+            r.op == "flex" and not flex)) if f]
+    return (f"{kernel}: no {' or '.join(what)} yet (the XLA core serves it)" if what else
+            f"{kernel}: {r.mod_problem}" if flex and r.mod_problem else None)
 
 
 def _reference(r: CoreRequest) -> str | None:
@@ -115,46 +121,42 @@ def _reference(r: CoreRequest) -> str | None:
     return None
 
 
-def _xla(r: CoreRequest) -> str | None:
-    del r  # the blockwise XLA core serves every request, on every backend
+def _xla(r: CoreRequest) -> str | None:  # the blockwise XLA core serves every request
     return None
 
 
+def _gpu_target(r: CoreRequest) -> str | None:
+    if r.platform is None or r.platform in GPU_PLATFORMS or r.interpret:
+        return None
+    return (f"the Pallas kernels compile for GPU targets, not {r.platform!r}; "
+            "interpret=True runs them in the Pallas interpreter")
+
+
 def _pallas_decode(r: CoreRequest) -> str | None:
-    # pallas_kernels.decode: every branch (local window included) in one split-K kernel;
-    # query lengths are applied around it. It reads cache rows whole (no head-dim padding).
+    # pallas_kernels.decode: every branch in one split-K kernel, reading cache rows whole
     d = r.head_dim
     if d is not None and (d < 16 or d > 256 or d & (d - 1)):
         return (f"the Pallas decode kernel reads cache rows whole: head_dim must be a power "
                 f"of two in [16, 256], got head_dim={d}")
-    if r.platform is not None and r.platform not in GPU_PLATFORMS and not r.interpret:
-        return (f"the Pallas kernels compile for GPU targets, not {r.platform!r}; "
-                "interpret=True runs them in the Pallas interpreter")
-    return None
+    return _gpu_target(r)
 
 
 def _pallas(r: CoreRequest) -> str | None:
-    if (reason := _flex_features(r, "the Pallas kernels")) is not None:
+    if (reason := _flex_features(r, "the Pallas kernels", flex=True)) is not None:
         return reason
     if r.has_documents:
         return "the Pallas kernels have no per-row key ranges (segment_ids, packed documents)"
-    # ring_hop (the dilated ring's hops): the flash kernel with the hop's traced offsets and
-    # the ring's key bounds as kv_len; the masks below decide like for a dilated branch.
-    # ring_hop with a block_size (the block-sparse ring's hops): the block-sparse kernel on
-    # each visiting chunk with per-hop tables, so the block-sparse kernel's rules.
+    # ring_hop: the dilated ring's hops run the flash kernel (traced offsets, key bounds as
+    # kv_len); with a block_size, the block-sparse ring's run the block-sparse kernel's rules.
     if r.op == "decode":
         return _pallas_decode(r)
     if r.has_pairwise:
         return "the Pallas flash kernel has no bias or mask operand"
-    # the flash kernels take the band (local_window), per-key validity (key_padding_mask) and
-    # query/key lengths: dilated and window branches run on them whole
+    # the flash kernels take bands, per-key validity, lengths and flex mods (pallas_kernels)
     if (r.op == "block_sparse" or (r.op == "ring_hop" and r.block_size is not None)) and (
             reason := _pallas_block_sparse(r)) is not None:
         return reason
-    if r.platform is not None and r.platform not in GPU_PLATFORMS and not r.interpret:
-        return (f"the Pallas kernels compile for GPU targets, not {r.platform!r}; "
-                "interpret=True runs them in the Pallas interpreter")
-    return None
+    return _gpu_target(r)
 
 
 def _pallas_block_sparse(r: CoreRequest) -> str | None:
@@ -395,14 +397,12 @@ def resolve_implementation(implementation: str | None, *, interpret: bool = Fals
     if implementation is not None:
         return implementation
     backend = current_platform() if backend is None else backend
-    request = CoreRequest("dilated_branch", platform=backend, interpret=interpret)
-    return choose(None, request)[0]
+    return choose(None, CoreRequest("dilated_branch", platform=backend, interpret=interpret))[0]
 
 
 def kernels_available() -> dict[str, str]:
     """What each implementation needs and whether this process can compile or run it."""
-    on_gpu = current_platform() in ("gpu", "cuda", "rocm")
-    plugin = cuda_plugin_available()
+    on_gpu, plugin = current_platform() in GPU_PLATFORMS, cuda_plugin_available()
     return {
         "reference": "available (dense mask, small n only)",
         "xla": "available (blockwise core, any backend)",

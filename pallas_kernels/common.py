@@ -91,7 +91,9 @@ def _keys_ok(k_idx, kv_len, kv_valid_ref, start, block_k):
 # (traced int) tiles at ``block_index(step)`` (in tile units), visited in order. Only tiles
 # that straddle ``kv_len``, the causal diagonal or a band edge (and every tile under a per-key
 # mask) need the element mask; the callers put the others in ``masked=False`` segments, whose
-# body has no mask, no ``where`` on K/V.
+# body has no mask, no ``where`` on K/V. ``masked=WHOLE``: masked, but wholly inside the
+# ``mask_mod`` (a block mask's full block), so the mod's mask is skipped.
+WHOLE = "whole"
 
 
 def _run_segments(segments, body_of, carry):
@@ -101,12 +103,26 @@ def _run_segments(segments, body_of, carry):
     return carry
 
 
+def _mods_at(mods, s, q_pos, k_idx, k_offset):
+    """Forward: the modded logits and the ``mask_mod`` (or None) of tile ``s`` (``mods``: a
+    :class:`pallas_kernels.mods.BoundMods`)."""
+    qp, kp = q_pos[:, None], (k_offset + k_idx)[None, :]
+    return mods.scores(s, qp, kp), mods.allowed(qp, kp)
+
+
+def _visible(q_pos, k_idx, kv_len, k_offset, is_causal, window, k_valid, allowed):
+    vis = key_mask(q_pos, k_idx, kv_len, k_offset, is_causal, window, k_valid)
+    return vis if allowed is None else vis & allowed
+
+
 def online_softmax(q, q_pos, k_ref, v_ref, *, segments, kv_len, k_offset, scale, is_causal,
-                   block_k, window=None, kv_valid_ref=None):
+                   block_k, window=None, kv_valid_ref=None, mods=None):
     """Forward key loop over the key tiles of ``segments``.
 
     ``window`` and ``kv_valid_ref`` (optional): the band and the per-key table of
-    :func:`key_mask`, applied on the masked segments. Returns ``(out (bq, dp) float32,
+    :func:`key_mask`, applied on the masked segments; ``mods`` (optional): FlexAttention mods
+    (:class:`pallas_kernels.mods.BoundMods`; with a ``mask_mod`` every segment must be
+    masked). Returns ``(out (bq, dp) float32,
     lse (bq,) float32)`` with ``out = 0, lse = -inf`` for rows without a visible key.
     """
     block_q, dp = q.shape
@@ -118,11 +134,16 @@ def online_softmax(q, q_pos, k_ref, v_ref, *, segments, kv_len, k_offset, scale,
             k = k_ref[pl.ds(start, block_k), :]
             v = v_ref[pl.ds(start, block_k), :]
             s = _dot(q, k, 1, 1) * scale
-            if masked:
+            allowed = None
+            if masked or mods is not None:
                 k_idx = start + arange_i32(block_k)
+            if mods is not None:
+                s, allowed = _mods_at(mods, s, q_pos, k_idx, k_offset)
+                allowed = None if masked is WHOLE else allowed
+            if masked:
                 ok, k_valid = _keys_ok(k_idx, kv_len, kv_valid_ref, start, block_k)
-                s = jnp.where(key_mask(q_pos, k_idx, kv_len, k_offset, is_causal, window,
-                                       k_valid), s, _NEG_INF)
+                s = jnp.where(_visible(q_pos, k_idx, kv_len, k_offset, is_causal, window,
+                                       k_valid, allowed), s, _NEG_INF)
                 # Zero invalid keys so NaN/inf there can never leak through 0 * x.
                 v = jnp.where(ok[:, None], v, jnp.zeros((), v.dtype))
             return online_softmax_step(m, denom, acc, s, v)
@@ -143,15 +164,19 @@ def online_softmax(q, q_pos, k_ref, v_ref, *, segments, kv_len, k_offset, scale,
 
 
 def dq_loop(q, do, lse, delta, q_pos, k_ref, v_ref, *, segments, kv_len, k_offset, scale,
-            is_causal, block_k, window=None, kv_valid_ref=None):
+            is_causal, block_k, window=None, kv_valid_ref=None, mods=None):
     """dq of one query tile: ``sum_j ds_j @ k_j * scale`` over the key tiles of ``segments``
-    (``window``, ``kv_valid_ref``: as in :func:`online_softmax`).
+    (``window``, ``kv_valid_ref``, ``mods``: as in :func:`online_softmax`); with mods whose
+    score consts take gradients, ``(dq, partial)``: also the tile row's partial gradient of
+    those consts (:meth:`pallas_kernels.mods.BoundMods.scores_vjp`).
 
     ``lse`` must be ``+inf`` (not ``-inf``) on rows without a key so that ``p = 0`` there."""
     block_q, dp = q.shape
+    grads = mods is not None and mods.km.grad_width > 0
 
     def body_of(block_index, masked):
-        def body(step, dq):
+        def body(step, carry):
+            dq, dc = carry if grads else (carry, None)
             start = pl.multiple_of(block_index(step) * block_k, block_k)
             k = k_ref[pl.ds(start, block_k), :]
             v = v_ref[pl.ds(start, block_k), :]
@@ -161,26 +186,40 @@ def dq_loop(q, do, lse, delta, q_pos, k_ref, v_ref, *, segments, kv_len, k_offse
                 k = jnp.where(ok[:, None], k, jnp.zeros((), k.dtype))
                 v = jnp.where(ok[:, None], v, jnp.zeros((), v.dtype))
             s = _dot(q, k, 1, 1) * scale
+            if mods is not None:
+                k_idx = start + arange_i32(block_k)
+                qp, kp = q_pos[:, None], (k_offset + k_idx)[None, :]
+                s, pull = mods.scores_vjp(s, qp, kp, grads)
+                allowed = None if masked is WHOLE else mods.allowed(qp, kp)
             if masked:
-                s = jnp.where(key_mask(q_pos, k_idx, kv_len, k_offset, is_causal, window,
-                                       k_valid), s, _NEG_INF)
+                vis = _visible(q_pos, k_idx, kv_len, k_offset, is_causal, window, k_valid,
+                               None if mods is None else allowed)
+                s = jnp.where(vis, s, _NEG_INF)
             p = jnp.exp(s - lse[:, None])
             ds = p * (_dot(do, v, 1, 1) - delta[:, None])
-            return dq + _dot(ds.astype(k.dtype), k, 1, 0)
+            if mods is not None:  # chain rule through the score mod; masked pairs get none
+                ds, part = pull(jnp.where(vis, ds, 0.0) if masked else ds)
+            dq = dq + _dot(ds.astype(k.dtype), k, 1, 0)
+            return (dq, dc + part) if grads else dq
 
         return body
 
-    dq = _run_segments(segments, body_of, jnp.zeros((block_q, dp), _F32))
-    return dq * scale
+    init = jnp.zeros((block_q, dp), _F32)
+    if grads:
+        dq, dc = _run_segments(segments, body_of, (init, jnp.zeros((mods.km.grad_width,), _F32)))
+        return dq * scale, dc
+    return _run_segments(segments, body_of, init) * scale
 
 
 def dkdv_loop(carry, g, k, v, k_idx, kv_len, q_ref, do_ref, lse_ref, delta_ref, *, segments,
-              q_offset, k_offset, scale, is_causal, block_q, window=None, k_valid=None):
+              q_offset, k_offset, scale, is_causal, block_q, window=None, k_valid=None,
+              mods=None):
     """Accumulates ``(dk, dv)`` of one key tile over query head ``g``'s query tiles of
     ``segments`` (``window``, ``k_valid (bk,)``: as in :func:`key_mask`).
 
     ``q_ref, do_ref``: ``(Lq_pad, G, dp)``; ``lse_ref, delta_ref``: ``(G, Lq_pad)``; ``k, v``
-    are the (already kv_len-zeroed) key tile. ``dk`` is returned unscaled.
+    are the (already kv_len-zeroed) key tile. ``dk`` is returned unscaled. ``mods``: as in
+    :func:`online_softmax`, at query head ``g``'s head already.
     """
 
     def body_of(block_index, masked):
@@ -192,13 +231,21 @@ def dkdv_loop(carry, g, k, v, k_idx, kv_len, q_ref, do_ref, lse_ref, delta_ref, 
             lse = lse_ref[g, pl.ds(start, block_q)]
             delta = delta_ref[g, pl.ds(start, block_q)]
             s = _dot(q, k, 1, 1) * scale
-            if masked:
+            if masked or mods is not None:
                 q_pos = q_offset + start + arange_i32(block_q)
-                s = jnp.where(key_mask(q_pos, k_idx, kv_len, k_offset, is_causal, window,
-                                       k_valid), s, _NEG_INF)
+            if mods is not None:
+                qp, kp = q_pos[:, None], (k_offset + k_idx)[None, :]
+                s, pull = mods.scores_vjp(s, qp, kp, False)
+                allowed = None if masked is WHOLE else mods.allowed(qp, kp)
+            if masked:
+                vis = _visible(q_pos, k_idx, kv_len, k_offset, is_causal, window, k_valid,
+                               None if mods is None else allowed)
+                s = jnp.where(vis, s, _NEG_INF)
             p = jnp.exp(s - lse[:, None])
             dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
             ds = p * (_dot(do, v, 1, 1) - delta[:, None])
+            if mods is not None:  # chain rule through the score mod
+                ds = pull(jnp.where(vis, ds, 0.0) if masked else ds)[0]
             dk = dk + _dot(ds.astype(q.dtype), q, 0, 0)
             return dk, dv
 

@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.common import arange_i32, cdiv_nonneg, gpu_only, online_softmax_step
 from pallas_kernels.config import MIN_BLOCK, KernelConfig, next_power_of_2, triton_compiler_params
+from pallas_kernels.mods import BoundMods
 
 __all__ = ["DecodeBranch", "DecodeConfig", "decode_attention", "decode_reference",
            "default_decode_config"]
@@ -151,13 +152,17 @@ def _dot(a, b, contract_a: int, contract_b: int):
                            preferred_element_type=_F32)
 
 
-def _decode_kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, branches, walks, chunks,
-                   scale, groups, max_len):
+def _decode_kernel(pos_ref, q_ref, k_ref, v_ref, *refs, branches, walks, chunks, scale, groups,
+                   max_len, t, mods=None):
+    *mod_refs, o_ref, lse_ref = refs
     c, s = pl.program_id(1), pl.program_id(2)
     p = pos_ref[0]
     q = q_ref[...]  # (Gp, d): the query heads of kv head c at position p
     rows = arange_i32(q.shape[0])
     head = c * groups + rows
+    if mods is not None:  # b: the query's batch row; h: (Gp, 1) heads; kv_idx: cache rows
+        mods = BoundMods(mods, tuple(mod_refs), lax.div(pl.program_id(0), jnp.int32(t)),
+                         head[:, None])
     m = jnp.full((q.shape[0],), _NEG_INF, _F32)
     denom = jnp.zeros((q.shape[0],), _F32)
     acc = jnp.zeros(q.shape, _F32)
@@ -186,7 +191,13 @@ def _decode_kernel(pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, branches, wa
             k = k_ref[tile, :]
             v = jnp.where(valid[:, None], v_ref[tile, :], jnp.zeros((), v_ref.dtype))
             logits = _dot(q, k, 1, 1) * scale
-            logits = jnp.where(sel[:, None] & valid[None, :], logits, _NEG_INF)
+            ok = sel[:, None] & valid[None, :]
+            if mods is not None:  # positions: the query's p, the tile's cache rows
+                kv = (row0 - back * walk.step + walk.step * arange_i32(walk.block))[None, :]
+                logits = mods.scores(logits, p, kv)
+                allowed = mods.allowed(p, kv)
+                ok = ok if allowed is None else ok & allowed
+            logits = jnp.where(ok, logits, _NEG_INF)
             return online_softmax_step(m, denom, acc, logits, v)
 
         m, denom, acc = lax.fori_loop(0, n_tiles, body, (m, denom, acc))
@@ -242,6 +253,7 @@ def decode_attention(
     config: DecodeConfig | None = None,
     interpret=False,
     debug: bool = False,
+    mods=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of ``t`` new queries per row over their branches' windows of a KV cache
     (reference: :func:`decode_reference`).
@@ -255,6 +267,10 @@ def decode_attention(
       branches: static :class:`DecodeBranch` es; one softmax over the union of their keys.
       scale: logit scale. config: :class:`DecodeConfig` or ``None`` (default).
       interpret: run in the Pallas interpreter (``True`` or ``pltpu.InterpretParams``).
+      mods: FlexAttention mods ``(KernelMods, operands)`` of
+        :func:`pallas_kernels.mods.kernel_mods` or None: the cap, ``score_mod`` and
+        ``mask_mod`` on each scaled logit at ``q_idx`` = the query's position, ``kv_idx`` =
+        the cache row, ``b`` its batch row, ``h`` its query head (forward only).
 
     Returns:
       ``out (b, t, h, d)`` float32 and ``lse (b, t, h)`` float32; a head with no key in any
@@ -280,13 +296,17 @@ def decode_attention(
     pos = jnp.asarray(positions, jnp.int32).reshape(b * t, 1)
     row = lambda i: lax.div(i, jnp.int32(t))  # noqa: E731  (query row i -> batch row)
     kv_spec = pl.BlockSpec((None, L, None, d), lambda i, c, s: (row(i), 0, c, 0))
+    operands = [] if mods is None else mods[1]  # the mods' arrays, whole to every program
+    whole = [pl.BlockSpec(x.shape, functools.partial(lambda n, *_: (0,) * n, x.ndim))
+             for x in operands]
     out, lse = pl.pallas_call(
         functools.partial(_decode_kernel, branches=tuple(branches), walks=walks,
-                          chunks=chunks, scale=float(scale), groups=G, max_len=L),
+                          chunks=chunks, scale=float(scale), groups=G, max_len=L, t=t,
+                          **({} if mods is None else dict(mods=mods[0]))),
         grid=(b * t, hk, S),
         in_specs=[pl.BlockSpec((None, 1), lambda i, c, s: (i, 0)),
                   pl.BlockSpec((None, None, gp, d), lambda i, c, s: (i, c, 0, 0)),
-                  kv_spec, kv_spec],
+                  kv_spec, kv_spec, *whole],
         out_specs=[pl.BlockSpec((None, None, None, gp, d), lambda i, c, s: (s, i, c, 0, 0)),
                    pl.BlockSpec((None, None, None, gp), lambda i, c, s: (s, i, c, 0))],
         out_shape=[jax.ShapeDtypeStruct((S, b * t, hk, gp, d), _F32),
@@ -297,7 +317,7 @@ def decode_attention(
         interpret=interpret,
         debug=debug,
         name="dilax_decode",
-    )(pos, qg, k_cache, v_cache)
+    )(pos, qg, k_cache, v_cache, *operands)
     out, lse = _merge_splits(out, lse)
     return (out[:, :, :G].reshape(b, t, h, d), lse[:, :, :G].reshape(b, t, h))
 

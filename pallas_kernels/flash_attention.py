@@ -42,15 +42,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import (
+    WHOLE,
     arange_i32,
     backward_rows,
     band,
-    cdiv_nonneg,
     check_grouped_qkv,
     dkdv_call,
     dkdv_loop,
     dq_loop,
-    floordiv_clamped,
     for_each_group,
     gpu_only,
     mask_tables,
@@ -65,7 +64,9 @@ from pallas_kernels.config import (
     tile,
     triton_compiler_params,
 )
+from pallas_kernels.mods import BoundMods, KernelMods, operand
 from pallas_kernels.reference import attention_reference
+from pallas_kernels.segments import key_segments, query_segments, table_segments
 
 __all__ = [
     "flash_attention",
@@ -83,79 +84,45 @@ _F32 = jnp.float32
 # --------------------------------------------------------------------------------------------
 
 
-def _causal_key_blocks(q_block, block_q, block_k, q_offset, k_offset):
-    """Number of leading key blocks holding a key visible to some query of ``q_block``."""
-    last = q_offset - k_offset + (q_block + 1) * block_q - 1  # last visible local key index
-    return jnp.where(last >= 0, floordiv_clamped(last, block_k) + 1, 0)
-
-
-def _blocks_through(last, block: int):
-    """Number of blocks ``[0, last // block]`` (0 when ``last < 0``)."""
-    return jnp.where(last >= 0, floordiv_clamped(last, block) + 1, 0)
-
-
-def _tables(refs, has_q_len: bool, has_kv_valid: bool):
+def _tables(refs, has_q_len: bool, has_kv_valid: bool, mods: KernelMods | None = None,
+            head=None, blocks=None):
     """Splits a kernel's refs into ``(q_offset, k_offset, kv_len, q_len or None,
-    kv_valid_ref or None, rest)``; the optional tables are passed only when given."""
+    kv_valid_ref or None, bound mods or None, block table refs or None, rest)``, the optional
+    operands passed only when given: ``mods`` bound to this program's batch row and query
+    ``head`` (default: program id 2), then (``blocks``) a block mask's 4 tables."""
     offs_ref, kvlen_ref, *refs = refs
     q_len = refs.pop(0)[0] if has_q_len else None
     kv_valid_ref = refs.pop(0) if has_kv_valid else None
-    return offs_ref[0], offs_ref[1], kvlen_ref[0], q_len, kv_valid_ref, refs
+    out = (offs_ref[0], offs_ref[1], kvlen_ref[0], q_len, kv_valid_ref)
+    if mods is None:
+        return (*out, None, None, refs)
+    n = len(mods.score_avals) + len(mods.mask_avals)
+    head = pl.program_id(2) if head is None else head
+    bound = BoundMods(mods, tuple(refs[:n]), pl.program_id(1), head)
+    if blocks is None:
+        return (*out, bound, None, refs[n:])
+    return (*out, bound, refs[n:n + 4], refs[n + 4:])
 
 
-def _masked_between(lo, a, b, hi):
-    """Tile segments: ``[lo, a)`` masked, ``[a, b)`` unmasked, ``[b, hi)`` masked."""
-    return [(a - lo, lambda s: lo + s, True), (b - a, lambda s: a + s, False),
-            (hi - b, lambda s: b + s, True)]
+def _every_tile_masked(has_kv_valid, mods):
+    return has_kv_valid or (mods is not None and mods.mask is not None)
 
 
-def _key_segments(i, q_offset, k_offset, kv_len, q_len, *, is_causal, window, per_key,
-                  block_q, block_k):
-    """Query block ``i``'s positions and its key-tile segments: only the tiles that hold a key
-    visible to some of its queries (below ``kv_len``, causal, inside the band), the tiles
-    needing no element mask unmasked; none when the block is wholly past ``q_len``."""
-    q_pos = q_offset + i * block_q + arange_i32(block_q)
-    rel = q_offset - k_offset + i * block_q  # the first query, in local key indices
-    hi = cdiv_nonneg(kv_len, block_k)
-    full = lax.div(kv_len, jnp.int32(block_k))  # tiles entirely below kv_len
-    if is_causal:
-        hi = jnp.minimum(hi, _causal_key_blocks(i, block_q, block_k, q_offset, k_offset))
-        # tiles whose last key is visible to the tile's first query
-        full = jnp.minimum(full, floordiv_clamped(rel + 1, block_k))
-    if q_len is not None:  # a query block wholly past the valid rows reads nothing
-        hi = jnp.where(i * block_q < q_len, hi, 0)
-    if window is None and not per_key:
-        full = jnp.minimum(full, hi)
-        return q_pos, [(full, lambda s: s, False), (hi - full, lambda s: full + s, True)]
-    lo = jnp.int32(0)
-    first_full = jnp.int32(0)
-    if window is not None:  # only the tiles that meet the band -left <= t - p <= right
-        left, right = window
-        hi = jnp.minimum(hi, _blocks_through(rel + block_q - 1 + right, block_k))
-        lo = floordiv_clamped(rel - left, block_k)
-        # tiles inside every query's band: first key >= last query - left, last key <=
-        # first query + right
-        first_full = cdiv_nonneg(jnp.maximum(rel + block_q - 1 - left, 0), block_k)
-        full = jnp.minimum(full, floordiv_clamped(rel + right + 1, block_k))
-    lo = jnp.minimum(lo, hi)
-    if per_key:  # an arbitrary per-key mask: every tile masked
-        return q_pos, [(hi - lo, lambda s: lo + s, True)]
-    a = jnp.clip(first_full, lo, hi)
-    return q_pos, _masked_between(lo, a, jnp.clip(full, a, hi), hi)
-
-
-def _fwd_kernel(*refs, scale, is_causal, window, has_q_len, has_kv_valid, block_q, block_k):
-    q_offset, k_offset, kv_len, q_len, kv_valid_ref, refs = _tables(refs, has_q_len,
-                                                                    has_kv_valid)
+def _fwd_kernel(*refs, scale, is_causal, window, has_q_len, has_kv_valid, block_q, block_k,
+                mods=None, blocks=None):
+    q_offset, k_offset, kv_len, q_len, kv_valid_ref, bound, table_refs, refs = _tables(
+        refs, has_q_len, has_kv_valid, mods, blocks=blocks)
     q_ref, k_ref, v_ref, o_ref, lse_ref = refs
     i = pl.program_id(0)
-    q_pos, segments = _key_segments(i, q_offset, k_offset, kv_len, q_len, is_causal=is_causal,
-                                    window=window, per_key=has_kv_valid, block_q=block_q,
-                                    block_k=block_k)
+    q_pos, segments = key_segments(i, q_offset, k_offset, kv_len, q_len, is_causal=is_causal,
+                                   window=window, per_key=_every_tile_masked(has_kv_valid, mods),
+                                   block_q=block_q, block_k=block_k)
+    if blocks is not None:  # a block mask's key blocks instead (every tile masked)
+        segments = table_segments(table_refs, i, blocks, WHOLE)
     out, lse = online_softmax(
         q_ref[...], q_pos, k_ref, v_ref, segments=segments, kv_len=kv_len, k_offset=k_offset,
         scale=scale, is_causal=is_causal, block_k=block_k, window=window,
-        kv_valid_ref=kv_valid_ref,
+        kv_valid_ref=kv_valid_ref, **({} if bound is None else dict(mods=bound)),
     )
     if q_len is not None:  # rows past q_len: out 0, lse -inf (the backward then skips them)
         row_ok = i * block_q + arange_i32(block_q) < q_len
@@ -165,61 +132,33 @@ def _fwd_kernel(*refs, scale, is_causal, window, has_q_len, has_kv_valid, block_
     lse_ref[...] = lse
 
 
-def _dq_kernel(*refs, scale, is_causal, window, has_q_len, has_kv_valid, block_q, block_k):
-    q_offset, k_offset, kv_len, q_len, kv_valid_ref, refs = _tables(refs, has_q_len,
-                                                                    has_kv_valid)
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref = refs
-    q_pos, segments = _key_segments(pl.program_id(0), q_offset, k_offset, kv_len, q_len,
-                                    is_causal=is_causal, window=window, per_key=has_kv_valid,
-                                    block_q=block_q, block_k=block_k)
+def _dq_kernel(*refs, scale, is_causal, window, has_q_len, has_kv_valid, block_q, block_k,
+               mods=None, blocks=None):
+    q_offset, k_offset, kv_len, q_len, kv_valid_ref, bound, table_refs, refs = _tables(
+        refs, has_q_len, has_kv_valid, mods, blocks=blocks)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *dc_ref = refs
+    q_pos, segments = key_segments(pl.program_id(0), q_offset, k_offset, kv_len, q_len,
+                                   is_causal=is_causal, window=window,
+                                   per_key=_every_tile_masked(has_kv_valid, mods),
+                                   block_q=block_q, block_k=block_k)
+    if blocks is not None:
+        segments = table_segments(table_refs, pl.program_id(0), blocks, WHOLE)
     # rows past q_len: lse = +inf (backward_rows), so p = 0 and dq = 0 there
     dq = dq_loop(
         q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], q_pos, k_ref, v_ref,
         segments=segments, kv_len=kv_len, k_offset=k_offset, scale=scale, is_causal=is_causal,
         block_k=block_k, window=window, kv_valid_ref=kv_valid_ref,
+        **({} if bound is None else dict(mods=bound)),
     )
+    if dc_ref:  # this program's partial gradient of the score mod's float consts
+        dq, dc_ref[0][...] = dq
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _query_segments(j, q_offset, k_offset, kv_len, q_len, *, is_causal, window, per_key,
-                    block_q, block_k, num_q_blocks):
-    """Key block ``j``'s query-tile segments (the dk/dv loop): only the query tiles that see
-    one of its keys (causal, inside the band, below ``q_len``), those needing no element mask
-    unmasked; none when the block is wholly past ``kv_len``."""
-    rel = k_offset - q_offset + j * block_k  # the first key, in local query indices
-    lo = jnp.int32(0)
-    if is_causal:  # first query that can see key j * block_k
-        lo = jnp.minimum(floordiv_clamped(rel, block_q), num_q_blocks)
-    hi = jnp.where(j * block_k < kv_len, num_q_blocks, lo)
-    if q_len is not None:  # query tiles wholly past the valid rows
-        hi = jnp.minimum(hi, cdiv_nonneg(q_len, block_q))
-    if window is not None:  # only the query tiles that meet the band
-        left, right = window
-        lo = jnp.maximum(lo, floordiv_clamped(rel - right, block_q))
-        hi = jnp.minimum(hi, _blocks_through(rel + block_k - 1 + left, block_q))
-    lo = jnp.minimum(lo, hi)
-    if per_key:
-        return [(hi - lo, lambda s: lo + s, True)]
-    # Query tiles [lo, mid) need the element mask (the causal diagonal, the band's lower
-    # edge), [mid, end) do not, [end, hi) do (the band's upper edge); a key tile that
-    # straddles kv_len needs it everywhere.
-    mid = lo
-    if is_causal:  # first query tile whose first query sees the tile's last key
-        mid = cdiv_nonneg(jnp.maximum(rel + block_k - 1, 0), block_q)
-    if window is not None:
-        mid = jnp.maximum(mid, cdiv_nonneg(jnp.maximum(rel + block_k - 1 - right, 0), block_q))
-    mid = jnp.clip(mid, lo, hi)
-    mid = jnp.where((j + 1) * block_k <= kv_len, mid, hi)
-    if window is None:
-        return [(mid - lo, lambda s: lo + s, True), (hi - mid, lambda s: mid + s, False)]
-    end = jnp.clip(floordiv_clamped(rel + left + 1, block_q), mid, hi)
-    return _masked_between(lo, mid, end, hi)
-
-
 def _dkdv_kernel(*refs, scale, is_causal, window, has_q_len, has_kv_valid, block_q, block_k,
-                 num_q_blocks, groups):
-    q_offset, k_offset, kv_len, q_len, kv_valid_ref, refs = _tables(refs, has_q_len,
-                                                                    has_kv_valid)
+                 num_q_blocks, groups, mods=None, blocks=None):
+    q_offset, k_offset, kv_len, q_len, kv_valid_ref, bound, table_refs, refs = _tables(
+        refs, has_q_len, has_kv_valid, mods, head=pl.program_id(2) * groups, blocks=blocks)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
     j = pl.program_id(0)
     k_idx = j * block_k + arange_i32(block_k)
@@ -227,15 +166,18 @@ def _dkdv_kernel(*refs, scale, is_causal, window, has_q_len, has_kv_valid, block
     valid = k_idx < kv_len if k_valid is None else (k_idx < kv_len) & k_valid
     k = jnp.where(valid[:, None], k_ref[...], jnp.zeros((), k_ref.dtype))
     v = jnp.where(valid[:, None], v_ref[...], jnp.zeros((), v_ref.dtype))
-    segments = _query_segments(j, q_offset, k_offset, kv_len, q_len, is_causal=is_causal,
-                               window=window, per_key=has_kv_valid, block_q=block_q,
-                               block_k=block_k, num_q_blocks=num_q_blocks)
+    segments = query_segments(j, q_offset, k_offset, kv_len, q_len, is_causal=is_causal,
+                              window=window, per_key=_every_tile_masked(has_kv_valid, mods),
+                              block_q=block_q, block_k=block_k, num_q_blocks=num_q_blocks)
+    if blocks is not None:  # a block mask's query blocks of this key block
+        segments = table_segments(table_refs, j, blocks, WHOLE)
 
     def per_group(g, carry):
         return dkdv_loop(
             carry, g, k, v, k_idx, kv_len, q_ref, do_ref, lse_ref, delta_ref,
             segments=segments, q_offset=q_offset, k_offset=k_offset, scale=scale,
             is_causal=is_causal, block_q=block_q, window=window, k_valid=k_valid,
+            **({} if bound is None else dict(mods=bound.at_head(bound.h + g))),
         )
 
     dp = k_ref.shape[-1]
@@ -273,13 +215,19 @@ def _group_of(h, groups: int):
 
 def flash_forward(q, k, v, *, kv_len, offsets, scale: float, is_causal: bool,
                   config: KernelConfig, interpret: bool = False, debug: bool = False,
-                  window=None, q_len=None, kv_valid=None):
+                  window=None, q_len=None, kv_valid=None, mods=None, block_tables=None):
     """Forward kernel: ``out (B, Lq, Hk, G, d)`` in ``q.dtype`` and ``lse (B, Lq, Hk, G)``.
 
     ``kv_len``: int32 ``(B, Hk)`` in ``[0, Lk]``; ``offsets``: int32 ``(2,)``, the global
     positions ``(q_offset, k_offset)`` of index 0. Optional: ``window`` (static int or
-    ``(left, right)``, see :func:`band`), ``q_len`` int32 ``(B, Hk)`` in ``[0, Lq]`` and
-    ``kv_valid`` bool ``(B, Hk, Lk)``."""
+    ``(left, right)``, see :func:`band`), ``q_len`` int32 ``(B, Hk)`` in ``[0, Lq]``,
+    ``kv_valid`` bool ``(B, Hk, Lk)`` and ``mods``: FlexAttention mods
+    ``(KernelMods, operands)`` of :func:`pallas_kernels.mods.kernel_mods`, applied to the
+    scaled logits at positions ``q_offset + row``, ``k_offset + key``, batch row ``b`` and
+    query head ``c * G + g``; ``block_tables`` (with ``mods``): a block mask's
+    ``(kv_blocks, q_blocks, (q_block, kv_block))`` (``dilax.flex.BlockMask``): where its
+    blocks are whole tiles of a kernel, that kernel visits only their partial and full
+    blocks, ``mask_mod`` on the partial ones only; else every tile, ``mask_mod`` on each."""
     B, Lq, Hk, G, d = q.shape
     Lk = k.shape[1]
     dp = padded_head_dim(d)
@@ -296,6 +244,8 @@ def flash_forward(q, k, v, *, kv_len, offsets, scale: float, is_causal: bool,
     extra, extra_specs, flags = mask_tables(
         q_len, kv_valid, lk_pad, len_spec,
         pl.BlockSpec((None, None, lk_pad), lambda i, b, h: (b, _kv_of(h, G), 0)))
+    extra, extra_specs, flags = _with_mods(mods, extra, extra_specs, flags, block_tables,
+                                           (bq, bk, False), (lq_pad, lk_pad))
     out, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, scale=scale, is_causal=is_causal, window=band(window),
                           block_q=bq, block_k=bk, **flags),
@@ -321,12 +271,16 @@ def flash_forward(q, k, v, *, kv_len, offsets, scale: float, is_causal: bool,
 
 def flash_backward(q, k, v, *, kv_len, offsets, lse, dout, delta, scale: float,
                    is_causal: bool, config: KernelConfig, interpret: bool = False,
-                   debug: bool = False, window=None, q_len=None, kv_valid=None):
+                   debug: bool = False, window=None, q_len=None, kv_valid=None, mods=None,
+                   block_tables=None):
     """Backward kernels: ``(dq, dk, dv)`` in the input dtypes, recomputed from ``lse``.
 
     ``lse, dout`` as :func:`flash_forward` returned them and their cotangent;
     ``delta = output_delta(out, dout, dlse)`` ``(B, Lq, Hk, G)``. Other arguments as in
-    :func:`flash_forward`; rows at or past ``q_len`` get zero gradient whatever ``lse``."""
+    :func:`flash_forward`; rows at or past ``q_len`` get zero gradient whatever ``lse``.
+    With ``mods`` whose ``score_mod`` closes over float arrays, ``(dq, dk, dv, dconsts)``:
+    ``dconsts`` their float32 gradients in order (the dq kernel's per-program partials,
+    summed here)."""
     B, Lq, Hk, G, d = q.shape
     Lk = k.shape[1]
     dp = padded_head_dim(d)
@@ -353,27 +307,36 @@ def flash_backward(q, k, v, *, kv_len, offsets, lse, dout, delta, scale: float,
     extra, extra_specs, flags = mask_tables(
         q_len, kv_valid, lk_pad, len_spec,
         pl.BlockSpec((None, None, lk_pad), lambda i, b, h: (b, _kv_of(h, G), 0)))
+    extra, extra_specs, flags = _with_mods(mods, extra, extra_specs, flags, block_tables,
+                                           (bq_q, bk_q, False), (lq_pad, lk_pad))
+    width = 0 if mods is None else mods[0].grad_width  # the consts' partial gradients
+    nq = lq_pad // bq_q
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, scale=scale, block_q=bq_q, block_k=bk_q, **masks,
                           **flags),
-        grid=(lq_pad // bq_q, B, Hk * G),
+        grid=(nq, B, Hk * G),
         in_specs=[
             offs_spec, len_spec, *extra_specs,
             q_spec, kv_full, kv_full, q_spec, row_spec, row_spec,
         ],
-        out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
+        out_specs=[q_spec] + ([pl.BlockSpec((None, None, None, width),
+                                            lambda i, b, h: (i, b, h, 0))] if width else []),
+        out_shape=[jax.ShapeDtypeStruct(qp.shape, q.dtype)] + (
+            [jax.ShapeDtypeStruct((nq, B, Hk * G, width), _F32)] if width else []),
         compiler_params=params,
         interpret=interpret,
         debug=debug,
         name="dilax_flash_dq",
     )(offsets, kv_len, *extra, qp, kp, vp, dop, lse_rows, delta_rows)
+    dq, *dc = dq
 
     # dk, dv: one program per (key block, batch, kv head), loop over its G heads and q blocks.
     len_spec = pl.BlockSpec((None, 1), lambda j, b, c: (b, c))
     extra, extra_specs, flags = mask_tables(
         q_len, kv_valid, lk_pad, len_spec,
         pl.BlockSpec((None, None, bk_kv), lambda j, b, c: (b, c, j)))
+    extra, extra_specs, flags = _with_mods(mods, extra, extra_specs, flags, block_tables,
+                                           (bk_kv, bq_kv, True), (lk_pad, lq_pad))
     dk, dv = dkdv_call(
         functools.partial(_dkdv_kernel, scale=scale, block_q=bq_kv, block_k=bk_kv,
                           num_q_blocks=lq_pad // bq_kv, groups=G, **masks, **flags),
@@ -383,7 +346,37 @@ def flash_backward(q, k, v, *, kv_len, offsets, lse, dout, delta, scale: float,
         v_dtype=v.dtype, compiler_params=params, interpret=interpret, debug=debug,
         name="dilax_flash_dkdv",
     )(offsets, kv_len, *extra, qp, kp, vp, dop, lse_rows, delta_rows)
-    return dq[:, :Lq, ..., :d], dk[:, :Lk, :, :d], dv[:, :Lk, :, :d]
+    grads = dq[:, :Lq, ..., :d], dk[:, :Lk, :, :d], dv[:, :Lk, :, :d]
+    if not width:
+        return grads
+    total = jnp.sum(dc[0], axis=(0, 1, 2))
+    return (*grads, [total[off:off + size].reshape(mods[0].score_avals[i][0])
+                     for i, off, size in mods[0].grad_slots])
+
+
+def _with_mods(mods, extra, extra_specs, flags, block_tables=None, tiles=None, pads=None):
+    """The mods' closed-over arrays appended to a call's tables, passed whole to every
+    program (``mods``: ``(KernelMods, operands)`` or None: the call as without), then a
+    block mask's tables when its blocks are whole tiles of this kernel: ``block_tables``
+    ``(kv_blocks, q_blocks, (q_block, kv_block))``, ``tiles`` the kernel's ``(own, loop)``
+    tiles (own: the program's axis; ``pads``: both axes' padded lengths), ``q_blocks`` read
+    when the program's axis is the keys' (``tiles[2]``: True)."""
+    if mods is None:
+        return extra, extra_specs, flags
+    km, operands = mods
+    operands = list(operands)
+    if block_tables is not None:
+        kv_blocks, q_blocks, (qb, kb) = block_tables
+        own, loop, key_side = tiles
+        own_b, loop_b = (kb, qb) if key_side else (qb, kb)
+        table = q_blocks if key_side else kv_blocks
+        n_own, n_loop = table[1].shape[1], table[0].shape[2]
+        if own_b % own == 0 and loop_b % loop == 0 and n_loop * loop_b <= pads[1]:
+            operands += [operand(x) for x in table]
+            flags = dict(flags, blocks=(own_b // own, loop_b // loop, n_own))
+    specs = [pl.BlockSpec(x.shape, functools.partial(lambda n, *_: (0,) * n, x.ndim))
+             for x in operands]
+    return [*extra, *operands], [*extra_specs, *specs], dict(flags, mods=km)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))

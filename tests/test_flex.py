@@ -219,7 +219,7 @@ def test_create_block_mask_classification():
     assert shared.block_size == (33, 33) and np.asarray(shared.classes).shape == (1, 1, 1, 1)
 
 
-def test_registry_serves_flex_on_xla_only():
+def test_registry_serves_flex_on_xla_and_pallas():
     for name in ("pallas", "cudnn"):
         for req, word in ((registry.CoreRequest("flex"), "flex_attention"),
                           (registry.CoreRequest("dilated_branch", has_mask_mod=True),
@@ -228,9 +228,13 @@ def test_registry_serves_flex_on_xla_only():
                                                 value_head_dim=32), "dv != d"),
                           (registry.CoreRequest("block_sparse", has_sinks=True), "sinks")):
             reason = registry.supports(name, req)
+            if name == "pallas" and req.op == "flex":
+                assert reason is None
+                continue
             assert reason is not None and word in reason, (name, req, reason)
     assert registry.supports("xla", registry.CoreRequest("flex", has_score_mod=True)) is None
-    assert registry.choose(None, registry.CoreRequest("flex", platform="gpu"))[0] == "xla"
+    # the Pallas kernels trace flex_attention's mods (tests/test_pallas_mods.py)
+    assert registry.choose(None, registry.CoreRequest("flex", platform="gpu"))[0] == "pallas"
 
 
 def test_errors_name_the_argument():
@@ -267,8 +271,10 @@ def test_errors_name_the_argument():
         fa(q, k, v, block_mask=bm)
     with pytest.raises(TypeError, match="block_mask must be"):
         fa(q, k, v, block_mask=np.ones((1, 1, 1, 1), bool))
-    with pytest.raises(ValueError, match="'pallas'.*Pallas kernels: no flex_attention"):
-        fa(q, k, v, implementation="pallas")
+    with pytest.raises(ValueError, match="'cudnn'.*cuDNN's fused attention: no flex_attention"):
+        fa(q, k, v, implementation="cudnn")
+    with pytest.raises(ValueError, match="compile Triton code for a GPU: pass interpret=True"):
+        fa(q, k, v, implementation="pallas")  # a CPU program: the kernels need interpret
     with pytest.raises(ValueError, match="Q_LEN must be a positive int"):
         dilax.create_block_mask(flex.causal_mask, None, None, 0, 8)
     with pytest.raises(TypeError, match="and_masks: argument 1"):

@@ -27,7 +27,7 @@ from jax import lax
 from dilax.core import pairwise, xla
 from dilax.core.blocks import BlockSizes, default_block_sizes
 from dilax.core.mask import Mask
-from dilax.core.mods import Mods
+from dilax.core.mods import Mods, check_view, grad_result
 from dilax.core.ordering import when
 from dilax.core.view import SlotView, identity_view
 from dilax.utils import output_delta, varying_axes  # delta: rowsum(dO * O) - dlse, float32
@@ -126,17 +126,21 @@ def _drop_invalid_rows(out, lse, view, mask, len_q):
             jnp.where(valid, lse, -jnp.inf))
 
 
-def _refuse_masks(name: str, mask: Mask, *, band_and_keys: bool = False) -> None:
+def _refuse_masks(name: str, mask: Mask, *, band_and_keys: bool = False,
+                  mods: bool = False) -> None:
     """A kernel core given a mask it has no form for raises (:mod:`dilax.registry` keeps such
     calls away from it; reaching here is a caller's bug, never a reason to run another core).
-    ``band_and_keys``: the kernel takes ``window`` and ``kv_valid``. No registry lookup here:
+    ``band_and_keys``: the kernel takes ``window`` and ``kv_valid``; ``mods``: FlexAttention
+    mods at the call's own positions (no position maps). No registry lookup here:
     the registry builds cores, so the core does not import it."""
     missing = [what for what, given in (
         ("a band mask (local_window)", mask.window is not None and not band_and_keys),
         ("a per-key mask (key padding)", mask.kv_valid is not None and not band_and_keys),
         ("bias or (B, N, T, S) boolean mask", mask.bias is not None or mask.mask is not None),
         ("per-row key ranges (segment_ids)", mask.key_range is not None),
-        ("score_mod / mask_mod / soft-cap (dilax.flex_attention)", mask.mods is not None),
+        ("score_mod / mask_mod / soft-cap (dilax.flex_attention)", mask.mods is not None and (
+            not mods or any(x is not None for x in (
+                mask.mods.q_pos, mask.mods.kv_pos, mask.mods.batch)))),
     ) if given]
     if missing:
         raise ValueError(f"implementation={name!r}: the kernel has no {' or '.join(missing)} "
@@ -151,25 +155,38 @@ class PallasCore:
     ``interpret``: run the kernels in the Pallas interpreter (CPU tests). Every field of the
     :class:`Mask` but ``bias``/``mask`` is the kernels' own: key and query lengths, offsets,
     causality, the band ``window`` (only the tiles that meet it are visited) and the per-key
-    ``kv_valid``. A dense bias or mask raises (:mod:`dilax.registry` never sends one here)."""
+    ``kv_valid``, and FlexAttention mods (:class:`dilax.core.mods.Mods` on an identity view:
+    cap, ``score_mod`` and ``mask_mod`` traced into the kernels, :mod:`pallas_kernels.mods`;
+    a block mask's tables steer each kernel whose tiles divide its blocks, else every tile
+    the other masks leave is visited, ``mask_mod`` on each). A dense bias or mask raises
+    (:mod:`dilax.registry` never sends one here)."""
 
     interpret: bool = False
     name: ClassVar[str] = "pallas"
 
     def _args(self, q, k, view, mask, block_sizes):
-        _refuse_masks(self.name, mask, band_and_keys=True)
+        _refuse_masks(self.name, mask, band_and_keys=True, mods=True)
         B, Lq, Lk, d = q.shape[0], q.shape[1], k.shape[1], q.shape[-1]
+        mods, tables = None, {}
+        if (m := mask.mods) is not None:
+            from pallas_kernels.mods import kernel_mods  # lazy: optional kernels
+
+            check_view(view)
+            mods = kernel_mods(m.score, m.score_consts, m.mask, m.mask_consts, m.soft_cap)
+            if m.kv_blocks is not None and m.table_block is not None:  # a block mask's
+                tables = dict(block_tables=(m.kv_blocks, m.q_blocks, m.table_block))
         U = len(view.kv_index)
         mask = mask.resolve(B, U, Lk, Lq)
         kv_len = mask.kv_len if mask.kv_len is not None else jnp.full((B, U), Lk, jnp.int32)
         q_len = None if mask.q_len is None else jnp.maximum(mask.q_len, 0)
-        masked = mask.window is not None or q_len is not None or mask.kv_valid is not None
+        masked = mask.window is not None or q_len is not None or mask.kv_valid is not None or (
+            mods is not None)
         return dict(kv_len=jnp.maximum(kv_len, 0),
                     offsets=jnp.stack([mask.q_offset, mask.k_offset]),
                     is_causal=mask.is_causal, interpret=self.interpret,
                     config=pallas_config(block_sizes, Lq, Lk, d, q.dtype, masked=masked),
-                    window=mask.window,
-                    q_len=q_len, kv_valid=mask.kv_valid)
+                    window=mask.window, q_len=q_len, kv_valid=mask.kv_valid,
+                    **({} if mods is None else dict(mods=mods, **tables)))
 
     def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):
         from pallas_kernels.flash_attention import flash_forward
@@ -184,12 +201,15 @@ class PallasCore:
         from pallas_kernels.flash_attention import flash_backward
 
         out_view = view.output_view()
-        dq, dk, dv = flash_backward(
+        dq, dk, dv, *dc = flash_backward(
             view.gather_q(q), view.gather_kv(k), view.gather_kv(v), lse=out_view.gather_q(lse),
             dout=out_view.gather_q(dout), delta=out_view.gather_q(delta), scale=float(scale),
             **self._args(q, k, view, mask, block_sizes))
         grads = _add_into(acc, (view.ungather_q(dq), view.ungather_kv(dk), view.ungather_kv(dv)))
-        return tuple(g.astype(grad_dtype or x.dtype) for g, x in zip(grads, (q, k, v)))
+        grads = tuple(g.astype(grad_dtype or x.dtype) for g, x in zip(grads, (q, k, v)))
+        if mask.mods is None:
+            return grads
+        return grads + grad_result(dc[0] if dc else [], mask.mods)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -94,6 +94,9 @@ class Mods:
         ``q_pos[i, p]``; ``batch (B,)`` the mods' ``b`` of batch row ``i``. Positions beyond
         the arrays (padding) are clamped.
 
+    table_block: static ``(q_block, kv_block)`` of the tables when they are not the core's
+      blocks (the Pallas kernels read them with their own tiles when these divide them).
+
     Without them positions are ``q_offset + row`` and ``k_offset + key`` of the call, heads
     the query heads of an identity view, ``b`` the call's batch row.
     """
@@ -108,6 +111,7 @@ class Mods:
     q_pos: jax.Array | None = None
     kv_pos: jax.Array | None = None
     batch: jax.Array | None = None
+    table_block: tuple[int, int] | None = _static(default=None)
 
     def cotangent(self, grads) -> Mods:
         """The ``custom_vjp`` cotangent: ``grads`` for the float ``score_consts``, None else."""

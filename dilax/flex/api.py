@@ -127,12 +127,14 @@ def core_mods(mods: FlexMods | None) -> Mods | None:
                 mods.mask, mods.cap)
 
 
-def flex_core(q, k, v, mods: FlexMods, *, scale: float, base: Mask | None = None):
+def flex_core(q, k, v, mods: FlexMods, *, scale: float, base: Mask | None = None, core=XLA):
     """``(out (b, n, h, dv) in q.dtype, lse (b, n, h) float32)`` of the checked arrays
     ``q (b, n, h, d)``, ``k (b, s, hk, d)``, ``v (b, s, hk, dv)`` with ``mods`` on the XLA core
     (identity view; positions ``0 ..``). ``base``: the op's own :class:`dilax.core.Mask`
     (lengths, causality, band, dense bias / mask, key ranges) the mods are added to. With
-    ``sinks`` the lse is the denominator's, sinks included."""
+    ``sinks`` the lse is the denominator's, sinks included. ``core``: the
+    :class:`dilax.core.Core` that runs it (the Pallas kernels read the block tables with
+    their own tiles where these divide the blocks, else visit every tile)."""
     (b, n, h, _), s, dv = q.shape, k.shape[1], v.shape[-1]
     if 0 in (b, n, s):  # nothing to compute: empty, or rows without keys (0, lse = -inf)
         out = jnp.zeros((b, n, h, dv), q.dtype)
@@ -140,12 +142,12 @@ def flex_core(q, k, v, mods: FlexMods, *, scale: float, base: Mask | None = None
             mods.sinks.astype(_F32), (b, n, h))  # the denominator holds the sink alone
         return out, lse
     bm = mods.block_mask
-    blocks = None if bm is None else bm.block_size
+    blocks = None if bm is None or core.name != "xla" else bm.block_size
     mods_core = core_mods(mods)
     if bm is not None:  # the block tables: a Mods even without score, mask or cap
         mods_core = dataclasses.replace(mods_core or Mods(), kv_blocks=bm.kv_blocks,
-                                        q_blocks=bm.q_blocks)
-    return _flex(q, k, v, mods_core, mods.sinks, base, float(scale), blocks)
+                                        q_blocks=bm.q_blocks, table_block=bm.block_size)
+    return _flex(q, k, v, mods_core, mods.sinks, base, float(scale), blocks, core)
 
 
 def with_sinks(out, lse, sinks, dtype):
@@ -159,7 +161,7 @@ def with_sinks(out, lse, sinks, dtype):
 
 def flex_attention(query, key, value, *, score_mod=None, mask_mod=None, block_mask=None,
                    scale=None, sinks=None, logits_soft_cap=None, return_residual=False,
-                   implementation=None):
+                   implementation=None, interpret=False):
     """Attention with your own scores and masks (PyTorch FlexAttention semantics).
 
     Per pair (query ``q_idx``, key ``kv_idx``) of head ``h`` in batch row ``b``:
@@ -187,8 +189,13 @@ def flex_attention(query, key, value, *, score_mod=None, mask_mod=None, block_ma
       logits_soft_cap: float ``> 0`` or None.
       return_residual: also return the log-sum-exp ``(b, n, h)`` float32 (with ``sinks``,
         of the denominator including them), as ``jax.nn.dot_product_attention``.
-      implementation: ``None`` or ``"xla"`` (the blockwise core); ``"pallas"`` and
-        ``"cudnn"`` are refused with :mod:`dilax.registry`'s reason.
+      implementation: ``None`` (:mod:`dilax.registry`'s choice: the Pallas kernels on GPU
+        or with ``interpret``, else the XLA core), ``"xla"`` (the blockwise core) or
+        ``"pallas"`` (the flash kernels with the mods traced inside them,
+        :mod:`pallas_kernels.mods`; ``dv == d``; a mod must read its closed-over arrays by
+        scalar indexing; a ``block_mask`` steers the kernels whose tiles divide its
+        blocks); ``"cudnn"`` is refused with the registry's reason.
+      interpret: run the Pallas kernels in the Pallas interpreter (any backend, e.g. CPU).
 
     Returns:
       ``(b, n, h, dv)`` in ``query.dtype`` (and the lse with ``return_residual``). A query
@@ -207,10 +214,23 @@ def flex_attention(query, key, value, *, score_mod=None, mask_mod=None, block_ma
                         block_mask=block_mask, sinks=sinks,
                         logits_soft_cap=logits_soft_cap) or FlexMods()
     request = registry.CoreRequest("flex", q.dtype, d, value_head_dim=dv,
-                                   **mods.request_flags)
-    registry.choose(registry.check_name(implementation, "flex"), request)
-    out, lse = flex_core(q, k, v, mods, scale=scale)
+                                   interpret=bool(interpret), **mods.request_flags)
+    implementation = registry.check_name(implementation, "flex")
+    name, _ = registry.choose(implementation, request)
+    if name == "pallas" and (problem := _kernel_problem(mods)) is not None:
+        request = dataclasses.replace(request, mod_problem=problem)
+        name, _ = registry.choose(implementation, request)  # explicit: ValueError, why
+    out, lse = flex_core(q, k, v, mods, scale=scale, core=registry.core(name, interpret))
     return (out, lse) if return_residual else out
+
+
+def _kernel_problem(mods: FlexMods) -> str | None:
+    """Why the mods have no form inside the Pallas kernels (None: they have one)."""
+    if mods.score is None and mods.mask is None:
+        return None
+    from pallas_kernels.mods import mod_problem  # lazy: the kernels are optional
+
+    return mod_problem(mods.score, mods.score_consts, mods.mask, mods.mask_consts)
 
 
 def _positive(x, name: str, op: str = "flex_attention") -> float:
@@ -224,13 +244,13 @@ def _positive(x, name: str, op: str = "flex_attention") -> float:
 
 # One compiled program per static configuration (mods compare by their traced text: the
 # Mods' functions and cap are static in its pytree).
-@functools.partial(jax.jit, static_argnums=(6, 7))
-def _flex(q, k, v, mods, sinks, base, scale, blocks):
+@functools.partial(jax.jit, static_argnums=(6, 7, 8))
+def _flex(q, k, v, mods, sinks, base, scale, blocks, core):
     hk, h = k.shape[2], q.shape[2]
     sizes = None if blocks is None else BlockSizes(*blocks, *blocks)
     spec = Mask(mods=mods) if base is None else dataclasses.replace(base, mods=mods)
     out, lse = attention(q, k, v, view=identity_view(hk, h // hk), scale=scale, mask=spec,
-                         core=XLA, block_sizes=sizes, out_dtype=None if sinks is None else _F32)
+                         core=core, block_sizes=sizes, out_dtype=None if sinks is None else _F32)
     if sinks is not None:  # out * e^lse / (e^sink + e^lse), gradients through lse
         out, lse = with_sinks(out, lse, sinks, q.dtype)
     return out, lse

@@ -90,7 +90,7 @@ class Case:
 
 
 # Ops whose cases compile an attention program and nothing else (see Case.no_xla_matmul).
-ATTENTION_OPS = ("dilated", "block_sparse", "ring", "decode", "flash", "reference")
+ATTENTION_OPS = ("dilated", "block_sparse", "ring", "decode", "flash", "reference", "flex")
 
 
 def _sds(shape, dtype):
@@ -180,6 +180,36 @@ def _flash(*, n=8192, h=16, d=64, dtype="bfloat16", causal=True, grad=True, offs
     return build
 
 
+def _flex(mod: str, *, n=4096, h=8, hk=2, d=64, dtype="bfloat16"):
+    """dilax.flex_attention on the Pallas kernels, fwd+bwd, causal, GQA, with one mod:
+    ``"softcap"`` (logits_soft_cap=30), ``"alibi"`` (learnable slopes: their gradient too)
+    or ``"documents"`` (a document mask_mod over traced ids (b, n), and-ed with causal;
+    ``"documents+blocks"``: with its BlockMask of 128-blocks built in the program, which
+    steers the kernels' loops)."""
+
+    def build():
+        import dilax
+        from dilax import flex
+
+        def attend(q, k, v, extra):
+            kw = dict(mask_mod=flex.causal_mask)
+            if mod == "softcap":
+                kw["logits_soft_cap"] = 30.0
+            elif mod == "alibi":
+                kw["score_mod"] = flex.alibi(extra)
+            else:
+                kw["mask_mod"] = flex.and_masks(flex.document_mask(extra), flex.causal_mask)
+            if mod == "documents+blocks":
+                kw["block_mask"] = dilax.create_block_mask(kw.pop("mask_mod"), 1, None, n, n)
+            return dilax.flex_attention(q, k, v, implementation="pallas", **kw)
+
+        extra = (_sds((h,), "float32") if mod == "alibi" else _sds((1, n), "int32"))
+        argnums = (0, 1, 2, 3) if mod == "alibi" else (0, 1, 2)
+        return loss_grad(attend, argnums), (*_qkv(1, n, h, hk, d, dtype), extra)
+
+    return build
+
+
 def _reference_mha(*, n=8192, h=16, d=64, dtype="bfloat16", causal=True):
     """jax's reference Triton attention (jax.experimental.pallas.ops.gpu.attention), fwd+bwd
     with its Triton backward, default block sizes."""
@@ -235,6 +265,32 @@ def _decode_step(impl, *, b=1, max_len=32768, h=32, hk=8, d=128, dtype="bfloat16
         q, k, v = _qkv(b, 1, h, hk, d, dtype)
         cache = jax.eval_shape(lambda: dilax.KVCache.init(b, max_len, hk, d, jnp.dtype(dtype)))
         return f, (q, k, v, cache)
+
+    return build
+
+
+def _decode_kernel_mods(*, b=8, max_len=32768, h=32, hk=8, d=128, dtype="bfloat16"):
+    """pallas_kernels.decode_attention directly with FlexAttention mods (soft-cap 30, ALiBi
+    slopes, a document mask_mod over ids (b, max_len)): dilated branches + a local window."""
+
+    def build():
+        from dilax import flex
+        from dilax.core.mods import trace_mod
+        from pallas_kernels.decode import DecodeBranch, decode_attention
+        from pallas_kernels.mods import kernel_mods
+
+        branches = (DecodeBranch(8192, 4, 2048, (0, h)), DecodeBranch(None, 1, 129, (0, h)))
+
+        def f(q, k, v, pos, slopes, ids):
+            score, sc = trace_mod(flex.alibi(slopes), "score_mod")
+            mask, mc = trace_mod(flex.document_mask(ids), "mask_mod")
+            return decode_attention(q, k, v, pos, branches=branches, scale=d ** -0.5,
+                                    mods=kernel_mods(score, sc, mask, mc, 30.0))[0]
+
+        args = (_sds((b, 1, h, d), dtype), _sds((b, max_len, hk, d), dtype),
+                _sds((b, max_len, hk, d), dtype), _sds((b, 1), "int32"), _sds((h,), "float32"),
+                _sds((b, max_len), "int32"))
+        return f, args
 
     return build
 
@@ -393,9 +449,21 @@ def cases() -> list[Case]:
                     _decode_step("pallas", b=8, dtype=FP16, window=128),
                     report=dict(kernel="decode", n=32768, h=32, d=128, dtype=FP16,
                                 causal=True)))
+    out.append(Case("decode kernel pallas bf16 b=8 d=128 GQA 32/8 soft-cap + ALiBi + document "
+                    "mask_mod", "decode", _decode_kernel_mods(), targets=("h100",),
+                    report=dict(kernel="decode", n=32768, h=32, d=128, dtype=BF16,
+                                causal=True)))
     out.append(Case("decode step pallas d=96", "decode", _decode_step("pallas", d=96),
                     expect="refused", why="the Pallas decode kernel needs head_dim a power "
                                           "of two in [16, 256]"))
+    # FlexAttention mods traced inside the flash kernels (pallas_kernels/mods.py)
+    for mod, what in (("softcap", "logits_soft_cap"), ("alibi", "ALiBi score_mod, slopes' grad"),
+                      ("documents", "document mask_mod"),
+                      ("documents+blocks", "document mask_mod + BlockMask")):
+        for d in (64, 128):
+            out.append(Case(f"flex pallas bf16 {what} GQA 8/2 n=4096 d={d} causal fwd+bwd",
+                            "flex", _flex(mod, d=d), targets=("h100",),
+                            report=_resources(d, BF16)))
     out += report_cases()
     return out
 
