@@ -327,7 +327,7 @@ class Auto:
 
 def branch_cores(core, plans, *, dtype, head_dim: int, is_causal: bool,
                  key_padding: bool = False, lengths: bool = False,
-                 documents: bool = False) -> tuple:
+                 documents: bool = False, **flex) -> tuple:
     """The core of each :class:`~dilax.branch.plan.BranchPlan` of a dilated call.
 
     ``core``: a :class:`dilax.core.Core` (an explicit implementation: every branch must be
@@ -338,7 +338,7 @@ def branch_cores(core, plans, *, dtype, head_dim: int, is_causal: bool,
     requests = [CoreRequest("window" if p.window is not None else "dilated_branch", dtype,
                             head_dim, bool(is_causal), has_key_padding=key_padding,
                             has_lengths=lengths, platform=platform, interpret=interpret,
-                            has_documents=documents)
+                            has_documents=documents, **flex)  # flex: CoreRequest fields
                 for p in plans]
     if not isinstance(core, Auto):  # explicit: serves every branch or raises
         _ = [choose(core.name, r) for r in requests]

@@ -18,6 +18,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
@@ -89,10 +90,14 @@ class Mods:
 
       q_pos, kv_pos, batch: optional int32 maps from the call to the mods' arguments (e.g. a
         call over gathered key blocks, :func:`dilax.block_sparse_attention`): ``q_pos (B, Lq)``
-        and ``kv_pos (B, 1 or U, Lk)`` (per virtual kv head) give the position of call
-        position ``p = q_offset + row`` (``k_offset + key``) of batch row ``i``:
-        ``q_pos[i, p]``; ``batch (B,)`` the mods' ``b`` of batch row ``i``. Positions beyond
-        the arrays (padding) are clamped.
+        or ``(B, 1 or U, Lq)`` (per virtual kv head: its query heads share the row) and
+        ``kv_pos (B, 1 or U, Lk)`` give the position of call position ``p = q_offset + row``
+        (``k_offset + key``) of batch row ``i``: ``q_pos[i, p]`` (``q_pos[i, u, p]``);
+        ``batch (B,)`` the mods' ``b`` of batch row ``i``. Positions beyond the arrays
+        (padding) are clamped.
+      heads: static tuple or None: the mods' ``h`` of each virtual query head ``u * G + g``
+        (a slot view's, e.g. a dilated branch, :mod:`dilax.dilated.flex`); then any view is
+        accepted.
 
     table_block: static ``(q_block, kv_block)`` of the tables when they are not the core's
       blocks (the Pallas kernels read them with their own tiles when these divide them).
@@ -112,6 +117,7 @@ class Mods:
     kv_pos: jax.Array | None = None
     batch: jax.Array | None = None
     table_block: tuple[int, int] | None = _static(default=None)
+    heads: tuple[int, ...] | None = _static(default=None)
 
     def cotangent(self, grads) -> Mods:
         """The ``custom_vjp`` cotangent: ``grads`` for the float ``score_consts``, None else."""
@@ -125,7 +131,9 @@ def _diff(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
-def check_view(view) -> None:
+def check_view(view, mods: Mods | None = None) -> None:
+    if mods is not None and mods.heads is not None:  # heads and positions given per head
+        return
     heads = tuple(range(len(getattr(view, "q_index", ()))))
     if getattr(view, "num_slots", None) != 1 or view.q_index != heads:
         raise ValueError("score_mod / mask_mod need an identity view "
@@ -133,38 +141,49 @@ def check_view(view) -> None:
 
 
 def on_block(fn, consts, b, h, q, kv, s=None):
-    """``fn`` over the block: ``h (H,)``, ``q (bq,)``, ``kv (bk,)`` or per head
-    ``(H, bk)`` -> ``(H, bq, bk)``."""
+    """``fn`` over the block: ``h (H,)``, ``q (bq,)`` or per head ``(H, bq)``, ``kv (bk,)``
+    or per head ``(H, bk)`` -> ``(H, bq, bk)``."""
+    q_head = 0 if jnp.ndim(q) == 2 else None
     per_head = 0 if jnp.ndim(kv) == 2 else None
     if s is None:
         f = lambda h, q, kv: fn(consts, b, h, q, kv)  # noqa: E731
-        ax = ((None, None, 0), (None, 0, None), (0, None, per_head))
+        ax = ((None, None, 0), (None, 0, None), (0, q_head, per_head))
         args = (h, q, kv)
     else:
         f = lambda s, h, q, kv: fn(consts, s, b, h, q, kv)  # noqa: E731
-        ax = ((0, None, None, 0), (0, None, 0, None), (0, 0, None, per_head))
+        ax = ((0, None, None, 0), (0, None, 0, None), (0, 0, q_head, per_head))
         args = (s, h, q, kv)
     for a in ax:
         f = jax.vmap(f, in_axes=a)
     return f(*args)
 
 
+def _per_head(rows, idx, u0, U, G):
+    """``rows (1 or U_all, L)`` at ``idx``: ``(len(idx),)`` or per query head ``(U*G, ..)``."""
+    x = jnp.take(rows, idx, axis=1, mode="clip")
+    return x[0] if rows.shape[0] == 1 else jnp.repeat(x[u0:u0 + U], G, axis=0)
+
+
 def _positions(mods, b, u0, U, G, q_pos, k0, bk, k_offset):
-    h = u0 * G + lax.iota(_I32, U * G)
+    if mods.heads is None:
+        h = u0 * G + lax.iota(_I32, U * G)
+    else:  # static: the view's query heads (u0 is static, the loop's head group)
+        h = jnp.asarray(np.asarray(mods.heads, np.int32)[u0 * G:(u0 + U) * G])
     q, kv = q_pos.astype(_I32), k_offset + k0 + lax.iota(_I32, bk)
     if mods.q_pos is not None:  # the call's positions mapped (clamped past the arrays)
-        q = jnp.take(mods.q_pos[b], q, mode="clip")
+        if mods.q_pos.ndim == 3:  # per virtual kv head
+            q = _per_head(mods.q_pos[b], q, u0, U, G)
+        else:
+            q = jnp.take(mods.q_pos[b], q, mode="clip")
     if mods.kv_pos is not None:
-        rows = mods.kv_pos[b]  # (1 or U_all, Lk)
-        kv = jnp.take(rows, kv, axis=1, mode="clip")
-        kv = kv[0] if rows.shape[0] == 1 else jnp.repeat(kv[u0:u0 + U], G, axis=0)
+        kv = _per_head(mods.kv_pos[b], kv, u0, U, G)
     b = b if mods.batch is None else mods.batch[b]
     return jnp.asarray(b, _I32), h, q, kv
 
 
 def _score_fn(mods, b, h, q, kv, shape):
     def f(s, consts):
-        s = s.reshape(len(h), len(q), kv.shape[-1])
+        s = s.reshape(len(h), q.shape[-1], kv.shape[-1])
         if mods.soft_cap is not None:
             cap = jnp.asarray(mods.soft_cap, _F32)
             s = cap * jnp.tanh(s / cap)
@@ -178,7 +197,8 @@ def _masked(mods, mask, pos, U, G, apply_mask):
     if mods.mask is None or not apply_mask:
         return mask
     b, h, q, kv = pos
-    allowed = on_block(mods.mask, mods.mask_consts, b, h, q, kv).reshape(U, G, len(q), -1)
+    allowed = on_block(mods.mask, mods.mask_consts, b, h, q, kv).reshape(U, G, q.shape[-1],
+                                                                         -1)
     return allowed if mask is None else mask & allowed
 
 

@@ -184,7 +184,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
     dense = pairwise.prepare(mask, view)  # None without a bias or mask
     mods = mask.mods  # None without score/mask mods (dilax.core.mods)
     if mods is not None:
-        MD.check_view(view)
+        MD.check_view(view, mods)
     block_q, block_k = block_sizes.block_q, block_sizes.block_k
     heads_per_step = block_sizes.heads_per_step
     ranged = mask.key_range is not None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +25,14 @@ from dilax.branch.plan import dilated_branches, window_plan
 from dilax.branch.runner import CoreBranch, attend_branches
 from dilax.core import XLA, BlockSizes, Core
 from dilax.dilated.documents import DocumentBranch
+from dilax.dilated.flex import dilated_flex
 from dilax.dilated.ring import check_sharded, sharded_dilated
 from dilax.dilated.ring_documents import sharded_documents
 from dilax.dilated.settings import DilatedSettings, check_dilated_request, settings_from_keywords
+from dilax.flex.api import FlexMods, core_mods, prepare_mods
+from dilax.flex.block_mask import BlockMask
 from dilax.reference import dilated_attention_reference
-from dilax.registry import branch_cores, resolve, resolve_implementation
+from dilax.registry import CoreRequest, branch_cores, choose, resolve, resolve_implementation
 from dilax.sp.config import SequenceParallel, check_sequence_parallel
 
 
@@ -42,7 +46,7 @@ def dilated_attention_core(q, k, v, mask: AttentionMask, settings: DilatedSettin
     blocks are skipped). ``settings.local_window`` (mixture only) adds one more branch, the
     band ``|p - t| <= local_window``, merged into the same softmax.
 
-    Returns ``out (b, n, h, d)`` and, with ``return_lse``, ``lse (b, n, h)`` float32."""
+    Returns ``out (b, n, h, dv)`` and, with ``return_lse``, ``lse (b, n, h)`` float32."""
     n, h = q.shape[1], q.shape[2]
     scale, is_causal = settings.scale_for(q.shape[3]), settings.is_causal
     block_sizes, mode = settings.block_sizes, settings.mode
@@ -51,10 +55,11 @@ def dilated_attention_core(q, k, v, mask: AttentionMask, settings: DilatedSettin
     if settings.local_window is not None:
         plans += (window_plan(n, h, k.shape[2], settings.local_window),)
     documents = mask.segment_ids is not None
+    dv = {} if v.shape[-1] == q.shape[-1] else dict(value_head_dim=v.shape[-1])
     cores = branch_cores(core, plans, dtype=q.dtype, head_dim=q.shape[-1], is_causal=is_causal,
                          key_padding=mask.key_padding_mask is not None,
                          lengths=mask.query_seq_lengths is not None
-                         or mask.key_value_seq_lengths is not None, documents=documents)
+                         or mask.key_value_seq_lengths is not None, documents=documents, **dv)
     lengths = (mask.query_seq_lengths, mask.key_value_seq_lengths, mask.key_padding_mask)
     if documents:  # packed rows: each branch on its documents' own positions
         ops = tuple(DocumentBranch(p, n, h, k.shape[2], float(scale), bool(is_causal),
@@ -91,6 +96,11 @@ def dilated_attention(
     sequence_parallel: SequenceParallel | None = None,
     segment_ids: jax.Array | None = None,
     mask: AttentionMask | None = None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
+    block_mask: BlockMask | None = None,
+    sinks: jax.Array | None = None,
+    logits_soft_cap: float | None = None,
 ) -> jax.Array:
     """Dilated attention (LongNet), exactly as specified in docs/semantics.md.
 
@@ -98,7 +108,8 @@ def dilated_attention(
       q: ``(b, n, h, d)`` queries; any number of leading batch dimensions,
         ``(batch..., n, h, d)`` (rank 3 included), with per-row arguments shaped to match
         (:func:`dilax.batch_dims.fold_batch_dims`).
-      k, v: ``(b, n, hk, d)`` keys and values, ``h % hk == 0`` (GQA/MQA without repeating K/V).
+      k, v: ``(b, n, hk, d)`` keys and values, ``h % hk == 0`` (GQA/MQA without repeating
+        K/V); ``v`` may have its own head dim ``(b, n, hk, dv)`` (then the XLA core runs).
       segment_lengths: ``(w_0, ...)``, one per branch; any ``n >= 1`` is allowed (the last
         segment is shorter when ``n % w != 0``; ``w > n`` means one segment).
       dilation_rates: ``(r_0, ...)``, same length, ``w_i % r_i == 0``.
@@ -153,9 +164,28 @@ def dilated_attention(
         :func:`dilax.ring_dilated_attention`). Same result, forward and backward.
       mask: the deprecated spelling of ``attention_mask`` (warns). ``mask=`` means a dense
         boolean array in jax.nn and Flax (:func:`dilax.dot_product_attention`'s ``mask``).
+      score_mod, mask_mod, logits_soft_cap, sinks: FlexAttention's options
+        (docs/semantics.md, "Custom scores and masks"), as in :func:`dilax.flex_attention`:
+        per attended pair ``s = scale q.k``, ``s = cap tanh(s / cap)``,
+        ``s = score_mod(s, b, h, q_idx, kv_idx)``, pairs with ``mask_mod(b, h, q_idx,
+        kv_idx)`` False removed, then the dilated rule (mixture: one softmax over the union,
+        a pair counted once per branch that allows it; grouped: each group's own softmax).
+        ``q_idx``, ``kv_idx`` are positions of the row (never indices of a dilated view or
+        segment), ``h`` the query head, ``b`` the batch row (of the flattened batch with
+        several leading batch dims). ``sinks`` float ``(h,)``: one extra logit per head in
+        the (single) softmax denominator, differentiable. The mods may close over arrays;
+        gradients reach the closed-over float ones. They run on the XLA core
+        (``implementation=None`` picks it; an explicit ``"pallas"``, ``"cudnn"`` or
+        ``"reference"`` raises with the registry's reason), each branch one core call, the
+        branches merged outside the fused runner (their outputs are kept for the backward).
+        Not yet with ``segment_ids`` or ``sequence_parallel`` (``NotImplementedError``).
+      block_mask: a :class:`dilax.flex.BlockMask` for ``(b or 1, h or 1, n, n)``: used as
+        the source of its ``mask_mod`` only (when ``mask_mod`` is None); its block tables
+        are not used, the branches skip blocks by their own geometry. The result equals the
+        ``mask_mod`` applied pair by pair.
 
     Returns:
-      ``(b, n, h, d)`` in ``q.dtype``. Queries selected by no branch (or past their row's
+      ``(b, n, h, dv)`` in ``q.dtype``. Queries selected by no branch (or past their row's
       query length, or without a valid key) get 0.
 
     Raises:
@@ -174,18 +204,34 @@ def dilated_attention(
         segment_ids=segment_ids,
         mask=take_attention_mask(attention_mask, mask, "dilated_attention"))
     q, k, v, mask, settings = check_dilated_request(
-        q, k, v, settings, empty_batch=sequence_parallel is None, **rows)
+        q, k, v, settings, empty_batch=sequence_parallel is None,
+        value_dim=sequence_parallel is None, **rows)
+    (b, n, h, d), dv = q.shape, v.shape[-1]
+    flex = prepare_mods("dilated_attention", b, h, n, n, score_mod=score_mod,
+                        mask_mod=mask_mod, block_mask=block_mask, sinks=sinks,
+                        logits_soft_cap=logits_soft_cap)
+    if flex is not None and (sequence_parallel is not None or mask.segment_ids is not None):
+        raise NotImplementedError(
+            "dilated_attention: score_mod / mask_mod / block_mask / sinks / logits_soft_cap "
+            f"are not supported with {'sequence_parallel' if sequence_parallel else 'segment_ids'}"
+            " yet")
+    if flex is not None:  # the registry refuses the cores without the mods hook, by name
+        choose(settings.implementation, CoreRequest(
+            "dilated_branch", q.dtype, d, settings.is_causal, interpret=settings.interpret,
+            value_head_dim=dv, **flex.request_flags))
     if sequence_parallel is not None:
         check_sharded(q, k.shape[2], mask, settings, sequence_parallel)
         if mask.segment_ids is not None:
             return unfold(sharded_documents(q, k, v, mask, settings, sequence_parallel))
         return unfold(sharded_dilated(q, k, v, mask, settings, sequence_parallel))
-    return unfold(dilated_validated(q, k, v, mask, settings))
+    return unfold(dilated_validated(q, k, v, mask, settings, flex))
 
 
-def dilated_validated(q, k, v, mask: AttentionMask, settings: DilatedSettings) -> jax.Array:
+def dilated_validated(q, k, v, mask: AttentionMask, settings: DilatedSettings,
+                      flex: FlexMods | None = None) -> jax.Array:
     """:func:`dilated_attention` (one device) on arguments :func:`check_dilated_request`
-    returned: the memory check, then the compiled program of ``settings``."""
+    returned: the memory check, then the compiled program of ``settings`` (with the
+    FlexAttention options ``flex``, :func:`dilax.flex.api.prepare_mods`, when given)."""
     key_valid = mask.key_padding_mask
     if key_valid is not None:  # one past the last valid key: trailing blocks are skipped
         n, kv_len = q.shape[1], mask.key_value_seq_lengths
@@ -198,7 +244,17 @@ def dilated_validated(q, k, v, mask: AttentionMask, settings: DilatedSettings) -
                    op="dilated_attention")
     if q.shape[0] == 0:  # the blockwise cores need a row; the result is empty anyway
         return V.empty_batch(q, v)
+    if flex is not None:
+        return _dilated_flex_jit(q, k, v, mask, settings, core_mods(flex), flex.sinks,
+                                 tuple(sorted(flex.request_flags.items())))
     return _dilated_jit(q, k, v, mask, settings)
+
+
+@functools.partial(jax.jit, static_argnames=("settings", "flags"))
+def _dilated_flex_jit(q, k, v, mask: AttentionMask, settings: DilatedSettings, mods, sinks,
+                      flags):
+    core = resolve(settings.implementation, interpret=settings.interpret)
+    return dilated_flex(q, k, v, mask, settings, core, mods, sinks, dict(flags))[0]
 
 
 # One compiled program per static configuration: eager calls then give bitwise the same

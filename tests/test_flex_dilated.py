@@ -1,0 +1,237 @@
+"""FlexAttention's options on dilated attention (docs/semantics.md, "Custom scores and masks
+(FlexAttention semantics), every op"): ``dilax.dilated_attention`` with ``score_mod`` /
+``mask_mod`` / ``block_mask`` / ``sinks`` / ``logits_soft_cap`` and ``dv != d``, forward and
+gradients (q, k, v, the closed-over ALiBi slopes, sinks) against a float64 NumPy oracle: the
+SPEC's count matrix of the configuration (``dilax.dilated_counts``: a pair counted once per
+branch that selects it) times the mods, applied pair by pair on row positions. Tiny shapes,
+one compiled program per case."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dilax
+from dilax import flex
+from tests.tolerance import assert_scaled_close
+
+
+def oracle(q, k, v, *, scale, weights, bias=0.0, cap=None, sinks=None, dout=None, div=1):
+    """Float64 ``out`` of one softmax per (head, query) with multiplicities ``weights
+    (b|1, h, n, n)`` (0 = not attended), a soft-cap, an additive ``bias`` (the score_mod)
+    and a sink logit per head, divided by ``div`` (grouped mode: G); with ``dout`` also
+    ``dq, dk, dv, dscore (b, h, n, n), dsinks``."""
+    q, k, v = (np.asarray(np.asarray(x, np.float32), np.float64) for x in (q, k, v))
+    b, n, h, _ = q.shape
+    g = h // k.shape[2]
+    kr, vr = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+    raw = np.einsum("bqhd,bkhd->bhqk", q, kr) * scale
+    t = np.tanh(raw / cap) if cap else None
+    score = (cap * t if cap else raw) + bias
+    w = np.broadcast_to(np.asarray(weights, np.float64), score.shape)
+    score = np.where(w > 0, score, -np.inf)
+    sink = np.full(h, -np.inf) if sinks is None else np.asarray(sinks, np.float64)
+    sink = np.broadcast_to(sink[None, :, None, None], (b, h, n, 1))
+    m = np.maximum(np.max(score, axis=-1, keepdims=True), sink)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e, es = np.where(w > 0, w * np.exp(score - m), 0.0), np.exp(sink - m)
+    z = e.sum(-1, keepdims=True) + es
+    zs = np.where(z > 0, z, 1.0)
+    p, ps = e / zs, es / zs
+    o = np.einsum("bhqk,bkhd->bqhd", p, vr)
+    if dout is None:
+        return o / div
+    dout = np.asarray(dout, np.float64) / div
+    dp = np.einsum("bqhd,bkhd->bhqk", dout, vr)
+    delta = np.einsum("bqhd,bqhd->bhq", dout, o)[..., None]
+    ds = p * (dp - delta)
+    dsinks = -(ps * delta).sum(axis=(0, 2, 3))
+    dr = ds * (1 - t**2) if cap else ds
+    dq = np.einsum("bhqk,bkhd->bqhd", dr, kr) * scale
+    fold = lambda x: x.reshape(b, x.shape[1], -1, g, x.shape[-1]).sum(3)  # noqa: E731
+    dk = fold(np.einsum("bhqk,bqhd->bkhd", dr, q) * scale)
+    dv = fold(np.einsum("bhqk,bqhd->bkhd", p, dout))
+    return o / div, dq, dk, dv, ds, dsinks
+
+
+def _grads(fn, args, w):
+    """``out`` and the gradients of ``sum(out * w)`` w.r.t. every argument (one program)."""
+    def loss(*a):
+        out = fn(*a)
+        return jnp.sum(out.astype(jnp.float32) * w), out
+
+    (_, out), g = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args))),
+                                             has_aux=True))(*args)
+    return (np.asarray(out.astype(jnp.float32)),
+            [np.asarray(x.astype(jnp.float32)) for x in g])
+
+
+def _check(got_all, want_all, tol=None):
+    """Asserts each array against the oracle (error relative to its scale); returns the
+    largest such error."""
+    worst = 0.0
+    for got, want in zip(got_all, want_all, strict=True):
+        scale = max(1.0, float(np.abs(want).max()))
+        assert np.all(np.isfinite(got))
+        if tol is None:
+            assert_scaled_close(got, want, scale=scale)
+        else:
+            np.testing.assert_allclose(got, want, atol=tol * scale, rtol=0)
+        worst = max(worst, float(np.abs(got - want).max()) / scale)
+    return worst
+
+
+B, N, H, HK, D, DV = 2, 24, 4, 2, 8, 12  # n % 16 != 0: a ragged last segment
+WS, RS = (8, 16), (1, 2)
+
+
+def _setup(seed, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    q, k = (jnp.asarray(rng.standard_normal((B, N, h, D)), dtype) for h in (H, HK))
+    v = jnp.asarray(rng.standard_normal((B, N, HK, DV)), dtype)
+    w = rng.standard_normal((B, N, H, DV)).astype(np.float32)
+    slopes = jnp.asarray(rng.uniform(0.05, 0.5, H), jnp.float32)
+    sinks = jnp.asarray(rng.standard_normal(H), jnp.float32)
+    ids = np.array([[0] * 10 + [1] * 14, [0] * 17 + [1] * 7], np.int32)  # two documents
+    return q, k, v, w, slopes, sinks, ids
+
+
+def _mods_oracle(slopes, ids, window, no_key_row=None):
+    """The ALiBi bias ``slopes[h] (kv - q)`` and the documents AND ``|q - kv| <= window``
+    mask (AND ``q != no_key_row``) on row positions."""
+    qi, ki = np.arange(N)[:, None], np.arange(N)[None, :]
+    rel = (ki - qi)[None, None].astype(np.float64)
+    bias = np.asarray(slopes, np.float64)[None, :, None, None] * rel
+    allowed = (ids[:, :, None] == ids[:, None, :]) & (np.abs(qi - ki) <= window)[None]
+    if no_key_row is not None:
+        allowed = allowed & (qi != no_key_row)[None]
+    return rel, bias, allowed[:, None]
+
+
+@pytest.mark.parametrize("case", ["mask_mod", "block_mask", "bf16"])
+def test_mixture_causal_gqa_softcap_alibi_documents_window_sinks_dv(case):
+    """Mixture mode (with a local-window branch), causal, GQA, dv != d: soft-cap + ALiBi
+    (closed-over slopes), documents AND a sliding window as mask_mod (or its BlockMask),
+    sinks; forward and gradients into q, k, v, slopes and sinks."""
+    dtype = jnp.bfloat16 if case == "bf16" else jnp.float32
+    q, k, v, w, slopes, sinks, ids = _setup(3, dtype)
+    cap, window, lw = 2.0, 9, 3
+    mask_mod = flex.and_masks(flex.document_mask(jnp.asarray(ids)), flex.sliding_window(window))
+    bm = None
+    if case == "block_mask":
+        bm = dilax.create_block_mask(mask_mod, B, None, N, N, block_size=8)
+
+    def fn(q, k, v, slopes, sinks):
+        return dilax.dilated_attention(
+            q, k, v, WS, RS, is_causal=True, local_window=lw,
+            score_mod=flex.alibi(slopes), mask_mod=None if bm else mask_mod, block_mask=bm,
+            sinks=sinks, logits_soft_cap=cap)
+
+    out, grads = _grads(fn, (q, k, v, slopes, sinks), w)
+    assert out.shape == (B, N, H, DV)
+    rel, bias, allowed = _mods_oracle(slopes, ids, window)
+    counts = dilax.dilated_counts(N, H, WS, RS, "mixture", True, local_window=lw)
+    want, dq, dk, dvv, ds, dsinks = oracle(q, k, v, scale=D**-0.5, weights=counts * allowed,
+                                           bias=bias, cap=cap, sinks=sinks, dout=w)
+    dslopes = (ds * rel).sum(axis=(0, 2, 3))
+    tol = 2e-2 if case == "bf16" else None  # bf16 inputs, outputs and gradients
+    worst = _check((out, *grads), (want, dq, dk, dvv, dslopes, dsinks), tol)
+    print(f"dilated mixture {case}: max scaled error {worst:.2e}")
+
+
+def test_grouped_softcap_alibi_mask_no_key_rows():
+    """Grouped mode (each group's own softmax, output / G), not causal: soft-cap + ALiBi,
+    documents AND window AND a query row with no key at all (0, finite gradients), sinks."""
+    q, k, v, w, slopes, sinks, ids = _setup(5)
+    cap, window, empty = 3.0, 6, 13
+    base = flex.and_masks(flex.document_mask(jnp.asarray(ids)), flex.sliding_window(window))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return base(b, h, q_idx, kv_idx) & (q_idx != empty)
+
+    def fn(q, k, v, slopes, sinks):
+        return dilax.dilated_attention(q, k, v, WS, RS, mode="grouped", mask_mod=mask_mod,
+                                       score_mod=flex.alibi(slopes), logits_soft_cap=cap,
+                                       sinks=sinks)
+
+    out, grads = _grads(fn, (q, k, v, slopes, sinks), w)
+    rel, bias, allowed = _mods_oracle(slopes, ids, window, no_key_row=empty)
+    counts = dilax.dilated_counts(N, H, WS, RS, "grouped", False)
+    want, dq, dk, dvv, ds, dsinks = oracle(q, k, v, scale=D**-0.5, weights=counts * allowed,
+                                           bias=bias, cap=cap, sinks=sinks, dout=w,
+                                           div=len(WS))
+    assert np.all(out[:, empty] == 0.0)  # no key: exactly 0
+    worst = _check((out, *grads), (want, dq, dk, dvv, (ds * rel).sum(axis=(0, 2, 3)),
+                                   dsinks))
+    print(f"dilated grouped: max scaled error {worst:.2e}")
+
+
+def test_mods_see_row_positions_heads_and_batch():
+    """A mask_mod / score_mod that read ``b``, ``h``, ``q_idx``, ``kv_idx`` as numbers (a
+    per-(b, h) key cutoff, a bias table by absolute key position): forward only, mixture,
+    no sinks, with key_value_seq_lengths."""
+    q, k, v, _, _, _, _ = _setup(7)
+    rng = np.random.default_rng(8)
+    cut = rng.integers(4, N, (B, H)).astype(np.int32)
+    table = rng.standard_normal(N).astype(np.float32)
+    kv_len = np.array([N, 19], np.int32)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx < jnp.asarray(cut)[b, h]
+
+    def score_mod(s, b, h, q_idx, kv_idx):
+        return s + jnp.asarray(table)[kv_idx] * (q_idx % 3)
+
+    out = dilax.dilated_attention(q, k, v, WS, RS, mask_mod=mask_mod, score_mod=score_mod,
+                                  key_value_seq_lengths=jnp.asarray(kv_len))
+    qi, ki = np.arange(N)[:, None], np.arange(N)[None, :]
+    allowed = (ki[None, None] < cut[:, :, None, None]) & (ki < kv_len[:, None, None, None])
+    bias = (table[ki] * (qi % 3))[None, None].astype(np.float64)
+    counts = dilax.dilated_counts(N, H, WS, RS, "mixture", False)
+    want = oracle(q, k, v, scale=D**-0.5, weights=counts * allowed, bias=bias)
+    worst = _check((np.asarray(out),), (want,))
+    print(f"dilated positions: max scaled error {worst:.2e}")
+
+
+def test_errors_and_refusals():
+    q, k, v, _, slopes, sinks, ids = _setup(0)
+    alibi = flex.alibi(slopes)
+    with pytest.raises(ValueError, match="pallas.*score_mod"):
+        dilax.dilated_attention(q, k, v, WS, RS, score_mod=alibi, implementation="pallas",
+                                interpret=True)
+    with pytest.raises(ValueError, match="reference"):
+        dilax.dilated_attention(q, k, v, WS, RS, sinks=sinks, implementation="reference")
+    with pytest.raises(ValueError, match=r"sinks must be a float array \(h,\)"):
+        dilax.dilated_attention(q, k, v, WS, RS, sinks=sinks[:2])
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        dilax.dilated_attention(q, k, v, WS, RS, logits_soft_cap=-1.0)
+    with pytest.raises(TypeError, match="mask_mod"):
+        dilax.dilated_attention(q, k, v, WS, RS, mask_mod=lambda b, h, qi, ki: qi - ki)
+    with pytest.raises(ValueError, match="block_mask"):
+        dilax.dilated_attention(q, k, v, WS, RS, block_mask=dilax.create_block_mask(
+            flex.causal_mask, None, None, N + 8, N + 8, block_size=8))
+    with pytest.raises(NotImplementedError, match="segment_ids"):
+        dilax.dilated_attention(q, k, v, WS, RS, segment_ids=jnp.asarray(ids), sinks=sinks)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("sp",))
+    with pytest.raises(NotImplementedError, match="sequence_parallel"):
+        dilax.dilated_attention(q, k, v[..., :D], WS, RS, score_mod=alibi,
+                                sequence_parallel=dilax.SequenceParallel(mesh, "sp"))
+    with pytest.raises(ValueError, match="k and v must have the same shape"):
+        dilax.dilated_attention(q, k, v[:, :, :1], WS, RS)
+
+
+def test_value_head_dim_without_options():
+    """``dv != d`` alone runs the fused branch runner (the usual program, XLA core): forward
+    and gradients against the oracle, mixture, causal, GQA."""
+    q, k, v, w, _, _, _ = _setup(9)
+
+    def fn(q, k, v):
+        return dilax.dilated_attention(q, k, v, WS, RS, is_causal=True)
+
+    out, grads = _grads(fn, (q, k, v), w)
+    counts = dilax.dilated_counts(N, H, WS, RS, "mixture", True)
+    want, dq, dk, dvv, _, _ = oracle(q, k, v, scale=D**-0.5, weights=counts, dout=w)
+    worst = _check((out, *grads), (want, dq, dk, dvv))
+    print(f"dilated dv != d: max scaled error {worst:.2e}")
