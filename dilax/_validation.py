@@ -6,6 +6,7 @@ message that names the argument and the rule it broke (docs/semantics.md, "Error
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -289,3 +290,17 @@ def check_key_padding_mask(mask: Any, batch: int, n: int) -> jax.Array | None:
         raise ValueError(f"key_padding_mask must have shape (b, n) = ({batch}, {n}), got "
                          f"{tuple(arr.shape)}")
     return jnp.asarray(arr)
+
+
+def check_flex_options(score_mod, mask_mod, logits_soft_cap) -> tuple:
+    """Validated static FlexAttention options of a module: ``score_mod`` / ``mask_mod``
+    callables or None, ``logits_soft_cap`` a finite float ``> 0`` or None."""
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
+    if logits_soft_cap is not None:
+        logits_soft_cap = check_real(logits_soft_cap, "logits_soft_cap")
+        if not (math.isfinite(logits_soft_cap) and logits_soft_cap > 0):
+            raise ValueError(f"logits_soft_cap must be a finite float > 0, got "
+                             f"{logits_soft_cap}")
+    return score_mod, mask_mod, logits_soft_cap

@@ -23,7 +23,8 @@ from dilax.dilated.settings import DilatedSettings
 from dilax.reference import masked_softmax
 from dilax.semantics import dilated_counts
 
-_OPTIONS = ("mode", "is_causal", "scale", "implementation", "block_sizes")
+_FLEX_OPTIONS = ("score_mod", "mask_mod", "logits_soft_cap", "sinks")
+_OPTIONS = ("mode", "is_causal", "scale", "implementation", "block_sizes") + _FLEX_OPTIONS
 
 # Where to go for what flax's MultiHeadAttention has no place for (issue 39): every refusal of
 # packed documents (a segment mask, segment_ids=) or of an unknown option ends with it.
@@ -63,8 +64,12 @@ def attention_fn(
         :func:`dilax.dilated_attention`).
       **options: ``mode`` ("mixture" | "grouped"), ``is_causal`` (default ``False``; the
         effective flag is this one OR the ``is_causal`` the module passes at call time),
-        ``scale``, ``implementation``, ``block_sizes`` — forwarded to
-        :func:`dilax.dilated_attention`.
+        ``scale``, ``implementation``, ``block_sizes`` and FlexAttention's ``score_mod``,
+        ``mask_mod``, ``logits_soft_cap``, ``sinks`` (a fixed float ``(h,)`` array: flax's
+        module owns the parameters; for learnable sinks use
+        :class:`dilax.nn.MultiheadDilatedAttention` ``(learnable_sinks=True)``) — forwarded to
+        :func:`dilax.dilated_attention` (docs/semantics.md, "Custom scores and masks"; the
+        mods see positions of the row, and ``b`` the flattened batch row).
 
     The returned function takes ``query (..., n, h, d)``, ``key``/``value (..., n, hk, d)``
     (any number of leading batch axes, including none) and returns ``(..., n, h, d)`` in the
@@ -109,6 +114,9 @@ def attention_fn(
             f"attention_fn got unknown option(s) {unknown}; valid options are "
             f"{list(_OPTIONS)}. {OWN_MODULE_ROUTE}"
         )
+    flex = {name: options.pop(name) for name in _FLEX_OPTIONS if name in options}
+    V.check_flex_options(flex.get("score_mod"), flex.get("mask_mod"),
+                       flex.get("logits_soft_cap"))
     settings = DilatedSettings(segment_lengths, dilation_rates, **options)
     causal_settings = settings.causal()  # the module may ask for causal at call time
 
@@ -190,11 +198,14 @@ def attention_fn(
                                  f"broadcast to the batch axes {batch}") from None
             key_valid = key_valid.reshape(flat, n).astype(bool)
         now = causal_settings if V.check_bool(is_causal, "is_causal") else settings
+        if module is not None and flex:
+            raise ValueError("dilax.attention_fn: sow_weights=True is not supported with "
+                             f"{sorted(flex)} (the weights are materialized without them)")
         if decode:  # flax's KV cache: the query sits at the last key its mask admits
             out, weights = decode_step(q, k, v, key_valid, settings,
-                                       with_weights=module is not None)
+                                       with_weights=module is not None, **flex)
         else:
-            out = dilated_attention(q, k, v, settings=now, key_padding_mask=key_valid)
+            out = dilated_attention(q, k, v, settings=now, key_padding_mask=key_valid, **flex)
             weights = None if module is None else dilated_weights(q, k, key_valid, now)
         if module is not None:
             sow_weights(module, weights.reshape(batch + weights.shape[1:]).astype(query.dtype))
@@ -204,7 +215,7 @@ def attention_fn(
 
 
 def decode_step(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Array,
-                settings: DilatedSettings, with_weights: bool = False
+                settings: DilatedSettings, with_weights: bool = False, **flex: Any
                 ) -> tuple[jax.Array, jax.Array | None]:
     """One step of flax's ``decode=True``: ``q (B, 1, h, d)`` against the whole cache
     ``k, v (B, S, hk, d)`` with the decode mask ``key_valid (B, S)`` (``arange(S) <=
@@ -216,7 +227,9 @@ def decode_step(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Array,
 
     Cost: the rows ``<= p`` of a forward over the cache (``O(p w)``; query blocks past ``p``
     are skipped). ``dilax.nn.MultiheadDilatedAttention.decode`` reads ``O(w / r)`` keys per
-    branch and step. Returns ``(out (B, 1, h, d), weights (B, h, 1, S) float32 or None)``."""
+    branch and step. ``flex``: FlexAttention's options of :func:`dilax.dilated_attention`
+    (the mods see the query at its position ``p``). Returns ``(out (B, 1, h, d), weights
+    (B, h, 1, S) float32 or None)``."""
     B, S = k.shape[:2]
     pos = jnp.max(jnp.where(key_valid, jnp.arange(S, dtype=jnp.int32)[None], -1), axis=1)
     p = jnp.maximum(pos, 0)
@@ -224,7 +237,7 @@ def decode_step(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Array,
     q_full = jnp.zeros((B, S) + q.shape[2:], q.dtype).at[rows, p].set(q[:, 0])
     settings = settings.causal()
     out = dilated_attention(q_full, k, v, settings=settings, key_padding_mask=key_valid,
-                            query_seq_lengths=p + 1)[rows, p][:, None]
+                            query_seq_lengths=p + 1, **flex)[rows, p][:, None]
     weights = None
     if with_weights:
         weights = dilated_weights(q_full, k, key_valid, settings)

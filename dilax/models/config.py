@@ -83,6 +83,12 @@ class LongNetConfig:
         of dilated attention; ``segment_lengths``/``dilation_rates``/``local_window`` are then
         unused (keep them valid). Same parameters as the dilated model; no KV-cache decoding.
         The Sparse-Transformer-style arm of ``python -m benchmarks quality``.
+      logits_soft_cap: optional float ``> 0``: every attention soft-caps its logits,
+        ``cap tanh(s / cap)`` (Gemma-2 style; :func:`dilax.dilated_attention`'s
+        ``logits_soft_cap``). XLA core; no KV-cache decoding.
+      attention_sinks: every attention learns one sink logit per query head
+        (:class:`dilax.nn.MultiheadDilatedAttention`'s ``learnable_sinks``: an ``nnx.Param``
+        ``sinks (num_heads,)``, zeros at init). XLA core; no KV-cache decoding.
 
     Raises:
       ValueError / TypeError: naming the first invalid field.
@@ -111,6 +117,8 @@ class LongNetConfig:
     xpos_scale_base: float = 512.0
     rope_theta: float = 10000.0
     block_sparse: tuple[int, int, int] | None = None
+    logits_soft_cap: float | None = None
+    attention_sinks: bool = False
 
     def __post_init__(self):
         d_model, num_heads, num_kv_heads = check_heads(self.d_model, self.num_heads,
@@ -150,6 +158,8 @@ class LongNetConfig:
             local_window=V.check_local_window(self.local_window, self.mode),
             position_scheme=scheme, xpos_scale_base=scale_base, rope_theta=theta,
             block_sparse=check_block_sparse(self.block_sparse, self.sequence_parallel),
+            logits_soft_cap=V.check_flex_options(None, None, self.logits_soft_cap)[2],
+            attention_sinks=V.check_bool(self.attention_sinks, "attention_sinks"),
         )
         for name, value in normalized.items():
             object.__setattr__(self, name, value)
@@ -180,6 +190,8 @@ class LongNetOptions(TypedDict, total=False):
     xpos_scale_base: float
     rope_theta: float
     block_sparse: tuple[int, int, int] | None
+    logits_soft_cap: float | None
+    attention_sinks: bool
 
 
 def check_block_sparse(spec: Any, sequence_parallel: Any = None) -> tuple[int, int, int] | None:

@@ -28,7 +28,13 @@ from dilax.dilated.decode import KVCache
 from dilax.dilated.settings import warn_uncovered_offsets
 from dilax.models.config import Branches, LongNetConfig, LongNetOptions, resolve_config
 from dilax.models.positions import check_positions, check_xpos_length, rotary_qk
-from dilax.nn._heads import layer_norm, linear_factory, output_projection, project_qkv
+from dilax.nn._heads import (
+    layer_norm,
+    linear_factory,
+    output_projection,
+    project_qkv,
+    sink_logits,
+)
 from dilax.nn.attention import MultiheadDilatedAttention
 
 if TYPE_CHECKING:
@@ -97,11 +103,12 @@ class _SelfAttention(MultiheadDilatedAttention):
             x = block_sparse_attention(q, k, v, pattern, is_causal=is_causal,
                                        query_seq_lengths=query_seq_lengths,
                                        key_value_seq_lengths=key_value_seq_lengths,
-                                       segment_ids=segment_ids)
+                                       segment_ids=segment_ids, sinks=sink_logits(self),
+                                       logits_soft_cap=self.attention.logits_soft_cap)
         else:
             x = self.attention(q, k, v, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
                                key_value_seq_lengths=key_value_seq_lengths,
-                               segment_ids=segment_ids)
+                               segment_ids=segment_ids, sinks=sink_logits(self))
         x = x.reshape(query.shape)
         return output_projection(self, self.dropout(x, deterministic=deterministic, rngs=rngs))
 
@@ -113,6 +120,9 @@ class _SelfAttention(MultiheadDilatedAttention):
             raise NotImplementedError("KV-cache decoding of a block_sparse model (LongNetConfig."
                                       "block_sparse) is not implemented; run it on the whole "
                                       "window instead")
+        if self.sinks is not None:
+            raise NotImplementedError("KV-cache decoding with attention_sinks is not "
+                                      "implemented yet")
         b, t = query.shape[:2]
         if positions is None:
             positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
@@ -135,7 +145,8 @@ def _attention(cfg: LongNetConfig, gamma_init: float, *, layer_norm: bool,
         layer_norm=layer_norm, layer_norm_eps=cfg.layer_norm_eps, gamma_init=gamma_init,
         mode=cfg.mode, implementation=cfg.implementation, block_sizes=cfg.block_sizes,
         sequence_parallel=cfg.sequence_parallel, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-        keep_rngs=cfg.keep_rngs, local_window=cfg.local_window, rngs=rngs,
+        keep_rngs=cfg.keep_rngs, local_window=cfg.local_window,
+        logits_soft_cap=cfg.logits_soft_cap, learnable_sinks=cfg.attention_sinks, rngs=rngs,
     )
     if self_attention:  # static settings of the rotary code
         attn.position_scheme = cfg.position_scheme

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from dilax import _validation as V
@@ -143,3 +144,17 @@ def project_qkv(module, query: jax.Array, key: jax.Array | None, value: jax.Arra
     return (heads(module.q_proj(query), module.num_heads),
             heads(module.k_proj(key), module.num_kv_heads),
             heads(module.v_proj(value), module.num_kv_heads))
+
+
+def init_sinks(learnable_sinks, num_heads: int, param_dtype):
+    """``nnx.Param`` zeros ``(num_heads,)``: one learnable sink logit per query head (a zero
+    logit: one more unit of mass in every softmax denominator at initialization), or
+    ``nnx.data(None)`` when ``learnable_sinks`` is False."""
+    if not V.check_bool(learnable_sinks, "learnable_sinks"):
+        return nnx.data(None)
+    return nnx.Param(jnp.zeros((num_heads,), param_dtype))
+
+
+def sink_logits(module) -> jax.Array | None:
+    """The module's learnable sinks ``(h,)`` (:func:`init_sinks`) or None."""
+    return None if module.sinks is None else module.sinks[...]

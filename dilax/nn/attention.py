@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -24,8 +25,10 @@ from dilax.nn._heads import (
     check_dropout_and_gain,
     check_heads,
     init_projections,
+    init_sinks,
     output_projection,
     project_qkv,
+    sink_logits,
     xavier_normal,
 )
 from dilax.sp import SequenceParallel
@@ -56,14 +59,22 @@ class DilatedAttention(nnx.Module):
         ``sequence_parallel`` at most the local chunk length ``n/P`` (``n/(2P)`` zigzag).
       settings: a :class:`dilax.DilatedSettings` instead of the configuration keywords
         (``segment_lengths`` ... ``local_window`` then left out).
+      score_mod, mask_mod, logits_soft_cap: static FlexAttention options, forwarded to every
+        call of :func:`dilax.dilated_attention` (docs/semantics.md, "Custom scores and
+        masks"): ``score_mod(score, b, h, q_idx, kv_idx)``, ``mask_mod(b, h, q_idx,
+        kv_idx)`` on row positions, the soft-cap ``cap tanh(s / cap)`` first. They run on the
+        XLA core; not with ``sequence_parallel``, ``segment_ids`` or :meth:`decode` yet.
 
     ``__call__(q, k, v, *, is_causal=None, query_seq_lengths=None,
-    key_value_seq_lengths=None, attention_mask=None, segment_ids=None)`` takes ``q (b, n, h, d)``,
-    ``k``/``v (b, n, hk, d)`` with ``h % hk == 0`` and optional int ``(b,)`` valid lengths
+    key_value_seq_lengths=None, attention_mask=None, segment_ids=None, sinks=None,
+    block_mask=None)`` takes ``q (b, n, h, d)``, ``k (b, n, hk, d)``, ``v (b, n, hk, dv)``
+    with ``h % hk == 0`` and optional int ``(b,)`` valid lengths
     (padding, as in :func:`dilax.dilated_attention`) or a :class:`dilax.AttentionMask`, and
     optional int ``segment_ids (b, n)`` (packed documents: each maximal run of equal ids is
-    computed as a sequence of its own, see :func:`dilax.dilated_attention`); returns
-    ``(b, n, h, d)`` in ``q.dtype``.
+    computed as a sequence of its own, see :func:`dilax.dilated_attention`), ``sinks``: float
+    ``(h,)`` sink logits (:func:`dilax.dilated_attention`'s), ``block_mask``: a
+    :class:`dilax.flex.BlockMask` whose ``mask_mod`` is used when the module has none;
+    returns ``(b, n, h, dv)`` in ``q.dtype``.
     """
 
     def __init__(
@@ -79,7 +90,12 @@ class DilatedAttention(nnx.Module):
         sequence_parallel: SequenceParallel | None = None,
         local_window: int | None = None,
         settings: DilatedSettings | None = None,
+        score_mod: Callable | None = None,
+        mask_mod: Callable | None = None,
+        logits_soft_cap: float | None = None,
     ):
+        self.score_mod, self.mask_mod, self.logits_soft_cap = V.check_flex_options(
+            score_mod, mask_mod, logits_soft_cap)
         settings = settings_from_keywords(
             settings, segment_lengths, dilation_rates, mode=mode, is_causal=is_causal,
             scale=scale, implementation=implementation, block_sizes=block_sizes,
@@ -104,6 +120,8 @@ class DilatedAttention(nnx.Module):
         attention_mask: AttentionMask | None = None,
         segment_ids: jax.Array | None = None,
         mask: AttentionMask | None = None,
+        sinks: jax.Array | None = None,
+        block_mask: Any = None,
     ) -> jax.Array:
         attention_mask = take_attention_mask(attention_mask, mask, "DilatedAttention")
         settings = self.settings
@@ -112,7 +130,14 @@ class DilatedAttention(nnx.Module):
         return dilated_attention(
             q, k, v, settings=settings, query_seq_lengths=query_seq_lengths,
             key_value_seq_lengths=key_value_seq_lengths, attention_mask=attention_mask,
-            sequence_parallel=self.sequence_parallel, segment_ids=segment_ids)
+            sequence_parallel=self.sequence_parallel, segment_ids=segment_ids,
+            score_mod=self.score_mod, mask_mod=self.mask_mod, block_mask=block_mask,
+            sinks=sinks, logits_soft_cap=self.logits_soft_cap)
+
+    @property
+    def has_flex_options(self) -> bool:
+        """Whether a score_mod, mask_mod or soft-cap is set (decoding has none yet)."""
+        return (self.score_mod, self.mask_mod, self.logits_soft_cap) != (None,) * 3
 
     # --- KV-cache decoding -------------------------------------------------------------
 
@@ -128,6 +153,9 @@ class DilatedAttention(nnx.Module):
         if self.sequence_parallel is not None:
             raise ValueError("KV-cache decoding runs on one device; this DilatedAttention "
                              "has sequence_parallel set")
+        if self.has_flex_options:
+            raise NotImplementedError("KV-cache decoding with score_mod / mask_mod / "
+                                      "logits_soft_cap is not implemented yet")
         return dilated_attention_decode(
             q, k, v, cache, self.segment_lengths, self.dilation_rates, mode=self.mode,
             scale=self.scale, local_window=self.local_window)
@@ -153,8 +181,12 @@ class MultiheadDilatedAttention(nnx.Module):
       layer_norm_eps: LayerNorm epsilon.
       gamma_init: Xavier-normal gain of ``v_proj`` and ``out_proj`` (``q_proj``/``k_proj`` use
         gain 1), MAGNETO's depth-dependent gamma.
-      mode, scale, implementation, block_sizes, sequence_parallel, local_window, settings: as
-        in :class:`DilatedAttention`.
+      mode, scale, implementation, block_sizes, sequence_parallel, local_window, settings,
+        score_mod, mask_mod, logits_soft_cap: as in :class:`DilatedAttention`.
+      learnable_sinks: one learnable sink logit per query head, ``self.sinks``, an
+        ``nnx.Param`` ``(num_heads,)`` in ``param_dtype`` initialized to 0 (one extra logit
+        with no value in every softmax denominator, :func:`dilax.dilated_attention`'s
+        ``sinks``); not with :meth:`decode` yet.
       dtype: compute dtype (``None``: from inputs and params); param_dtype: parameter dtype.
       keep_rngs: keep a forked ``dropout`` stream of ``rngs`` for dropout (only if
         ``dropout > 0``); with ``False`` pass ``rngs`` at call time.
@@ -184,6 +216,10 @@ class MultiheadDilatedAttention(nnx.Module):
         param_dtype: Dtype = jnp.float32,
         keep_rngs: bool = True,
         settings: DilatedSettings | None = None,
+        score_mod: Callable | None = None,
+        mask_mod: Callable | None = None,
+        logits_soft_cap: float | None = None,
+        learnable_sinks: bool = False,
         rngs: nnx.Rngs,
     ):
         embed_dim, num_heads, num_kv_heads = check_heads(embed_dim, num_heads, num_kv_heads)
@@ -194,7 +230,10 @@ class MultiheadDilatedAttention(nnx.Module):
         self.attention = DilatedAttention(segment_lengths, dilation_rates, mode=mode, scale=scale,
                                           implementation=implementation, block_sizes=block_sizes,
                                           sequence_parallel=sequence_parallel,
-                                          local_window=local_window, settings=settings)
+                                          local_window=local_window, settings=settings,
+                                          score_mod=score_mod, mask_mod=mask_mod,
+                                          logits_soft_cap=logits_soft_cap)
+        self.sinks = init_sinks(learnable_sinks, num_heads, param_dtype)
         self.dropout = nnx.Dropout(dropout, rngs=rngs if keep_rngs and dropout > 0 else None)
         finish(layer_norm, layer_norm_eps)
 
@@ -229,7 +268,8 @@ class MultiheadDilatedAttention(nnx.Module):
                            key_value_seq_lengths=key_value_seq_lengths,
                            attention_mask=take_attention_mask(
                                attention_mask, mask, "MultiheadDilatedAttention"),
-                           segment_ids=segment_ids).reshape(query.shape)
+                           segment_ids=segment_ids,
+                           sinks=sink_logits(self)).reshape(query.shape)
         return output_projection(self, self.dropout(x, deterministic=deterministic, rngs=rngs))
 
     # --- KV-cache decoding -------------------------------------------------------------
@@ -258,6 +298,9 @@ class MultiheadDilatedAttention(nnx.Module):
         ``self(query_all, key_all, value_all, is_causal=True)`` at those positions, where
         ``*_all`` is everything written to ``cache`` so far. See
         :func:`dilax.dilated_attention_decode` (cost, in-place update under ``jax.jit``)."""
+        if self.sinks is not None:
+            raise NotImplementedError("KV-cache decoding with learnable_sinks is not "
+                                      "implemented yet")
         q, k, v = project_qkv(self, query, key, value)
         out, cache = self.attention.decode(q, k, v, cache)
         return output_projection(self, out.reshape(query.shape)), cache
