@@ -171,12 +171,16 @@ def test_grouped_softcap_alibi_mask_no_key_rows():
 def test_mods_see_row_positions_heads_and_batch():
     """A mask_mod / score_mod that read ``b``, ``h``, ``q_idx``, ``kv_idx`` as numbers (a
     per-(b, h) key cutoff, a bias table by absolute key position): forward only, mixture,
-    no sinks, with key_value_seq_lengths."""
-    q, k, v, _, _, _, _ = _setup(7)
+    no sinks, with key_value_seq_lengths; an uneven GQA split (h=6, hk=2: one virtual kv head
+    per query head), three branches up to r = 4 and one query head per core step (the core's
+    head groups slice the mods' head list)."""
+    b, n, h, hk, d = 2, 40, 6, 2, 8
     rng = np.random.default_rng(8)
-    cut = rng.integers(4, N, (B, H)).astype(np.int32)
-    table = rng.standard_normal(N).astype(np.float32)
-    kv_len = np.array([N, 19], np.int32)
+    q, k, v = (jnp.asarray(rng.standard_normal((b, n, x, d)), jnp.float32) for x in (h, hk, hk))
+    cut = rng.integers(4, n, (b, h)).astype(np.int32)
+    table = rng.standard_normal(n).astype(np.float32)
+    kv_len = np.array([n, 29], np.int32)
+    ws, rs = (8, 16, 32), (1, 2, 4)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return kv_idx < jnp.asarray(cut)[b, h]
@@ -184,13 +188,14 @@ def test_mods_see_row_positions_heads_and_batch():
     def score_mod(s, b, h, q_idx, kv_idx):
         return s + jnp.asarray(table)[kv_idx] * (q_idx % 3)
 
-    out = dilax.dilated_attention(q, k, v, WS, RS, mask_mod=mask_mod, score_mod=score_mod,
-                                  key_value_seq_lengths=jnp.asarray(kv_len))
-    qi, ki = np.arange(N)[:, None], np.arange(N)[None, :]
+    out = dilax.dilated_attention(q, k, v, ws, rs, mask_mod=mask_mod, score_mod=score_mod,
+                                  key_value_seq_lengths=jnp.asarray(kv_len),
+                                  block_sizes=dilax.BlockSizes(8, 8, heads_per_step=1))
+    qi, ki = np.arange(n)[:, None], np.arange(n)[None, :]
     allowed = (ki[None, None] < cut[:, :, None, None]) & (ki < kv_len[:, None, None, None])
     bias = (table[ki] * (qi % 3))[None, None].astype(np.float64)
-    counts = dilax.dilated_counts(N, H, WS, RS, "mixture", False)
-    want = oracle(q, k, v, scale=D**-0.5, weights=counts * allowed, bias=bias)
+    counts = dilax.dilated_counts(n, h, ws, rs, "mixture", False)
+    want = oracle(q, k, v, scale=d**-0.5, weights=counts * allowed, bias=bias)
     worst = _check((np.asarray(out),), (want,))
     print(f"dilated positions: max scaled error {worst:.2e}")
 
