@@ -15,6 +15,7 @@ import pytest
 
 import dilax
 from dilax import flex
+from dilax.reference import document_counts
 from tests.tolerance import assert_scaled_close
 
 
@@ -200,6 +201,41 @@ def test_mods_see_row_positions_heads_and_batch():
     print(f"dilated positions: max scaled error {worst:.2e}")
 
 
+def test_packed_documents_with_mods_and_sinks():
+    """``segment_ids`` (each document computed as a sequence of its own: segments and
+    offsets on document positions) with mods on ROW positions: a bias table indexed by the
+    absolute key position (closed over, receives gradients) plus ALiBi, a sliding window,
+    soft-cap and sinks; mixture with a local window, causal, GQA; forward and gradients."""
+    q, k, v, w, slopes, sinks, _ = _setup(6)
+    ids = np.array([[0] * 10 + [1] * 9 + [2] * 5, [3] * 3 + [4] * 21], np.int32)
+    table = jnp.asarray(np.random.default_rng(16).standard_normal(N), jnp.float32)
+    cap, window, lw = 2.5, 11, 2
+
+    def fn(q, k, v, slopes, table, sinks):
+        alibi = flex.alibi(slopes)
+
+        def score_mod(s, b, h, q_idx, kv_idx):
+            return alibi(s, b, h, q_idx, kv_idx) + table[kv_idx]
+
+        return dilax.dilated_attention(
+            q, k, v, WS, RS, is_causal=True, local_window=lw, segment_ids=jnp.asarray(ids),
+            score_mod=score_mod, mask_mod=flex.sliding_window(window), sinks=sinks,
+            logits_soft_cap=cap)
+
+    out, grads = _grads(fn, (q, k, v, slopes, table, sinks), w)
+    qi, ki = np.arange(N)[:, None], np.arange(N)[None, :]
+    rel = (ki - qi)[None, None].astype(np.float64)
+    bias = np.asarray(slopes, np.float64)[None, :, None, None] * rel + np.asarray(
+        table, np.float64)[None, None, None, :]
+    counts = np.asarray(document_counts(ids, H, WS, RS, "mixture", True, local_window=lw))
+    want, dq, dk, dvv, ds, dsinks = oracle(
+        q, k, v, scale=D**-0.5, weights=counts * (np.abs(qi - ki) <= window)[None, None],
+        bias=bias, cap=cap, sinks=sinks, dout=w)
+    worst = _check((out, *grads), (want, dq, dk, dvv, (ds * rel).sum(axis=(0, 2, 3)),
+                                   ds.sum(axis=(0, 1, 2)), dsinks))
+    print(f"dilated documents: max scaled error {worst:.2e}")
+
+
 def test_errors_and_refusals():
     q, k, v, _, slopes, sinks, ids = _setup(0)
     alibi = flex.alibi(slopes)
@@ -217,8 +253,6 @@ def test_errors_and_refusals():
     with pytest.raises(ValueError, match="block_mask"):
         dilax.dilated_attention(q, k, v, WS, RS, block_mask=dilax.create_block_mask(
             flex.causal_mask, None, None, N + 8, N + 8, block_size=8))
-    with pytest.raises(NotImplementedError, match="segment_ids"):
-        dilax.dilated_attention(q, k, v, WS, RS, segment_ids=jnp.asarray(ids), sinks=sinks)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("sp",))
     with pytest.raises(NotImplementedError, match="sequence_parallel"):
         dilax.dilated_attention(q, k, v[..., :D], WS, RS, score_mod=alibi,

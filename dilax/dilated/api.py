@@ -178,7 +178,9 @@ def dilated_attention(
         (``implementation=None`` picks it; an explicit ``"pallas"``, ``"cudnn"`` or
         ``"reference"`` raises with the registry's reason), each branch one core call, the
         branches merged outside the fused runner (their outputs are kept for the backward).
-        Not yet with ``segment_ids`` or ``sequence_parallel`` (``NotImplementedError``).
+        With ``segment_ids`` the mods still see row positions (the documents' segments and
+        offsets are on document positions). Not yet with ``sequence_parallel``
+        (``NotImplementedError``).
       block_mask: a :class:`dilax.flex.BlockMask` for ``(b or 1, h or 1, n, n)``: used as
         the source of its ``mask_mod`` only (when ``mask_mod`` is None); its block tables
         are not used, the branches skip blocks by their own geometry. The result equals the
@@ -210,11 +212,10 @@ def dilated_attention(
     flex = prepare_mods("dilated_attention", b, h, n, n, score_mod=score_mod,
                         mask_mod=mask_mod, block_mask=block_mask, sinks=sinks,
                         logits_soft_cap=logits_soft_cap)
-    if flex is not None and (sequence_parallel is not None or mask.segment_ids is not None):
+    if flex is not None and sequence_parallel is not None:
         raise NotImplementedError(
             "dilated_attention: score_mod / mask_mod / block_mask / sinks / logits_soft_cap "
-            f"are not supported with {'sequence_parallel' if sequence_parallel else 'segment_ids'}"
-            " yet")
+            "are not supported with sequence_parallel yet")
     if flex is not None:  # the registry refuses the cores without the mods hook, by name
         choose(settings.implementation, CoreRequest(
             "dilated_branch", q.dtype, d, settings.is_causal, interpret=settings.interpret,

@@ -25,7 +25,7 @@ import numpy as np
 
 from dilax.attention_mask import document_bounds
 from dilax.branch.plan import BranchPlan, plan_branch
-from dilax.core import XLA, BlockSizes, Core, Mask, SlotView, static_take
+from dilax.core import XLA, BlockSizes, Core, Mask, SlotView, attention, static_take
 from dilax.core.blocks import default_block_sizes
 from dilax.core.ranges import EMPTY
 
@@ -373,6 +373,36 @@ class DocumentBranch:
         if acc is None:
             return grads
         return tuple(a + g for a, g in zip(acc, grads, strict=True))
+
+    def attend(self, q, k, v, aux, mods=None):
+        """This branch as one differentiable core call (:func:`dilax.core.attention`, the
+        XLA core reading the rows in place when ``r > 1``) with the core mods ``mods``
+        (:class:`dilax.core.mods.Mods` without positions, or None): ``(out, lse)`` float32 in
+        the full layout (``result_plan``). The mods see row positions (the sequences' rows
+        are positions of the row) and the query heads (:mod:`dilax.dilated.flex`)."""
+        per_u, mask = self._tables(aux)
+        if self._tiled:
+            mask = dataclasses.replace(mask, q_tiles=self._row_tiles(aux))
+        p, G = self.plan, self.plan.q_per_kv
+        call = dict(scale=self.scale, core=self.core, block_sizes=self._blocks, out_dtype=_F32)
+        if self._reads_rows:
+            view, mask = self._row_call(mask, per_u)
+            if mods is not None:
+                mods = dataclasses.replace(mods, q_pos=mask.rows[0], kv_pos=mask.rows[0],
+                                           heads=p.q_heads)
+            out, lse = attention(q, k, v, view=view, mask=dataclasses.replace(mask, mods=mods),
+                                 **call)
+            return (self._columns(out, per_u, "back", 0.0),
+                    self._columns(lse, per_u, "back", -jnp.inf))
+        if self._gathers:
+            raise ValueError("score_mod / mask_mod with packed documents need the XLA core")
+        qs = self._gather_in(q, p.q_heads, per_u, G)  # r = 1: rows are positions
+        ks, vs = (self._gather_in(x, p.kv_heads, per_u, 1) for x in (k, v))
+        if mods is not None:
+            mods = dataclasses.replace(mods, heads=p.q_heads)
+        out, lse = attention(qs, ks, vs, view=self._view(),
+                             mask=dataclasses.replace(mask, mods=mods), **call)
+        return self._scatter_out(out, per_u, G, 0.0), self._scatter_out(lse, per_u, G, -jnp.inf)
 
     @staticmethod
     def _rows_back(y, per_u):

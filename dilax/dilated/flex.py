@@ -12,7 +12,9 @@ indices of a dilated view. The branches are merged with plain jax operations
 (:func:`dilax.branch.runner.combine_branches`; autodiff differentiates the merge and the core
 calls' VJPs reach the closed-over float arrays), then ``sinks`` enter the one softmax through
 the merged log-sum-exp (:func:`dilax.flex.api.with_sinks`): once per head and query, also in
-the mixture. Calls without these options never come here (their programs are unchanged).
+the mixture. Packed documents (``segment_ids``): each branch is
+:meth:`dilax.dilated.documents.DocumentBranch.attend`, whose rows are row positions already.
+Calls without these options never come here (their programs are unchanged).
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dilax.attention_mask import AttentionMask
+from dilax.attention_mask import AttentionMask, document_bounds
 from dilax.branch.plan import BranchPlan, branch_io, dilated_branches, window_plan
 from dilax.branch.runner import combine_branches
 from dilax.core import attention
 from dilax.core.mods import Mods
+from dilax.dilated.documents import DocumentBranch
 from dilax.dilated.settings import DilatedSettings
 from dilax.flex.api import with_sinks
 from dilax.registry import branch_cores
@@ -64,20 +67,31 @@ def dilated_flex(q, k, v, mask: AttentionMask, settings: DilatedSettings, core,
     if settings.local_window is not None:
         plans += (window_plan(n, h, hk, settings.local_window),)
     lengths = (mask.query_seq_lengths, mask.key_value_seq_lengths, mask.key_padding_mask)
+    documents = mask.segment_ids is not None
     cores = branch_cores(core, plans, dtype=q.dtype, head_dim=q.shape[-1], is_causal=is_causal,
                          key_padding=lengths[2] is not None,
                          lengths=lengths[0] is not None or lengths[1] is not None,
-                         **dict(flags, value_head_dim=v.shape[-1]))
-    lengths = None if all(x is None for x in lengths) else lengths
+                         documents=documents, **dict(flags, value_head_dim=v.shape[-1]))
     outs, lses = [], []
-    for plan, c in zip(plans, cores, strict=True):
-        ops, view, spec = branch_io(q, k, v, plan, is_causal, lengths)
-        if mods is not None:
-            spec = dataclasses.replace(spec, mods=branch_mods(mods, plan, b))
-        out, lse = attention(*ops, view=view, scale=float(scale), mask=spec, core=c,
-                             block_sizes=settings.block_sizes, out_dtype=_F32)
-        outs.append(out)
-        lses.append(lse)
+    if documents:  # each branch on its documents' own positions; the mods on row positions
+        aux = lengths + document_bounds(mask.segment_ids)
+        ops = tuple(DocumentBranch(p, n, h, hk, float(scale), bool(is_causal),
+                                   settings.block_sizes, c) for p, c in zip(plans, cores))
+        for op in ops:
+            out, lse = op.attend(q, k, v, aux, mods)
+            outs.append(out)
+            lses.append(lse)
+        plans = tuple(op.result_plan for op in ops)
+    else:
+        lengths = None if all(x is None for x in lengths) else lengths
+        for plan, c in zip(plans, cores, strict=True):
+            ios, view, spec = branch_io(q, k, v, plan, is_causal, lengths)
+            if mods is not None:
+                spec = dataclasses.replace(spec, mods=branch_mods(mods, plan, b))
+            out, lse = attention(*ios, view=view, scale=float(scale), mask=spec, core=c,
+                                 block_sizes=settings.block_sizes, out_dtype=_F32)
+            outs.append(out)
+            lses.append(lse)
     out, lse = combine_branches(outs, lses, plans, n, settings.mode)
     if sinks is not None:  # one sink logit per head in the (merged) denominator
         return with_sinks(out, lse, sinks, q.dtype)

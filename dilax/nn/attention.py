@@ -63,7 +63,7 @@ class DilatedAttention(nnx.Module):
         call of :func:`dilax.dilated_attention` (docs/semantics.md, "Custom scores and
         masks"): ``score_mod(score, b, h, q_idx, kv_idx)``, ``mask_mod(b, h, q_idx,
         kv_idx)`` on row positions, the soft-cap ``cap tanh(s / cap)`` first. They run on the
-        XLA core; not with ``sequence_parallel``, ``segment_ids`` or :meth:`decode` yet.
+        XLA core; not with ``sequence_parallel`` or :meth:`decode` yet.
 
     ``__call__(q, k, v, *, is_causal=None, query_seq_lengths=None,
     key_value_seq_lengths=None, attention_mask=None, segment_ids=None, sinks=None,
