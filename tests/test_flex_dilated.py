@@ -384,3 +384,30 @@ def test_model_config_softcap_and_attention_sinks():
     np.testing.assert_allclose(got, fd, rtol=0, atol=2e-3 * np.abs(fd).max())
     print(f"model sinks gradient vs finite differences: max error "
           f"{np.abs(got - fd).max():.2e}")
+
+
+def test_block_sparse_modules_pass_the_options():
+    """``BlockSparseAttention(score_mod=, logits_soft_cap=)(..., sinks=)`` and
+    ``BlockSparseMultiheadAttention(..., learnable_sinks=True)`` equal
+    :func:`dilax.block_sparse_attention` with the same options and parameters (whose values
+    tests/test_flex_ops.py checks against the oracle)."""
+    from flax import nnx
+
+    from dilax.nn._heads import output_projection, project_qkv
+
+    q, k, v, _, slopes, sinks, _ = _setup(10)
+    v = v[..., :D]
+    pattern = dilax.patterns.local_window(N, 8, 1)
+    opts = dict(score_mod=flex.alibi(slopes), logits_soft_cap=2.0)
+    want = dilax.block_sparse_attention(q, k, v, pattern, is_causal=True, sinks=sinks, **opts)
+    got = dilax.nn.BlockSparseAttention(pattern, is_causal=True, **opts)(q, k, v, sinks=sinks)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    m = dilax.nn.BlockSparseMultiheadAttention(H * D, H, pattern, num_kv_heads=HK,
+                                               learnable_sinks=True, rngs=nnx.Rngs(2), **opts)
+    assert isinstance(m.sinks, nnx.Param) and m.sinks[...].shape == (H,)
+    m.sinks[...] = sinks
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((B, N, H * D)), jnp.float32)
+    qp, kp, vp = project_qkv(m, x, None, None)
+    ref = output_projection(m, dilax.block_sparse_attention(
+        qp, kp, vp, pattern, is_causal=True, sinks=sinks, **opts).reshape(x.shape))
+    np.testing.assert_allclose(np.asarray(m(x, is_causal=True)), np.asarray(ref), atol=1e-6)

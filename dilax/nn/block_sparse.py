@@ -7,6 +7,8 @@ With ``sequence_parallel=dilax.SequenceParallel(mesh, ...)`` they run
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -18,8 +20,10 @@ from dilax.nn._heads import (
     check_dropout_and_gain,
     check_heads,
     init_projections,
+    init_sinks,
     output_projection,
     project_qkv,
+    sink_logits,
 )
 from dilax.patterns import BlockSparsePattern
 from dilax.sp import SequenceParallel
@@ -36,10 +40,10 @@ def _check_pattern_type(pattern) -> BlockSparsePattern:
 
 
 def _attend(q, k, v, pattern, sp: SequenceParallel | None, *, is_causal, scale=None,
-            implementation=None, segment_ids=None):
+            implementation=None, segment_ids=None, **flex):
     return block_sparse_attention(q, k, v, pattern, is_causal=is_causal, scale=scale,
                                   implementation=implementation, sequence_parallel=sp,
-                                  segment_ids=segment_ids)
+                                  segment_ids=segment_ids, **flex)
 
 
 class BlockSparseAttention(nnx.Module):
@@ -55,8 +59,12 @@ class BlockSparseAttention(nnx.Module):
         ``layout="contiguous"``) to run as ring block-sparse attention over the devices
         (``dilax.block_sparse_attention(..., sequence_parallel=)``; ``implementation`` None,
         ``"xla"`` or ``"pallas"`` runs its hops); None: one device.
+      score_mod, mask_mod, logits_soft_cap: static FlexAttention options forwarded to every
+        call (:func:`dilax.block_sparse_attention`'s; row positions, XLA core; not with
+        ``sequence_parallel`` yet).
 
-    ``__call__(q, k, v)`` returns ``(b, n, h, d)`` in ``q.dtype``.
+    ``__call__(q, k, v, *, sinks=None)`` returns ``(b, n, h, d)`` in ``q.dtype``; ``sinks``:
+    float ``(h,)`` sink logits.
 
     Raises:
       TypeError: ``pattern`` is not a ``BlockSparsePattern``; non-bool ``is_causal``;
@@ -70,7 +78,11 @@ class BlockSparseAttention(nnx.Module):
 
     def __init__(self, pattern: BlockSparsePattern, *, is_causal: bool = False,
                  implementation: str | None = None,
-                 sequence_parallel: SequenceParallel | None = None):
+                 sequence_parallel: SequenceParallel | None = None,
+                 score_mod: Callable | None = None, mask_mod: Callable | None = None,
+                 logits_soft_cap: float | None = None):
+        self.score_mod, self.mask_mod, self.logits_soft_cap = V.check_flex_options(
+            score_mod, mask_mod, logits_soft_cap)
         self.pattern = _check_pattern_type(pattern)
         self.is_causal = V.check_bool(is_causal, "is_causal")
         self.implementation = registry.check_name(implementation, "block_sparse")
@@ -80,13 +92,17 @@ class BlockSparseAttention(nnx.Module):
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *,
                  is_causal: bool | None = None, scale: float | None = None,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+                 segment_ids: jax.Array | None = None,
+                 sinks: jax.Array | None = None) -> jax.Array:
         """Returns ``(b, n, h, d)`` (see :func:`dilax.block_sparse_attention`; optional
-        ``segment_ids (b, n)``: packed documents, the pattern AND same document)."""
+        ``segment_ids (b, n)``: packed documents, the pattern AND same document; ``sinks``
+        float ``(h,)``)."""
         return _attend(q, k, v, self.pattern, self.sequence_parallel,
                        is_causal=self.is_causal if is_causal is None else is_causal,
                        scale=scale, implementation=self.implementation,
-                       segment_ids=segment_ids)
+                       segment_ids=segment_ids, score_mod=self.score_mod,
+                       mask_mod=self.mask_mod, logits_soft_cap=self.logits_soft_cap,
+                       sinks=sinks)
 
 
 class BlockSparseMultiheadAttention(nnx.Module):
@@ -111,6 +127,10 @@ class BlockSparseMultiheadAttention(nnx.Module):
       sequence_parallel: as in :class:`BlockSparseAttention` (ring block-sparse attention
         over a mesh; projections are left to XLA's sharding propagation under ``jit``).
       dtype, param_dtype: computation and parameter dtypes.
+      score_mod, mask_mod, logits_soft_cap: as in :class:`BlockSparseAttention`.
+      learnable_sinks: one learnable sink logit per query head, ``self.sinks``, an
+        ``nnx.Param`` ``(num_heads,)`` initialized to 0 (as
+        :class:`dilax.nn.MultiheadDilatedAttention`'s).
       rngs: ``nnx.Rngs`` (``params``; ``dropout`` when ``dropout > 0``).
 
     ``__call__(query (b, n, embed_dim), key=None, value=None)`` returns ``(b, n, embed_dim)``.
@@ -138,6 +158,10 @@ class BlockSparseMultiheadAttention(nnx.Module):
         sequence_parallel: SequenceParallel | None = None,
         dtype=None,
         param_dtype=jnp.float32,
+        score_mod: Callable | None = None,
+        mask_mod: Callable | None = None,
+        logits_soft_cap: float | None = None,
+        learnable_sinks: bool = False,
         rngs: nnx.Rngs,
     ):
         embed_dim, num_heads, num_kv_heads = check_heads(embed_dim, num_heads, num_kv_heads)
@@ -151,11 +175,14 @@ class BlockSparseMultiheadAttention(nnx.Module):
         self.sequence_parallel = check_sequence_parallel(sequence_parallel, None,
                                                          layouts=("contiguous",))
         self.pattern = pattern
+        self.score_mod, self.mask_mod, self.logits_soft_cap = V.check_flex_options(
+            score_mod, mask_mod, logits_soft_cap)
         finish = init_projections(self, embed_dim, num_heads, num_kv_heads, gain,
                                   use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
                                   rngs=rngs)
         finish(layer_norm, layer_norm_eps)
         self.dropout = nnx.Dropout(float(dropout), rngs=rngs) if dropout > 0 else None
+        self.sinks = init_sinks(learnable_sinks, num_heads, param_dtype)
 
     def __call__(
         self,
@@ -172,7 +199,8 @@ class BlockSparseMultiheadAttention(nnx.Module):
         ``(b, n, embed_dim)``."""
         q, k, v = project_qkv(self, query, key, value)
         x = _attend(q, k, v, self.pattern, self.sequence_parallel, is_causal=is_causal,
-                    segment_ids=segment_ids)
+                    segment_ids=segment_ids, score_mod=self.score_mod, mask_mod=self.mask_mod,
+                    logits_soft_cap=self.logits_soft_cap, sinks=sink_logits(self))
         x = x.reshape(query.shape)
         if self.dropout is not None:
             x = self.dropout(x, deterministic=deterministic)
