@@ -131,8 +131,8 @@ def _refuse_masks(name: str, mask: Mask, *, band_and_keys: bool = False,
     """A kernel core given a mask it has no form for raises (:mod:`dilax.registry` keeps such
     calls away from it; reaching here is a caller's bug, never a reason to run another core).
     ``band_and_keys``: the kernel takes ``window`` and ``kv_valid``; ``mods``: FlexAttention
-    mods at the call's own positions (no position maps). No registry lookup here:
-    the registry builds cores, so the core does not import it."""
+    mods at the call's own positions and heads (no position maps, no head list). No
+    registry lookup here: the registry builds cores, so the core does not import it."""
     missing = [what for what, given in (
         ("a band mask (local_window)", mask.window is not None and not band_and_keys),
         ("a per-key mask (key padding)", mask.kv_valid is not None and not band_and_keys),
@@ -140,7 +140,7 @@ def _refuse_masks(name: str, mask: Mask, *, band_and_keys: bool = False,
         ("per-row key ranges (segment_ids)", mask.key_range is not None),
         ("score_mod / mask_mod / soft-cap (dilax.flex_attention)", mask.mods is not None and (
             not mods or any(x is not None for x in (
-                mask.mods.q_pos, mask.mods.kv_pos, mask.mods.batch)))),
+                mask.mods.q_pos, mask.mods.kv_pos, mask.mods.batch, mask.mods.heads)))),
     ) if given]
     if missing:
         raise ValueError(f"implementation={name!r}: the kernel has no {' or '.join(missing)} "
