@@ -91,6 +91,10 @@ def dilated_attention(
     sequence_parallel: SequenceParallel | None = None,
     segment_ids: jax.Array | None = None,
     mask: AttentionMask | None = None,
+    score_mod=None,
+    mask_mod=None,
+    sinks: jax.Array | None = None,
+    logits_soft_cap: float | None = None,
 ) -> jax.Array:
     """Dilated attention (LongNet), exactly as specified in docs/semantics.md.
 
@@ -153,6 +157,10 @@ def dilated_attention(
         :func:`dilax.ring_dilated_attention`). Same result, forward and backward.
       mask: the deprecated spelling of ``attention_mask`` (warns). ``mask=`` means a dense
         boolean array in jax.nn and Flax (:func:`dilax.dot_product_attention`'s ``mask``).
+      score_mod, mask_mod, sinks, logits_soft_cap: FlexAttention's options
+        (docs/semantics.md, "Custom scores and masks"). With ``sequence_parallel``: the
+        document ring on the XLA core (``layout="contiguous"``), ``q_idx``/``kv_idx`` global
+        row positions, closed-over arrays replicated on every device.
 
     Returns:
       ``(b, n, h, d)`` in ``q.dtype``. Queries selected by no branch (or past their row's
@@ -177,9 +185,14 @@ def dilated_attention(
         q, k, v, settings, empty_batch=sequence_parallel is None, **rows)
     if sequence_parallel is not None:
         check_sharded(q, k.shape[2], mask, settings, sequence_parallel)
-        if mask.segment_ids is not None:
-            return unfold(sharded_documents(q, k, v, mask, settings, sequence_parallel))
+        flex = dict(score_mod=score_mod, mask_mod=mask_mod, sinks=sinks,
+                    logits_soft_cap=logits_soft_cap)  # FlexAttention's: the document ring
+        if mask.segment_ids is not None or any(x is not None for x in flex.values()):
+            return unfold(sharded_documents(q, k, v, mask, settings, sequence_parallel, **flex))
         return unfold(sharded_dilated(q, k, v, mask, settings, sequence_parallel))
+    if any(x is not None for x in (score_mod, mask_mod, sinks, logits_soft_cap)):
+        raise ValueError("dilated_attention: score_mod / mask_mod / sinks / logits_soft_cap "
+                         "are served with sequence_parallel here (one device: not yet)")
     return unfold(dilated_validated(q, k, v, mask, settings))
 
 
