@@ -158,7 +158,7 @@ def _sparse_weights(ids):
     return PATTERN.expanded_mask(N, True)[None].astype(np.float64) * _same_doc(ids)
 
 
-@pytest.mark.parametrize("op", ["dilated"])
+@pytest.mark.parametrize("op", ["dilated", "block_sparse"])
 @pytest.mark.parametrize("door", ["per_device", "whole_mesh"])
 def test_ring_softcap_alibi_sinks_documents_causal(op, door):
     fn = _per_device(op) if door == "per_device" else _whole_mesh(op)

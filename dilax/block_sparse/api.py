@@ -46,7 +46,7 @@ from dilax.attention_mask import (
     unpack_attention_mask,
 )
 from dilax.batch_dims import fold_batch_dims
-from dilax.block_sparse.ring import check_sharded_block_sparse, sharded_block_sparse
+from dilax.block_sparse.ring_sharded import check_sharded_block_sparse, sharded_block_sparse
 from dilax.block_sparse.tables import check_pattern, head_layout, sparse_attention_tables
 from dilax.core import Mask, attention, identity_view
 from dilax.core.block_sparse import BlockSparsePallasCore
@@ -273,7 +273,9 @@ def block_sparse_attention(
         ``sinks (h,)`` add one logit per head to the denominator. ``q_idx``, ``kv_idx`` are
         row positions, never indices of gathered blocks. XLA path only (``None`` /
         ``"xla"``; ``"pallas"`` and ``"reference"`` refuse them with :mod:`dilax.registry`'s
-        reason); not with ``sequence_parallel`` yet.
+        reason). With ``sequence_parallel`` too: the ring's hops on the XLA core, ``q_idx``,
+        ``kv_idx`` global positions, the closed-over arrays and ``sinks`` replicated on every
+        device (their gradients summed over the devices).
 
     Returns:
       ``(b, n, h, d)`` in ``q.dtype``. Queries with no attended key get 0 (and 0 gradient).
@@ -309,15 +311,12 @@ def block_sparse_attention(
     flex = prepare_mods("block_sparse_attention", b, q.shape[2], n, n, score_mod=score_mod,
                         mask_mod=mask_mod, sinks=sinks, logits_soft_cap=logits_soft_cap)
     if sequence_parallel is not None:
-        if flex is not None:
-            raise ValueError("block_sparse_attention: score_mod / mask_mod / sinks / "
-                             "logits_soft_cap are not supported with sequence_parallel yet")
         check_sequence_parallel(sequence_parallel, implementation, interpret=interpret,
                                 block_size=pattern.block_size)
         check_sharded_block_sparse(q, pattern, sequence_parallel)
         return unfold(sharded_block_sparse(q, k, v, pattern, is_causal, scale,
                                            sequence_parallel, q_len, kv_len, implementation,
-                                           interpret, segment_ids))
+                                           interpret, segment_ids, flex))
     request = registry.CoreRequest(
         "block_sparse", q.dtype, q.shape[3], is_causal,
         has_lengths=q_len is not None or kv_len is not None, interpret=interpret,
