@@ -5,7 +5,10 @@ block-sparse ring (4 host devices, shards of 16 positions), causal, with packed 
 crossing shard boundaries. ``q_idx`` / ``kv_idx`` are global positions on every device.
 Forward and gradients (q, k, v, the slopes: summed over the devices, the sinks) against a
 float64 NumPy oracle with multiplicity weights (the dilated mixture counts each pair once
-per branch that allows it). One compiled program per op and door, two data sets each.
+per branch that allows it). The dilated ring inside a user's ``shard_map`` with
+``segment_ids``; the block-sparse ring through ``sequence_parallel=`` with ``segment_ids`` and
+a band ``mask_mod``; the dilated door with documents as a ``mask_mod`` (forward). One compiled
+program per case, two data sets for the gradient cases.
 """
 
 from __future__ import annotations
@@ -122,52 +125,85 @@ def _check(got, want, name):
     print(f"{name}: max |err| {max(errs):.1e}")
 
 
-def _per_device(op):
-    """The per-device ring op inside a user's ``shard_map``: soft-cap, ALiBi (global
-    positions), sinks, causal, documents as ``segment_ids`` (the local shard)."""
+PATTERN = patterns.random(N, 8, 0.5, seed=3, num_heads=H)
+WINDOW = 20  # the block-sparse case's mask_mod: a band across the shard edges
+
+
+def _dilated_per_device(q, k, v, slopes, sinks, ids):
+    """``ring_dilated_attention`` inside a user's ``shard_map``: soft-cap, ALiBi at global
+    positions, sinks, causal, documents as ``segment_ids`` (the local shard)."""
     def body(q, k, v, slopes, sinks, ids):
-        kw = dict(axis_name="sp", is_causal=True, segment_ids=ids, score_mod=flex.alibi(slopes),
-                  logits_soft_cap=CAP, sinks=sinks)
-        if op == "dilated":
-            return dilax.ring_dilated_attention(q, k, v, WS, RS, **kw)
-        return dilax.ring_block_sparse_attention(q, k, v, PATTERN, **kw)
+        return dilax.ring_dilated_attention(
+            q, k, v, WS, RS, axis_name="sp", is_causal=True, segment_ids=ids,
+            score_mod=flex.alibi(slopes), logits_soft_cap=CAP, sinks=sinks)
 
     return jax.shard_map(body, mesh=_mesh(), in_specs=(SHARD,) * 3 + (PS(), PS(), SHARD),
-                         out_specs=SHARD)
+                         out_specs=SHARD)(q, k, v, slopes, sinks, ids)
 
 
-def _whole_mesh(op):
-    """The whole-mesh door (``sequence_parallel=``) with documents as a ``mask_mod`` closing
-    over the global ids (replicated on every device)."""
-    sp = dilax.SequenceParallel(_mesh(), "sp")
-
-    def fn(q, k, v, slopes, sinks, ids):
-        kw = dict(is_causal=True, sequence_parallel=sp, score_mod=flex.alibi(slopes),
-                  mask_mod=flex.document_mask(ids), logits_soft_cap=CAP, sinks=sinks)
-        if op == "dilated":
-            return dilax.dilated_attention(q, k, v, WS, RS, **kw)
-        return dilax.block_sparse_attention(q, k, v, PATTERN, **kw)
-
-    return fn
+def _block_sparse_whole_mesh(q, k, v, slopes, sinks, ids):
+    """``block_sparse_attention(sequence_parallel=)``: the pattern AND ``segment_ids`` AND a
+    band ``mask_mod`` at global positions, soft-cap, ALiBi, sinks, causal."""
+    return dilax.block_sparse_attention(
+        q, k, v, PATTERN, is_causal=True, segment_ids=ids,
+        sequence_parallel=dilax.SequenceParallel(_mesh(), "sp"), score_mod=flex.alibi(slopes),
+        mask_mod=flex.sliding_window(WINDOW), logits_soft_cap=CAP, sinks=sinks)
 
 
-PATTERN = patterns.random(N, 8, 0.5, seed=3, num_heads=H)
-
-
-def _sparse_weights(ids):
-    return PATTERN.expanded_mask(N, True)[None].astype(np.float64) * _same_doc(ids)
+def _band():
+    pos = np.arange(N)
+    return np.abs(pos[:, None] - pos[None]) <= WINDOW
 
 
 @pytest.mark.parametrize("op", ["dilated", "block_sparse"])
-@pytest.mark.parametrize("door", ["per_device", "whole_mesh"])
-def test_ring_softcap_alibi_sinks_documents_causal(op, door):
-    fn = _per_device(op) if door == "per_device" else _whole_mesh(op)
+def test_ring_softcap_alibi_sinks_documents_causal(op):
+    """Forward and gradients (q, k, v, the ALiBi slopes, the sinks) on two document layouts
+    (data: one program per op)."""
+    fn = _dilated_per_device if op == "dilated" else _block_sparse_whole_mesh
     for layout in (0, 1):
         q, k, v, g, slopes, sinks = _data(layout)
         ids = _ids(layout)
         got = _run(fn, (q, k, v, g, slopes, sinks, jnp.asarray(ids)))
-        if op == "dilated":  # segment_ids: documents alone; the mask_mod: pairs removed
-            w = _dilated_counts(ids, packed=door == "per_device")
-        else:  # block-sparse: both are "pattern AND same document"
-            w = _sparse_weights(ids)
-        _check(got, oracle(q, k, v, w, slopes, sinks, g), f"{op} {door} layout {layout}")
+        if op == "dilated":  # segment_ids: every document computed alone
+            w = _dilated_counts(ids, packed=True)
+        else:
+            w = PATTERN.expanded_mask(N, True)[None] * _same_doc(ids) * _band()
+        _check(got, oracle(q, k, v, w, slopes, sinks, g), f"{op} layout {layout}")
+
+
+def test_dilated_whole_mesh_document_mask_mod():
+    """``dilated_attention(sequence_parallel=)`` with documents as a ``mask_mod`` closing over
+    the global ids (replicated): pairs removed from the row's own branches, unlike
+    ``segment_ids``; forward (the gradients' path is the test above's and the block-sparse
+    door's)."""
+    sp = dilax.SequenceParallel(_mesh(), "sp")
+    q, k, v, g, slopes, sinks = _data(2)
+    ids = _ids(0)
+    out = dilax.dilated_attention(q, k, v, WS, RS, is_causal=True, sequence_parallel=sp,
+                                  score_mod=flex.alibi(slopes), logits_soft_cap=CAP,
+                                  mask_mod=flex.document_mask(jnp.asarray(ids)), sinks=sinks)
+    want = oracle(q, k, v, _dilated_counts(ids, packed=False), slopes, sinks, g)[0]
+    assert_scaled_close(out, want, 1e-5)
+    packed = oracle(q, k, v, _dilated_counts(ids, packed=True), slopes, sinks, g)[0]
+    assert np.max(np.abs(want - packed)) > 0.1  # the two document semantics differ here
+    print(f"dilated whole_mesh mask_mod: max |err| {np.max(np.abs(np.asarray(out) - want)):.1e}")
+
+
+def test_ring_mods_refusals():
+    """What the rings cannot serve with mods raises at trace time, naming it."""
+    mesh = _mesh()
+    q, k, v, _, slopes, sinks = _data(0)
+    zigzag = dilax.SequenceParallel(mesh, "sp", layout="zigzag")
+    with pytest.raises(ValueError, match="layout='contiguous'"):
+        dilax.dilated_attention(q, k, v, WS, RS, is_causal=True, sequence_parallel=zigzag,
+                                logits_soft_cap=CAP)
+    sp = dilax.SequenceParallel(mesh, "sp")
+    with pytest.raises(ValueError, match="score_mod"):  # the registry's reason
+        dilax.dilated_attention(q, k, v, WS, RS, sequence_parallel=sp, implementation="pallas",
+                                interpret=True, score_mod=flex.alibi(slopes))
+    with pytest.raises(ValueError, match="sinks"):
+        dilax.block_sparse_attention(q, k, v, PATTERN, sequence_parallel=sp,
+                                     implementation="pallas", interpret=True, sinks=sinks)
+    with pytest.raises(ValueError, match="sinks must be a float array"):
+        dilax.block_sparse_attention(q, k, v, PATTERN, sequence_parallel=sp,
+                                     sinks=jnp.zeros(H + 1))
