@@ -98,7 +98,7 @@ _COSTLIEST_MODULES = (
     "test_token_ids.py", "test_ring_plan.py", "test_block_sparse_lengths.py",
     "test_decode_pallas.py", "test_nan_inputs.py", "test_lazy_subpackages.py",
     "test_fuzz_sparse.py", "test_imports.py", "test_migration.py", "test_dilated_memory.py",
-    "test_decode_overflow.py", "test_factory.py", "test_fuzz_dilated.py",
+    "test_decode_overflow.py", "test_factory.py", "test_flex_decode.py", "test_fuzz_dilated.py",
 )
 
 
