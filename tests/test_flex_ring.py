@@ -207,3 +207,26 @@ def test_ring_mods_refusals():
     with pytest.raises(ValueError, match="sinks must be a float array"):
         dilax.block_sparse_attention(q, k, v, PATTERN, sequence_parallel=sp,
                                      sinks=jnp.zeros(H + 1))
+
+
+def test_block_sparse_ring_batch_axis_mods_see_global_rows():
+    """With the batch sharded too (``SequenceParallel(mesh, "sp", "b")``), a mod's ``b`` is
+    the global batch row: the result equals the one-device op (forward), and the mod's ``b``
+    matters in it."""
+    mesh = jax.make_mesh((2, 2), ("b", "sp"), axis_types=(AxisType.Auto,) * 2,
+                         devices=jax.devices()[:4])
+    q, k, v, _, _, sinks = _data(3)
+
+    def mod(s, b, h, q_idx, kv_idx):
+        del h, q_idx
+        return s + 0.7 * b.astype(s.dtype) * (kv_idx % 3 == 0)
+
+    ring = dilax.block_sparse_attention(q, k, v, PATTERN, is_causal=True, score_mod=mod,
+                                        sinks=sinks,
+                                        sequence_parallel=dilax.SequenceParallel(mesh, "sp", "b"))
+    one = dilax.block_sparse_attention(q, k, v, PATTERN, is_causal=True, score_mod=mod,
+                                       sinks=sinks)
+    plain = dilax.block_sparse_attention(q, k, v, PATTERN, is_causal=True, sinks=sinks)
+    ring, one, plain = (np.asarray(x, np.float64) for x in (ring, one, plain))
+    assert_scaled_close(ring, one, 1e-5)
+    assert np.max(np.abs(one[1] - plain[1])) > 0.1 and np.max(np.abs(one[0] - plain[0])) == 0

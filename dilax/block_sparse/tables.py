@@ -174,6 +174,8 @@ def row_mods(mods, idx, b, R, bs, q_first=None):
     rows = first[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]  # (R, bs)
     q_pos = jnp.broadcast_to(rows[None], (b, R, bs)).reshape(b * R, bs)
     batch = jnp.repeat(jnp.arange(b, dtype=jnp.int32), R)
+    if mods.batch is not None:  # the caller's own map (a ring's global batch rows)
+        batch = jnp.take(mods.batch, batch)
     diag = dataclasses.replace(mods, q_pos=q_pos, kv_pos=q_pos[:, None], batch=batch)
     if idx is None:
         return None, diag
