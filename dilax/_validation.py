@@ -118,11 +118,11 @@ def empty_batch(q: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype)
 
 
-def check_qkv(q: Any, k: Any, v: Any, *, empty_batch: bool = False, value_dim: bool = False
-              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def check_qkv(q: Any, k: Any, v: Any, *, empty_batch: bool = False,
+              value_head_dim: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Checks the ``(b, n, h, d)`` / ``(b, n, hk, d)`` layout, GQA divisibility and dtypes;
     ``b = 0`` only with ``empty_batch`` (ops that return :func:`empty_batch` for it);
-    ``value_dim``: ``v`` may have its own head dim, ``(b, n, hk, dv)``."""
+    ``value_head_dim``: ``v`` may have its own head dim ``(b, n, hk, dv)``."""
     q = check_float_array(q, "q")
     k = check_float_array(k, "k")
     v = check_float_array(v, "v")
@@ -132,9 +132,11 @@ def check_qkv(q: Any, k: Any, v: Any, *, empty_batch: bool = False, value_dim: b
                 f"{name} must have rank 4 with layout (batch, seq_len, heads, head_dim), "
                 f"got shape {tuple(x.shape)}"
             )
-    if k.shape[:3] != v.shape[:3] or (k.shape != v.shape and not value_dim):
-        raise ValueError(f"k and v must have the same shape{' but the head dim' * value_dim}, "
-                         f"got k {k.shape} and v {v.shape}")
+    if value_head_dim and (k.shape[:3] != v.shape[:3] or v.shape[3] <= 0):
+        raise ValueError(f"v must be (b, n, hk, dv) with k's b, n, hk and dv >= 1, got k "
+                         f"{k.shape} and v {v.shape}")
+    if not value_head_dim and k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
     b, n, h, d = q.shape
     bk, nk, hk, dk = k.shape
     if bk != b:

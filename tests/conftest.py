@@ -89,6 +89,7 @@ _COSTLIEST_MODULES = (
     "test_request.py", "test_lengths.py", "test_ring_lengths.py", "test_positions.py",
     "test_registry.py", "test_sequence_parallel.py", "test_decode.py", "test_train_cli.py",
     "test_nn.py", "test_models.py", "test_dot_product.py", "test_flex_dilated.py",
+    "test_flex_ring.py",
     "test_flex_ops.py",
     "test_train_resume.py", "test_block_sparse_ring_pallas.py", "test_train_interrupts.py",
     "test_train.py", "test_pallas_masks.py", "test_pallas_mods.py", "test_flex.py",
@@ -98,7 +99,7 @@ _COSTLIEST_MODULES = (
     "test_token_ids.py", "test_ring_plan.py", "test_block_sparse_lengths.py",
     "test_decode_pallas.py", "test_nan_inputs.py", "test_lazy_subpackages.py",
     "test_fuzz_sparse.py", "test_imports.py", "test_migration.py", "test_dilated_memory.py",
-    "test_decode_overflow.py", "test_factory.py", "test_fuzz_dilated.py",
+    "test_decode_overflow.py", "test_factory.py", "test_flex_decode.py", "test_fuzz_dilated.py",
 )
 
 

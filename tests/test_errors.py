@@ -45,7 +45,7 @@ ERROR_TABLE = [
     ("unknown mode", call(mode="sum"), ValueError, "mode must be one of"),
     ("rank 3 q", call(q=jnp.zeros((16, 4, 8))), ValueError, "q must have rank 4"),
     ("k/v shapes differ", call(v=jnp.zeros((1, 16, 1, 8))), ValueError,  # dv != d is fine
-     "k and v must have the same shape"),
+     "v must be (b, n, hk, dv) with k's b, n, hk"),
     ("seq_len differs", call(k=jnp.zeros((1, 8, 2, 8)), v=jnp.zeros((1, 8, 2, 8))), ValueError,
      "same seq_len"),
     ("head_dim differs", call(k=jnp.zeros((1, 16, 2, 4)), v=jnp.zeros((1, 16, 2, 4))),

@@ -196,3 +196,40 @@ def test_block_sparse_mods_refusals():
     # a mask_mod that removes every pair of a row: out 0, never NaN
     out = f(q, k, v, pattern, mask_mod=lambda b, h, qi, ki: qi != 3)
     assert np.all(np.asarray(out[:, 3]) == 0) and np.all(np.isfinite(np.asarray(out)))
+
+
+def test_block_sparse_dv_segment_ids_and_mods():
+    """``v`` with its own head dim (``dv != d``) together with ``segment_ids`` (the pattern
+    AND same document), a band ``mask_mod``, ALiBi, the soft-cap and sinks, causal: forward and
+    gradients (q, k, v, slopes, sinks) against the oracle; the Pallas kernel refuses
+    ``dv != d`` with the registry's reason."""
+    b, n, h, hk, d, dv, bs = 2, 40, 4, 2, 8, 12, 8
+    q, k, v, w, rng = _arrays(b, n, n, h, hk, d, dv, seed=21)
+    nb = n // bs
+    blocks = rng.random((h, nb, nb)) < 0.6
+    blocks[:, np.arange(nb), np.arange(nb)] = True
+    pattern = dilax.patterns.from_mask(blocks, bs)
+    seg = np.repeat(np.array([[0, 1, 2], [3, 3, 4]]), [11, 17, 12], axis=1).astype(np.int32)
+    slopes = jnp.asarray(rng.uniform(0.05, 0.3, h), jnp.float32)
+    sinks = jnp.asarray(rng.standard_normal(h), jnp.float32)
+
+    def fn(q, k, v, slopes, sinks):
+        return dilax.block_sparse_attention(
+            q, k, v, pattern, is_causal=True, segment_ids=jnp.asarray(seg),
+            score_mod=flex.alibi(slopes), mask_mod=flex.sliding_window(14), sinks=sinks,
+            logits_soft_cap=3.0)
+
+    out, grads = _grads(fn, (q, k, v, slopes, sinks), w)
+    assert out.shape == (b, n, h, dv)
+    qi, ki = np.arange(n)[:, None], np.arange(n)[None, :]
+    doc = np.cumsum(np.concatenate([np.zeros((b, 1), int), seg[:, 1:] != seg[:, :-1]], 1), 1)
+    allowed = (pattern.expanded_mask(n, True)[None] & (np.abs(qi - ki) <= 14)[None, None]
+               & (doc[:, :, None] == doc[:, None, :])[:, None])
+    rel = (ki - qi)[None, None].astype(np.float64)
+    bias = np.asarray(slopes, np.float64)[None, :, None, None] * rel
+    want, dq, dk, dvv, ds, dsinks = oracle(q, k, v, scale=d**-0.5, allowed=allowed, bias=bias,
+                                           cap=3.0, sinks=sinks, dout=w)
+    worst = _check(out, grads, want, (dq, dk, dvv, (ds * rel).sum(axis=(0, 2, 3)), dsinks))
+    print(f"block_sparse dv != d, segment_ids and mods: max scaled error {worst:.2e}")
+    with pytest.raises(ValueError, match="dv != d"):
+        dilax.block_sparse_attention(q, k, v, pattern, implementation="pallas", interpret=True)

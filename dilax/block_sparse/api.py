@@ -46,7 +46,7 @@ from dilax.attention_mask import (
     unpack_attention_mask,
 )
 from dilax.batch_dims import fold_batch_dims
-from dilax.block_sparse.ring import check_sharded_block_sparse, sharded_block_sparse
+from dilax.block_sparse.ring_sharded import check_sharded_block_sparse, sharded_block_sparse
 from dilax.block_sparse.tables import check_pattern, head_layout, sparse_attention_tables
 from dilax.core import Mask, attention, identity_view
 from dilax.core.block_sparse import BlockSparsePallasCore
@@ -176,7 +176,7 @@ def block_sparse_attention_xla(q, k, v, pattern: BlockSparsePattern, *, is_causa
     use_gather = bool(np.any(plan.kv_len > 0))
     use_diag = plan.diag_len is not None and bool(np.any(plan.diag_len > 0))
     if not (use_gather or use_diag):  # nothing attended anywhere
-        out = jnp.zeros((b, n, h, d), q.dtype)
+        out = jnp.zeros((b, n, h, v.shape[-1]), q.dtype)
         return (out, jnp.full((b, n, h), -jnp.inf, jnp.float32)) if return_lse else out
     out, lse = attend_tables(
         q, k, v, plan.idx if use_gather else None, plan.kv_len if use_gather else None,
@@ -233,7 +233,9 @@ def block_sparse_attention(
     Args:
       q: ``(b, n, h, d)`` queries (any number of leading batch dimensions, rank 3 included,
         as :func:`dilax.dilated_attention`).
-      k, v: ``(b, n, hk, d)``, ``h % hk == 0`` (GQA/MQA without repeating K/V).
+      k, v: ``(b, n, hk, d)``, ``h % hk == 0`` (GQA/MQA without repeating K/V); ``v`` may
+        have its own head dim ``(b, n, hk, dv)`` (out ``(b, n, h, dv)``; XLA path and the
+        reference, one device).
       pattern: a :class:`dilax.patterns.BlockSparsePattern` with ``ceil(n / B)`` query and
         key blocks and 1 or ``h`` heads. If ``n % B != 0`` the last block is partial (its
         missing keys never receive weight).
@@ -273,7 +275,9 @@ def block_sparse_attention(
         ``sinks (h,)`` add one logit per head to the denominator. ``q_idx``, ``kv_idx`` are
         row positions, never indices of gathered blocks. XLA path only (``None`` /
         ``"xla"``; ``"pallas"`` and ``"reference"`` refuse them with :mod:`dilax.registry`'s
-        reason); not with ``sequence_parallel`` yet.
+        reason). With ``sequence_parallel`` too: the ring's hops on the XLA core, ``q_idx``,
+        ``kv_idx`` global positions, the closed-over arrays and ``sinks`` replicated on every
+        device (their gradients summed over the devices).
 
     Returns:
       ``(b, n, h, d)`` in ``q.dtype``. Queries with no attended key get 0 (and 0 gradient).
@@ -297,7 +301,7 @@ def block_sparse_attention(
                                             key_value_seq_lengths=key_value_seq_lengths,
                                             segment_ids=segment_ids)
     query_seq_lengths, key_value_seq_lengths, segment_ids = rows.values()
-    q, k, v = V.check_qkv(q, k, v, empty_batch=True)
+    q, k, v = V.check_qkv(q, k, v, empty_batch=True, value_head_dim=True)
     pattern = check_pattern(pattern, q)
     is_causal = V.check_bool(is_causal, "is_causal")
     scale = V.check_scale(scale, q.shape[3])
@@ -309,20 +313,21 @@ def block_sparse_attention(
     flex = prepare_mods("block_sparse_attention", b, q.shape[2], n, n, score_mod=score_mod,
                         mask_mod=mask_mod, sinks=sinks, logits_soft_cap=logits_soft_cap)
     if sequence_parallel is not None:
-        if flex is not None:
-            raise ValueError("block_sparse_attention: score_mod / mask_mod / sinks / "
-                             "logits_soft_cap are not supported with sequence_parallel yet")
+        if v.shape[-1] != q.shape[-1]:
+            raise ValueError(f"block_sparse_attention: v's head dim {v.shape[-1]} != q's "
+                             f"{q.shape[-1]} (dv != d) is not supported with "
+                             f"sequence_parallel yet (one device: the XLA path)")
         check_sequence_parallel(sequence_parallel, implementation, interpret=interpret,
                                 block_size=pattern.block_size)
         check_sharded_block_sparse(q, pattern, sequence_parallel)
         return unfold(sharded_block_sparse(q, k, v, pattern, is_causal, scale,
                                            sequence_parallel, q_len, kv_len, implementation,
-                                           interpret, segment_ids))
+                                           interpret, segment_ids, flex))
     request = registry.CoreRequest(
         "block_sparse", q.dtype, q.shape[3], is_causal,
         has_lengths=q_len is not None or kv_len is not None, interpret=interpret,
         block_size=pattern.block_size, has_documents=segment_ids is not None,
-        **({} if flex is None else flex.request_flags))
+        value_head_dim=v.shape[-1], **({} if flex is None else flex.request_flags))
     # a name the op offers (the registry's rules: "cudnn" refused with its reason), then one
     # that serves this call
     implementation, _ = registry.choose(registry.check_name(implementation, "block_sparse"),

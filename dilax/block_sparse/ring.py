@@ -39,7 +39,6 @@ Validation happens once, at the public entry (:func:`dilax.block_sparse_attentio
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Hashable
 
 import jax
@@ -65,15 +64,16 @@ from dilax.block_sparse.tables import (
     default_block_k,
     document_ranges,
     gather_key_blocks,
+    row_mods,
     rows_per_step,
 )
 from dilax.branch.plan import BranchPlan, plan_branch
 from dilax.branch.runner import attend_branches
 from dilax.core import XLA, BlockSizes, Core, Mask, SlotView, identity_view, merge_attention_states
+from dilax.flex.api import core_mods, prepare_mods, with_sinks
 from dilax.patterns import BlockSparsePattern
-from dilax.sp.config import SequenceParallel, check_sequence_parallel
 from dilax.sp.documents import global_document_bounds
-from dilax.sp.mesh import axis_size, check_sharded_shape, shard_sequence
+from dilax.sp.mesh import axis_size
 from dilax.sp.ring_vjp import backward_streams, stream_loop
 from dilax.utils import (
     dynamic_slice_in_dim,
@@ -111,6 +111,7 @@ class BlockSparseRing:
     block_k: int
     core: Core = XLA
     hops: KernelHops | None = None
+    with_mods: bool = False  # aux[-1]: score / mask mods (dilax.core.mods.Mods), row positions
 
     def _diag_view(self, hk: int) -> SlotView:
         """Queries and the own chunk's K/V in place: virtual head ``u`` reads ``kvmap[u]``."""
@@ -134,6 +135,12 @@ class BlockSparseRing:
         me = lax.axis_index(self.axis_name)
         blocks = g * R + jnp.arange(R)
         first = me * m + blocks * B  # global first position of each query block
+        mods, aux = (aux[-1], aux[:-1]) if self.with_mods else (None, aux)
+        mods_g = mods_d = None
+        if mods is not None:  # the mods see global positions, never gathered indices
+            gidx = None if tabs is None else (dynamic_slice_in_dim(
+                jnp.asarray(tabs.idx)[e], g * R, R, axis=1) + src * (m // B))[None]
+            mods_g, mods_d = row_mods(mods, gidx, b, R, B, first)
         q_len = self._q_len(aux, first, b)
         qr = q.reshape(b * R, B, -1, d)
         L = None if aux is None else aux[1]
@@ -157,7 +164,7 @@ class BlockSparseRing:
             key_range, query_range = ranges.get("gathered") or (None, None)
             res.append(fn(idx[None], qr, kr, vr, identity_view(p.U, p.G),
                           Mask(_per_row(kv_len, b, p.U), q_len=q_len, key_range=key_range,
-                               query_range=query_range),
+                               query_range=query_range, mods=mods_g),
                           BlockSizes(block_q=B, block_k=min(self.block_k, idx.shape[-1] * B))))
         if diag is not None:
             dl = dynamic_slice_in_dim(jnp.asarray(diag)[me], g * R, R, axis=1)
@@ -168,7 +175,7 @@ class BlockSparseRing:
             diag_range = ranges.get("diag")
             res.append(fn(None, qr, rows(kb), rows(vb), self._diag_view(kb.shape[2]),
                           Mask(_per_row(dl, b, p.U), 0, 0, True, q_len, key_range=diag_range,
-                               query_range=diag_range),
+                               query_range=diag_range, mods=mods_d),
                           BlockSizes(block_q=B, block_k=B)))
         return res
 
@@ -221,7 +228,7 @@ class BlockSparseRing:
             kb.astype(_F32), vb.astype(_F32))[1]
 
         def group(g, acc):
-            dq, dk, dv = acc
+            dq, dk, dv, *dc = acc  # dc: the mods' consts' cotangents, or []
             rows = lambda x: dynamic_slice_in_dim(x, g * RB, RB, axis=1)
             flat = lambda x: rows(x).reshape(-1, B, *x.shape[2:])
 
@@ -232,8 +239,9 @@ class BlockSparseRing:
 
             parts = self._group(call, rows(q), kb, vb, aux, tabs, e, src, g, diag)
             dq_g = rows(dq)
-            for idx, (gq, gk, gv) in parts:
+            for idx, (gq, gk, gv, *gc) in parts:
                 dq_g = dq_g + gq.reshape(dq_g.shape)
+                dc = [a + c for a, c in zip(dc, gc)]
                 if idx is not None:  # the gathered blocks' gradients go back to their rows
                     sk, sv = scatter(idx)((gk, gv))
                     dk, dv = dk + sk, dv + sv
@@ -241,7 +249,7 @@ class BlockSparseRing:
                     put = lambda a, x: dynamic_update_slice_in_dim(
                         a, rows(a) + x.reshape(rows(a).shape), g * RB, axis=1)
                     dk, dv = put(dk, gk), put(dv, gv)
-            return dynamic_update_slice_in_dim(dq, dq_g, g * RB, axis=1), dk, dv
+            return dynamic_update_slice_in_dim(dq, dq_g, g * RB, axis=1), dk, dv, *dc
 
         steps = q.shape[1] // RB
         return group(0, acc) if steps == 1 else lax.fori_loop(0, steps, group, acc)
@@ -283,21 +291,27 @@ class BlockSparseRing:
     def backward(self, q, k, v, aux, res, lse, dout, dlse, delta, acc):
         del res, dlse
         p, me = self.plan, lax.axis_index(self.axis_name)
+        consts = () if not self.with_mods else tuple(  # the float consts' cotangents
+            c for c in aux[-1].score_consts if jnp.issubdtype(c.dtype, jnp.inexact))
         if acc is None:
-            acc = tuple(varying_like(jnp.zeros(x.shape, _F32), q, k, v, dout) for x in (q, k, v))
-        dq, dk, dv = acc
+            acc = tuple(varying_like(jnp.zeros(x.shape, _F32), q, k, v, dout)
+                        for x in (q, k, v, *consts))
+        dq, dk, dv, *dc = acc
 
-        def visit(acc, kb, vb, src):
-            return lax.cond(src >= 0, lambda a: self._grads(
+        def visit(acc, kb, vb, src):  # acc: ((dq, *dc) staying home, the visitors' dk, dv)
+            (dq, *dc), dkb, dvb = acc
+            dq, dkb, dvb, *dc = lax.cond(src >= 0, lambda a: self._grads(
                 a, q, kb, vb, aux, lse, dout, delta, False, self._slot(src), src),
-                lambda a: a, acc)
+                lambda a: a, (dq, dkb, dvb, *dc))
+            return (dq, *dc), dkb, dvb
 
         zeros = lambda x: varying_like(jnp.zeros(x.shape, _F32), x, dq)
-        dq, dk_t, dv_t = backward_streams(p.streams, self.axis_name, me, visit, k, v, dq, zeros)
+        (dq, *dc), dk_t, dv_t = backward_streams(p.streams, self.axis_name, me, visit, k, v,
+                                                 (dq, *dc), zeros)
         # The own chunk last, straight into the returned accumulators.
         return self._own_only(lambda a: self._grads(a, q, k, v, aux, lse, dout, delta, True,
                                                     me, me),
-                              (dq, dk + dk_t, dv + dv_t))
+                              (dq, dk + dk_t, dv + dv_t, *dc))
 
 
 def ring_block_sparse_attention(
@@ -316,6 +330,10 @@ def ring_block_sparse_attention(
     segment_ids: jax.Array | None = None,
     attention_mask: AttentionMask | None = None,
     mask: AttentionMask | None = None,
+    score_mod=None,
+    mask_mod=None,
+    sinks: jax.Array | None = None,
+    logits_soft_cap: float | None = None,
 ) -> jax.Array:
     """Block-sparse attention on a sequence sharded over mesh axis ``axis_name`` (per-device).
 
@@ -353,6 +371,12 @@ def ring_block_sparse_attention(
         ``AttentionMask.build(q, ..., seq_len=n)``). Its ``key_padding_mask`` is refused
         (``ValueError``): pass ``key_value_seq_lengths`` or ``segment_ids``.
       mask: the deprecated spelling of ``attention_mask`` (warns).
+      score_mod, mask_mod, sinks, logits_soft_cap: FlexAttention's options, as in
+        :func:`dilax.block_sparse_attention`: ``q_idx``, ``kv_idx`` GLOBAL row positions on
+        every device, ``b`` the local batch row; arrays the mods close over must hold what
+        they index by global position on every device (e.g. the global document ids,
+        replicated); gradients into closed-over float arrays are summed over
+        ``axis_name``. XLA hops only (the Pallas kernel refuses them, the registry's reason).
 
     Returns:
       The local shard of the output, ``(b, n/P, h, d)`` in ``q.dtype``.
@@ -384,23 +408,28 @@ def ring_block_sparse_attention(
     b, n_l, h, d = q.shape
     if not isinstance(pattern, BlockSparsePattern):
         check_pattern(pattern, q)  # raises the TypeError
-    _check_shard(pattern, n_l)
+    check_shard(pattern, n_l)
     check_pattern(pattern, jax.ShapeDtypeStruct((b, n_l * P, h, d), q.dtype))
     q_len = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, n_l * P)
     kv_len = V.check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, n_l * P)
     segment_ids = check_segment_ids(segment_ids, b, n_l)  # the local shard, like q
+    flex = prepare_mods("ring_block_sparse_attention", b, h, n_l * P, n_l * P,
+                        score_mod=score_mod, mask_mod=mask_mod, sinks=sinks,
+                        logits_soft_cap=logits_soft_cap)
     core = hop_core(implementation, V.check_bool(interpret, "interpret"), q, pattern,
-                    is_causal, q_len is not None or kv_len is not None, segment_ids is not None)
+                    is_causal, q_len is not None or kv_len is not None, segment_ids is not None,
+                    flags=() if flex is None else tuple(flex.request_flags.items()))
     if core.name != "xla" and varying_axes(q, k, v):
         raise ValueError(
             "the ring's hops run the Pallas kernel here, whose outputs carry no device-varying "
             "type: call ring_block_sparse_attention inside jax.shard_map(..., check_vma=False), "
             "or use implementation='xla'")
     return ring_block_sparse_core(q, k, v, pattern, is_causal, scale, axis_name, q_len, kv_len,
-                                  core=core, segment_ids=segment_ids)
+                                  core=core, segment_ids=segment_ids, mods=core_mods(flex),
+                                  sinks=flex and flex.sinks)
 
 
-def _check_shard(pattern: BlockSparsePattern, n_l: int) -> None:
+def check_shard(pattern: BlockSparsePattern, n_l: int) -> None:
     if n_l % pattern.block_size != 0:
         raise ValueError(
             f"each device's sequence shard (n/P = {n_l}) must be a multiple of the pattern's "
@@ -410,13 +439,15 @@ def _check_shard(pattern: BlockSparsePattern, n_l: int) -> None:
 
 def ring_block_sparse_core(q, k, v, pattern: BlockSparsePattern, is_causal: bool, scale: float,
                            axis_name: str, query_seq_lengths=None, key_value_seq_lengths=None,
-                           *, core: Core = XLA, segment_ids=None) -> jax.Array:
+                           *, core: Core = XLA, segment_ids=None, mods=None,
+                           sinks=None) -> jax.Array:
     """:func:`ring_block_sparse_attention` on validated arguments (inside ``shard_map``):
     the :class:`BlockSparseRing` of ``pattern`` run by :func:`attend_branches`, every hop on
     ``core``: a ``"pallas"`` core (its ``interpret`` kept) runs the block-sparse kernel on
     each visiting chunk (:class:`KernelHops`), any other core the gathered key blocks.
     Lengths: global, int32 ``(b,)`` or None; ``segment_ids``: the local shard ``(b, n/P)`` of
-    the document ids, or None (the XLA core only)."""
+    the document ids, or None (the XLA core only). ``mods``: a :class:`dilax.core.mods.Mods`
+    (no positions: each call adds the global ones) and ``sinks (h,)``, or None (XLA core)."""
     P = int(lax.axis_size(axis_name))
     b, m, h, d = q.shape
     hk = k.shape[2]
@@ -427,8 +458,11 @@ def ring_block_sparse_core(q, k, v, pattern: BlockSparsePattern, is_causal: bool
     hops = None
     if core.name == "pallas":
         hops = plan_kernel_hops(pattern, plan, P, is_causal, getattr(core, "interpret", False))
+    if hops is not None and (mods is not None or sinks is not None):
+        raise ValueError("score_mod / mask_mod / logits_soft_cap / sinks need the XLA core for "
+                         "the ring's hops: the Pallas block-sparse kernel has no mods yet")
     op = BlockSparseRing(plan, result, bs, axis_name, float(scale), rows, default_block_k(bs),
-                         core, hops)
+                         core, hops, mods is not None)
     aux = None
     if segment_ids is not None:
         if hops is not None:
@@ -438,45 +472,9 @@ def ring_block_sparse_core(q, k, v, pattern: BlockSparsePattern, is_causal: bool
                *global_document_bounds(segment_ids, axis_name))
     elif query_seq_lengths is not None or key_value_seq_lengths is not None:
         aux = (query_seq_lengths, key_value_seq_lengths)
-    out, _ = attend_branches(q, k, v, (op,), "mixture", out_dtype=q.dtype, aux=aux)
-    return out
-
-
-def check_sharded_block_sparse(q: jax.Array, pattern: BlockSparsePattern,
-                               sp: SequenceParallel) -> None:
-    """The mesh rules of a sequence-parallel block-sparse call on validated ``q`` and
-    ``pattern`` (global view): ``n`` and the batch divide over the mesh, shards are whole
-    pattern blocks, contiguous layout."""
-    check_sequence_parallel(sp, None, layouts=("contiguous",))
-    P = check_sharded_shape(q, sp.mesh, sp.seq_axis, sp.batch_axis)
-    _check_shard(pattern, q.shape[1] // P)
-
-
-def sharded_block_sparse(q, k, v, pattern: BlockSparsePattern, is_causal: bool, scale: float,
-                         sp: SequenceParallel, query_seq_lengths=None,
-                         key_value_seq_lengths=None, implementation: str | None = None,
-                         interpret: bool = False, segment_ids=None) -> jax.Array:
-    """The shard_map of :func:`ring_block_sparse_core` over ``sp.mesh`` (validated arguments;
-    lengths int32 ``(b,)`` or None, ``segment_ids`` int32 ``(b, n)`` or None) on the hop core
-    the registry picks (:func:`hop_core`), compiled once per static configuration."""
-    core = hop_core(implementation, interpret, q, pattern, is_causal,
-                    query_seq_lengths is not None or key_value_seq_lengths is not None,
-                    segment_ids is not None)
-    if q.shape[0] == 0:  # nothing to shard: an empty result (and empty gradients)
-        return V.empty_batch(q, v)
-    return _sharded_jit(q, k, v, query_seq_lengths, key_value_seq_lengths, segment_ids,
-                        pattern=pattern, is_causal=bool(is_causal), scale=float(scale), sp=sp,
-                        core=core)
-
-
-@functools.partial(jax.jit, static_argnames=("pattern", "is_causal", "scale", "sp", "core"))
-def _sharded_jit(q, k, v, q_len, kv_len, ids, *, pattern, is_causal, scale, sp, core):
-    def body(q, k, v, *rest):
-        doc, rest = (rest[0], rest[1:]) if ids is not None else (None, rest)
-        return ring_block_sparse_core(q, k, v, pattern, is_causal, scale, sp.seq_axis, *rest,
-                                      core=core, segment_ids=doc)
-
-    # the Pallas kernel's outputs carry no device-varying type: no vma checks with it
-    return shard_sequence(body, sp.mesh, sp.seq_axis, sp.batch_axis, q, k, v, q_len, kv_len,
-                          per_position=() if ids is None else (ids,),
-                          check_vma=core.name == "xla")
+    if mods is not None:  # the last entry of aux (BlockSparseRing.with_mods)
+        aux = (*(aux or (None, None)), mods)
+    if sinks is None:
+        return attend_branches(q, k, v, (op,), "mixture", out_dtype=q.dtype, aux=aux)[0]
+    out, lse = attend_branches(q, k, v, (op,), "mixture", aux=aux)
+    return with_sinks(out, lse, sinks, q.dtype)[0]

@@ -174,6 +174,8 @@ def row_mods(mods, idx, b, R, bs, q_first=None):
     rows = first[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]  # (R, bs)
     q_pos = jnp.broadcast_to(rows[None], (b, R, bs)).reshape(b * R, bs)
     batch = jnp.repeat(jnp.arange(b, dtype=jnp.int32), R)
+    if mods.batch is not None:  # the caller's own map (a ring's global batch rows)
+        batch = jnp.take(mods.batch, batch)
     diag = dataclasses.replace(mods, q_pos=q_pos, kv_pos=q_pos[:, None], batch=batch)
     if idx is None:
         return None, diag
@@ -198,6 +200,7 @@ def _attend_rows(q, k, v, kd, vd, idx, kv_len, diag_len, q_len=None, doc=None, q
     Returns ``out (b, R*B, h, d)`` float32 and ``lse (b, R*B, h)``.
     """
     b, RB, h, d = q.shape
+    dv = (vd if v is None else v).shape[-1]  # the values' head dim (the output's)
     R = RB // bs
     mods_g, mods_d = row_mods(mods, idx, b, R, bs, q_first)
     qr = q.reshape(b * R, bs, U, G, d)
@@ -216,7 +219,7 @@ def _attend_rows(q, k, v, kd, vd, idx, kv_len, diag_len, q_len=None, doc=None, q
                                   query_range=gathered and gathered[1], mods=mods_g)
     if diag_len is not None:
         kr = _head_take(kd, kvmap).reshape(b * R, bs, U, d)
-        vr = _head_take(vd, kvmap).reshape(b * R, bs, U, d)
+        vr = _head_take(vd, kvmap).reshape(b * R, bs, U, dv)
         o2, l2 = attention_core(qr, kr, vr, scale=scale, is_causal=True,
                                 kv_len=_rows_kv_len(diag_len, b, U),
                                 block_sizes=BlockSizes(block_q=bs, block_k=bs), q_len=q_len,
@@ -225,7 +228,7 @@ def _attend_rows(q, k, v, kd, vd, idx, kv_len, diag_len, q_len=None, doc=None, q
             out, lse = o2.astype(jnp.float32), l2
         else:
             out, lse = merge_attention_states(out, lse, o2, l2)
-    return out.astype(jnp.float32).reshape(b, RB, h, d), lse.reshape(b, RB, h)
+    return out.astype(jnp.float32).reshape(b, RB, h, dv), lse.reshape(b, RB, h)
 
 
 def rows_per_step(nq: int, b: int, A: int, bs: int, U: int, d: int, itemsize: int, *,
@@ -324,6 +327,6 @@ def sparse_attention_tables(
                   firsts)
 
     out, lse = lax.map(body, xs)
-    out = jnp.moveaxis(out, 0, 1).reshape(b, nqb, h, d)
+    out = jnp.moveaxis(out, 0, 1).reshape(b, nqb, h, v.shape[-1])
     lse = jnp.moveaxis(lse, 0, 1).reshape(b, nqb, h)
     return out, lse

@@ -44,7 +44,9 @@ class BranchOp(Protocol):
     residuals; ``aux``: the non-differentiable arrays given to :func:`attend_branches`, e.g.
     valid lengths, or None).
     ``backward(q, k, v, aux, res, lse, dout, dlse, delta, acc) -> (dq, dk, dv)`` float32,
-    added into ``acc`` (float32 ``(dq, dk, dv)`` of the inputs' shapes, or None)."""
+    added into ``acc`` (float32 ``(dq, dk, dv)`` of the inputs' shapes, or None). A branch
+    with score mods (the last entry of ``aux``, a :class:`dilax.core.mods.Mods`) returns and
+    takes ``(dq, dk, dv, *d_consts)``: the float32 cotangents of its float consts."""
 
     result_plan: BranchPlan
 
@@ -231,8 +233,21 @@ def _attend_bwd(cfg: _Attend, res, cts):
         fence = fence_after(acc[0] if acc else (g_out if mixture else dots[-1]))
         acc = tuple(when(fence, run, (q, k, v, aux, g, g_lse, g_out, lse, extra, a, s),
                          carry=acc))
-    grads = tuple(x.astype(y.dtype) for x, y in zip(acc, (q, k, v), strict=True))
-    return (*sum_invariant_axes((q, k, v), grads), None, None)
+    grads = tuple(x.astype(y.dtype) for x, y in zip(acc[:3], (q, k, v), strict=True))
+    return (*sum_invariant_axes((q, k, v), grads), None, _aux_cotangent(aux, acc[3:]))
+
+
+def _aux_cotangent(aux, extra):
+    """None, or with score mods in ``aux`` (a :class:`dilax.core.mods.Mods` entry, whose
+    branches add their float32 ``d(consts)`` after ``(dq, dk, dv)``) their cotangent, summed
+    over the mesh axes the consts are invariant over (replicated arrays: every device's
+    share)."""
+    if not extra:
+        return None
+    diff = [c for c in aux[-1].score_consts if jnp.issubdtype(jnp.result_type(c), jnp.inexact)]
+    extra = sum_invariant_axes(diff, [g.astype(c.dtype) for g, c in zip(extra, diff)])
+    blank = jax.tree.map(lambda _: None, aux[:-1])
+    return (*blank, aux[-1].cotangent(extra))
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

@@ -363,7 +363,7 @@ def attention_core(
     Args:
       q: ``(B, Lq, Hk, G, d)`` queries grouped by kv head (query head ``(c, g)`` reads kv
         head ``c``).
-      k, v: ``(B, Lk, Hk, d)``.
+      k, v: ``(B, Lk, Hk, d)`` (``v`` may have its own head dim ``dv``: out ``(..., dv)``).
       scale: logit scale (static float).
       is_causal: key ``t`` is visible to query ``p`` iff ``k_offset + t <= q_offset + p``.
       kv_len: int, broadcastable to ``(B, Hk)``; keys at index ``>= kv_len`` are masked.
@@ -386,4 +386,4 @@ def attention_core(
                                                 key_range=key_range, query_range=query_range,
                                                 mods=mods),
                          block_sizes=block_sizes)
-    return out.reshape(B, Lq, Hk, G, d), lse.reshape(B, Lq, Hk, G)
+    return out.reshape(B, Lq, Hk, G, v.shape[-1]), lse.reshape(B, Lq, Hk, G)  # dv: v's

@@ -18,9 +18,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
+
+from dilax.utils import varying_axes, varying_like
 
 _F32 = jnp.float32
 _I32 = jnp.int32
@@ -40,7 +41,38 @@ class ModFn:
         return hash(self._text)
 
     def __call__(self, consts, *args):
+        if varying_axes(*consts, *args):  # under shard_map: operands typed alike, eqn by eqn
+            return _eval_varying(self.jaxpr, consts, args)[0]
         return jaxpr_as_fun(ClosedJaxpr(self.jaxpr, list(consts)))(*args)[0]
+
+
+_INLINED = ("pjit", "jit", "closed_call", "custom_jvp_call")  # calls whose jaxpr is inlined
+
+
+def _eval_varying(jaxpr, consts, args):
+    """``jaxpr`` evaluated under ``shard_map(check_vma=True)``: the mod was traced outside,
+    so its equations mix device-varying operands (positions, rows) with invariant ones
+    (closed-over arrays, literals); each equation's operands are cast to the union of their
+    varying axes first (nested jit / custom_jvp jaxprs inlined, so the same holds inside)."""
+    env = {}
+
+    def read(v):
+        return jnp.asarray(v.val) if isinstance(v, Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        axes = varying_axes(*ins)
+        ins = [varying_like(x, *ins) if axes else x for x in ins]
+        inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        if eqn.primitive.name in _INLINED and isinstance(inner, ClosedJaxpr):
+            outs = _eval_varying(inner.jaxpr, inner.consts, ins)
+        else:
+            outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
 
 
 def trace_mod(fn, kind: str):
@@ -90,14 +122,15 @@ class Mods:
 
       q_pos, kv_pos, batch: optional int32 maps from the call to the mods' arguments (e.g. a
         call over gathered key blocks, :func:`dilax.block_sparse_attention`): ``q_pos (B, Lq)``
-        or ``(B, 1 or U, Lq)`` (per virtual kv head: its query heads share the row) and
-        ``kv_pos (B, 1 or U, Lk)`` give the position of call position ``p = q_offset + row``
-        (``k_offset + key``) of batch row ``i``: ``q_pos[i, p]`` (``q_pos[i, u, p]``);
-        ``batch (B,)`` the mods' ``b`` of batch row ``i``. Positions beyond the arrays
-        (padding) are clamped.
-      heads: static tuple or None: the mods' ``h`` of each virtual query head ``u * G + g``
-        (a slot view's, e.g. a dilated branch, :mod:`dilax.dilated.flex`); then any view is
-        accepted.
+        and ``kv_pos (B, 1 or U, Lk)`` (per virtual kv head) give the position of call
+        position ``p = q_offset + row`` (``k_offset + key``) of batch row ``i``:
+        ``q_pos[i, p]`` (``q_pos`` may also be ``(B, 1 or U, Lq)``, per virtual kv head: the
+        rows of the dilated ring); ``batch (B,)`` the mods' ``b`` of batch row ``i``.
+        Positions beyond the arrays (padding) are clamped.
+      heads: static tuple or None: the mods' ``h`` of the call's virtual query head
+        ``i = u * G + g`` is ``heads[i]`` (a slot view's, e.g. a dilated branch,
+        :mod:`dilax.dilated.flex`, or a ring's branch heads); then any view is accepted.
+        None: ``h = i``.
 
     table_block: static ``(q_block, kv_block)`` of the tables when they are not the core's
       blocks (the Pallas kernels read them with their own tiles when these divide them).
@@ -117,7 +150,7 @@ class Mods:
     kv_pos: jax.Array | None = None
     batch: jax.Array | None = None
     table_block: tuple[int, int] | None = _static(default=None)
-    heads: tuple[int, ...] | None = _static(default=None)
+    heads: tuple | None = _static(default=None)
 
     def cotangent(self, grads) -> Mods:
         """The ``custom_vjp`` cotangent: ``grads`` for the float ``score_consts``, None else."""
@@ -143,15 +176,15 @@ def check_view(view, mods: Mods | None = None) -> None:
 def on_block(fn, consts, b, h, q, kv, s=None):
     """``fn`` over the block: ``h (H,)``, ``q (bq,)`` or per head ``(H, bq)``, ``kv (bk,)``
     or per head ``(H, bk)`` -> ``(H, bq, bk)``."""
-    q_head = 0 if jnp.ndim(q) == 2 else None
     per_head = 0 if jnp.ndim(kv) == 2 else None
+    per_head_q = 0 if jnp.ndim(q) == 2 else None
     if s is None:
         f = lambda h, q, kv: fn(consts, b, h, q, kv)  # noqa: E731
-        ax = ((None, None, 0), (None, 0, None), (0, q_head, per_head))
+        ax = ((None, None, 0), (None, 0, None), (0, per_head_q, per_head))
         args = (h, q, kv)
     else:
         f = lambda s, h, q, kv: fn(consts, s, b, h, q, kv)  # noqa: E731
-        ax = ((0, None, None, 0), (0, None, 0, None), (0, 0, q_head, per_head))
+        ax = ((0, None, None, 0), (0, None, 0, None), (0, 0, per_head_q, per_head))
         args = (s, h, q, kv)
     for a in ax:
         f = jax.vmap(f, in_axes=a)
@@ -165,16 +198,15 @@ def _per_head(rows, idx, u0, U, G):
 
 
 def _positions(mods, b, u0, U, G, q_pos, k0, bk, k_offset):
-    if mods.heads is None:
-        h = u0 * G + lax.iota(_I32, U * G)
-    else:  # static: the view's query heads (u0 is static, the loop's head group)
-        h = jnp.asarray(np.asarray(mods.heads, np.int32)[u0 * G:(u0 + U) * G])
+    h = u0 * G + lax.iota(_I32, U * G)
+    if mods.heads is not None:  # the call's heads reordered (e.g. a ring's branch heads)
+        h = jnp.take(jnp.asarray(mods.heads, _I32), h)
     q, kv = q_pos.astype(_I32), k_offset + k0 + lax.iota(_I32, bk)
-    if mods.q_pos is not None:  # the call's positions mapped (clamped past the arrays)
-        if mods.q_pos.ndim == 3:  # per virtual kv head
-            q = _per_head(mods.q_pos[b], q, u0, U, G)
-        else:
-            q = jnp.take(mods.q_pos[b], q, mode="clip")
+    if mods.q_pos is not None and mods.q_pos.ndim == 3:  # per virtual kv head
+        rows = jnp.take(mods.q_pos[b], q, axis=1, mode="clip")  # (1 or U_all, bq)
+        q = rows[0] if rows.shape[0] == 1 else jnp.repeat(rows[u0:u0 + U], G, axis=0)
+    elif mods.q_pos is not None:  # the call's positions mapped (clamped past the arrays)
+        q = jnp.take(mods.q_pos[b], q, mode="clip")
     if mods.kv_pos is not None:
         kv = _per_head(mods.kv_pos[b], kv, u0, U, G)
     b = b if mods.batch is None else mods.batch[b]
@@ -197,8 +229,7 @@ def _masked(mods, mask, pos, U, G, apply_mask):
     if mods.mask is None or not apply_mask:
         return mask
     b, h, q, kv = pos
-    allowed = on_block(mods.mask, mods.mask_consts, b, h, q, kv).reshape(U, G, q.shape[-1],
-                                                                         -1)
+    allowed = on_block(mods.mask, mods.mask_consts, b, h, q, kv).reshape(U, G, q.shape[-1], -1)
     return allowed if mask is None else mask & allowed
 
 
@@ -220,7 +251,9 @@ def scores_vjp(mods, s, mask, b, U, G, q_pos, k0, bk, k_offset, apply_mask=True)
     if mods.score is None and mods.soft_cap is None:
         return s, mask, lambda ds: (ds, ())
     consts = mods.score_consts
-    diff = tuple(c for c in consts if _diff(c))
+    # under shard_map: the consts typed varying outside the vjp, whose transpose would
+    # otherwise psum inside the core's loops (each device's share is summed once, at the end)
+    diff = tuple(varying_like(c, s) for c in consts if _diff(c))
     f = _score_fn(mods, *pos, s.shape)
 
     def g(s, diff):

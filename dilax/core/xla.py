@@ -479,7 +479,8 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
         return (dq, dk_acc, dv_acc, *db, *dc), None
 
     db0 = pairwise.grad_init(mask.bias, B, nk, block_k)
-    (dq, dk, dv, *db), _ = lax.scan(column, (dq0, dk0, dv0, *db0, *MD.grad_init(mods)),
+    (dq, dk, dv, *db), _ = lax.scan(column, (dq0, dk0, dv0, *db0,
+                                               *mark_varying(axes, *MD.grad_init(mods))),
                                     jnp.arange(B * nk, dtype=jnp.int32))
     db, dc = db[:len(db0)], db[len(db0):]
     grads = (dq[:, :Lq].astype(grad_dtype or q.dtype), dk[:, :Lk].astype(grad_dtype or k.dtype),

@@ -179,8 +179,9 @@ def dilated_attention(
         ``"reference"`` raises with the registry's reason), each branch one core call, the
         branches merged outside the fused runner (their outputs are kept for the backward).
         With ``segment_ids`` the mods still see row positions (the documents' segments and
-        offsets are on document positions). Not yet with ``sequence_parallel``
-        (``NotImplementedError``).
+        offsets are on document positions). With ``sequence_parallel``: the document
+        ring on the XLA core (``layout="contiguous"``), ``q_idx``/``kv_idx`` global row
+        positions, closed-over arrays replicated on every device.
       block_mask: a :class:`dilax.flex.BlockMask` for ``(b or 1, h or 1, n, n)``: used as
         the source of its ``mask_mod`` only (when ``mask_mod`` is None); its block tables
         are not used, the branches skip blocks by their own geometry. The result equals the
@@ -207,24 +208,24 @@ def dilated_attention(
         mask=take_attention_mask(attention_mask, mask, "dilated_attention"))
     q, k, v, mask, settings = check_dilated_request(
         q, k, v, settings, empty_batch=sequence_parallel is None,
-        value_dim=sequence_parallel is None, **rows)
+        value_head_dim=sequence_parallel is None, **rows)
     (b, n, h, d), dv = q.shape, v.shape[-1]
     flex = prepare_mods("dilated_attention", b, h, n, n, score_mod=score_mod,
                         mask_mod=mask_mod, block_mask=block_mask, sinks=sinks,
                         logits_soft_cap=logits_soft_cap)
-    if flex is not None and sequence_parallel is not None:
-        raise NotImplementedError(
-            "dilated_attention: score_mod / mask_mod / block_mask / sinks / logits_soft_cap "
-            "are not supported with sequence_parallel yet")
+    if sequence_parallel is not None:
+        check_sharded(q, k.shape[2], mask, settings, sequence_parallel)
+        if mask_mod is None and block_mask is not None:
+            mask_mod = block_mask.mask_mod
+        mods = dict(score_mod=score_mod, mask_mod=mask_mod, sinks=sinks,
+                    logits_soft_cap=logits_soft_cap)  # FlexAttention's: the document ring
+        if mask.segment_ids is not None or flex is not None:
+            return unfold(sharded_documents(q, k, v, mask, settings, sequence_parallel, **mods))
+        return unfold(sharded_dilated(q, k, v, mask, settings, sequence_parallel))
     if flex is not None:  # the registry refuses the cores without the mods hook, by name
         choose(settings.implementation, CoreRequest(
             "dilated_branch", q.dtype, d, settings.is_causal, interpret=settings.interpret,
             value_head_dim=dv, **flex.request_flags))
-    if sequence_parallel is not None:
-        check_sharded(q, k.shape[2], mask, settings, sequence_parallel)
-        if mask.segment_ids is not None:
-            return unfold(sharded_documents(q, k, v, mask, settings, sequence_parallel))
-        return unfold(sharded_dilated(q, k, v, mask, settings, sequence_parallel))
     return unfold(dilated_validated(q, k, v, mask, settings, flex))
 
 

@@ -38,6 +38,7 @@ from dilax import registry
 from dilax.branch.plan import expand_slots, plan_branch, slot_layout, slot_view
 from dilax.core import XLA, BlockSizes, Mask, identity_view, merge_attention_states
 from dilax.dilated.settings import DilatedSettings, settings_from_keywords
+from dilax.flex.api import core_mods, prepare_mods, with_sinks
 from dilax.semantics import branch_heads, effective_segment_length
 
 __all__ = ["KVCache", "dilated_attention_decode"]
@@ -133,10 +134,12 @@ def _head_view(br: _Branch, h: int, hk: int):
     return slot_view(plan, h, hk)
 
 
-def _window_branch(q, kc, vc, pos, br: _Branch, scale):
+def _window_branch(q, kc, vc, pos, br: _Branch, scale, mods=None):
     """Per-query windows: query ``p = pos[i, j]`` reads keys ``p - r*m``, ``m < br.m``, inside
     its segment (or the ``W + 1`` keys ``p - W .. p``). Returns float32 ``out (b, t, H', d)``
-    and ``lse (b, t, H')`` for the branch's heads, ascending."""
+    and ``lse (b, t, H')`` for the branch's heads, ascending. ``mods``: score / mask mods
+    (:class:`dilax.core.mods.Mods`, every head) at the query's and the cache slots'
+    positions, or None."""
     b, t, h, d = q.shape
     hk = kc.shape[2]
     view = _head_view(br, h, hk)
@@ -153,7 +156,11 @@ def _window_branch(q, kc, vc, pos, br: _Branch, scale):
         else:  # keys of p's segment: m <= (p % w) // r
             kv_len = (pb % br.w) // br.r + 1
         B = b * qb.shape[1]
-        mask = Mask(kv_len=jnp.broadcast_to(kv_len.reshape(B, 1), (B, len(view.kv_index))))
+        mods_b = None if mods is None else dataclasses.replace(  # positions, not slots
+            mods, q_pos=pb.reshape(B, 1), kv_pos=jnp.clip(idx, 0, None).reshape(B, 1, br.m),
+            batch=jnp.repeat(jnp.arange(b, dtype=jnp.int32), qb.shape[1]))
+        mask = Mask(kv_len=jnp.broadcast_to(kv_len.reshape(B, 1), (B, len(view.kv_index))),
+                    mods=mods_b)
         out, lse = XLA.forward(
             qb.reshape(B, 1, h, d), kw.reshape(B, br.m, hk, d), vw.reshape(B, br.m, hk, d),
             view=view, mask=mask, scale=scale,
@@ -210,13 +217,16 @@ def _selected(pos, br: _Branch):
     return (pos[..., None] % br.r) == offsets[None, None]
 
 
-def _xla_branches(q, kc, vc, lengths, pos, branches, mode: str, scale: float):
-    """Every branch on the XLA core, merged: ``(b, t, h, d)`` float32."""
+def _xla_branches(q, kc, vc, lengths, pos, branches, mode: str, scale: float, mods=None,
+                  sinks=None):
+    """Every branch on the XLA core, merged: ``(b, t, h, d)`` float32. With ``mods``
+    (mixture) every branch reads per-query windows; ``sinks (h,)``: one more logit per head
+    in the merged denominator."""
     t = q.shape[1]
     outs, lses = [], []
     for br in branches:
-        if br.w is None or t <= -(-(br.w - 1 + t) // br.w) * br.r:
-            out, lse = _window_branch(q, kc, vc, pos, br, scale)
+        if br.w is None or mods is not None or t <= -(-(br.w - 1 + t) // br.w) * br.r:
+            out, lse = _window_branch(q, kc, vc, pos, br, scale, mods)
         else:
             out, lse = _segment_branch(q, kc, vc, lengths, br, scale)
         if br.w is not None:  # a query off the branch's offset class gets nothing from it
@@ -229,7 +239,7 @@ def _xla_branches(q, kc, vc, lengths, pos, branches, mode: str, scale: float):
         out, lse = outs[0], lses[0]
         for o, s in zip(outs[1:], lses[1:]):
             out, lse = merge_attention_states(out, lse, o, s)
-        return out
+        return out if sinks is None else with_sinks(out, lse, sinks, _F32)[0]
     # head groups side by side, each divided by the number of branches
     return jnp.concatenate(outs, axis=2) / len(branches)
 
@@ -250,7 +260,8 @@ def _pallas_branches(q, kc, vc, pos, branches, mode: str, scale: float, interpre
 
 
 @functools.partial(jax.jit, static_argnames=("settings",))
-def _decode(q, k, v, cache: KVCache, new_lengths, settings: DilatedSettings):
+def _decode(q, k, v, cache: KVCache, new_lengths, settings: DilatedSettings, mods=None,
+            sinks=None):
     b, t, h, d = q.shape
     branches = _branches(h, settings, cache.max_len)
     scale = settings.scale_for(d)
@@ -265,7 +276,8 @@ def _decode(q, k, v, cache: KVCache, new_lengths, settings: DilatedSettings):
         out = _pallas_branches(q, kc, vc, pos, branches, settings.mode, scale,
                                settings.interpret)
     else:
-        out = _xla_branches(q, kc, vc, lengths, pos, branches, settings.mode, scale)
+        out = _xla_branches(q, kc, vc, lengths, pos, branches, settings.mode, scale, mods,
+                            sinks)
     # Padded new positions: output 0 and the row advances by its own count. Their keys were
     # written past the new length, where they are never read (causal: no valid query of this
     # chunk attends a later position) and get overwritten by the next call.
@@ -326,6 +338,10 @@ def dilated_attention_decode(
     query_seq_lengths: jax.Array | None = None,
     interpret: bool = False,
     settings: DilatedSettings | None = None,
+    score_mod=None,
+    mask_mod=None,
+    sinks: jax.Array | None = None,
+    logits_soft_cap: float | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Causal dilated attention of the next ``t`` positions of every row, with a KV cache.
 
@@ -370,6 +386,14 @@ def dilated_attention_decode(
       settings: a :class:`dilax.DilatedSettings` holding the whole configuration (then
         ``segment_lengths`` ... ``implementation`` and ``interpret`` must be left out). A
         decode step is causal whatever its ``is_causal``; its ``block_sizes`` are not used.
+      score_mod, mask_mod, sinks, logits_soft_cap: FlexAttention's options
+        (docs/semantics.md, "Custom scores and masks"), exactly as
+        :func:`dilax.dilated_attention` over the whole sequence: ``q_idx`` is the new
+        token's position (``cache.lengths[i] + j``), ``kv_idx`` the cache slot's position,
+        ``b`` the batch row; each branch counts a pair iff it AND ``mask_mod`` allow it;
+        ``sinks (h,)`` add one logit per head to the merged denominator. XLA core only
+        (``"pallas"`` refuses them with :mod:`dilax.registry`'s reason), ``mode="mixture"``;
+        every branch then reads per-query windows (a chunk of ``t`` costs ``t`` windows).
 
     Returns:
       ``(out, cache)``: ``out (b, t, h, d)`` in ``q.dtype`` and the cache with the new
@@ -395,13 +419,23 @@ def dilated_attention_decode(
     new_lengths = V.check_seq_lengths(query_seq_lengths, "query_seq_lengths", q.shape[0],
                                       q.shape[1])
     # the registry says which core serves a decode step; an explicit one that cannot raises
+    flex = prepare_mods("dilated_attention_decode", q.shape[0], q.shape[2], q.shape[1],
+                        getattr(getattr(cache, "k", None), "shape", (0, 0))[1],
+                        score_mod=score_mod, mask_mod=mask_mod, sinks=sinks,
+                        logits_soft_cap=logits_soft_cap)
+    if flex is not None and settings.mode != "mixture":
+        raise ValueError("dilated_attention_decode: score_mod / mask_mod / sinks / "
+                         "logits_soft_cap need mode='mixture' (grouped: not yet)")
     name, _ = registry.choose(settings.implementation, registry.CoreRequest(
         "decode", q.dtype, q.shape[3], True, has_window=settings.local_window is not None,
-        has_lengths=new_lengths is not None, interpret=settings.interpret))
+        has_lengths=new_lengths is not None, interpret=settings.interpret,
+        **({} if flex is None else flex.request_flags)))
     cache = _check_cache(cache, k)
     if q.shape[0] == 0:  # an empty batch: nothing to attend, nothing to write
         return V.empty_batch(q, v), cache
     settings = settings.causal()
     if name != settings.implementation:  # implementation=None: the step's core, resolved
         settings = settings.replace(implementation=name)
-    return _decode(q, k, v, cache, new_lengths, settings)
+    if flex is None:
+        return _decode(q, k, v, cache, new_lengths, settings)
+    return _decode(q, k, v, cache, new_lengths, settings, core_mods(flex), flex.sinks)

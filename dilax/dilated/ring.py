@@ -65,6 +65,7 @@ from dilax.core import BlockSizes, Core
 from dilax.dilated.ring_branches import WindowBranch, branch_op, chunk_starts, is_local
 from dilax.dilated.ring_documents import document_core, ring_documents_core
 from dilax.dilated.settings import DilatedSettings, check_dilated_request, settings_from_keywords
+from dilax.flex.api import core_mods, prepare_mods
 from dilax.sp.config import SequenceParallel
 from dilax.sp.layout import check_layout, relayout
 from dilax.sp.mesh import axis_size, check_sharded_shape, shard_sequence
@@ -92,6 +93,10 @@ def ring_dilated_attention(
     attention_mask: AttentionMask | None = None,
     segment_ids: jax.Array | None = None,
     mask: AttentionMask | None = None,
+    score_mod=None,
+    mask_mod=None,
+    sinks: jax.Array | None = None,
+    logits_soft_cap: float | None = None,
 ) -> jax.Array:
     """Dilated attention on a sequence sharded over mesh axis ``axis_name`` (per-device view).
 
@@ -131,6 +136,14 @@ def ring_dilated_attention(
         (``ValueError``): pass ``key_value_seq_lengths``, or ``segment_ids`` for documents.
       mask: the deprecated spelling of ``attention_mask`` (warns).
         ``settings.implementation`` / ``interpret`` pick the cores (:func:`ring_cores`).
+      score_mod, mask_mod, sinks, logits_soft_cap: FlexAttention's options
+        (docs/semantics.md, "Custom scores and masks"): ``q_idx``, ``kv_idx`` are GLOBAL row
+        positions on every device and ``b`` the local batch row; arrays the mods close over
+        must hold what the mods index by global position on every device (e.g. the global
+        document ids, replicated), and gradients into closed-over float arrays are summed
+        over ``axis_name``. They run on the document ring
+        (:mod:`dilax.dilated.ring_documents`, XLA core, ``layout="contiguous"``; the Pallas
+        hops refuse them with :mod:`dilax.registry`'s reason).
 
     Returns:
       The local shard of the output, ``(b, n/P, h, d)`` in ``q.dtype``.
@@ -157,13 +170,19 @@ def ring_dilated_attention(
         key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids)
     _check_ring(q.shape, k.shape[2], mask, settings, P, layout, q.dtype, per_device=True,
                 seq_axis=axis_name)
-    if mask.segment_ids is not None:  # packed documents: the whole-mesh call's document ring
+    flex = prepare_mods("ring_dilated_attention", q.shape[0], q.shape[2], P * q.shape[1],
+                        P * q.shape[1], score_mod=score_mod, mask_mod=mask_mod, sinks=sinks,
+                        logits_soft_cap=logits_soft_cap)
+    if mask.segment_ids is not None or flex is not None:  # the whole-mesh call's document ring
         if layout != "contiguous":
-            raise ValueError(f"segment_ids on the ring need layout='contiguous', got "
-                             f"{layout!r}")
+            what = "segment_ids" if flex is None else "score_mod / mask_mod / sinks / soft-cap"
+            raise ValueError(f"{what} on the ring need layout='contiguous' (the document "
+                             f"ring), got {layout!r}")
+        flags = None if flex is None else tuple(sorted(flex.request_flags.items()))
         return ring_documents_core(q, k, v, mask.segment_ids, mask, settings,
                                    axis_name=axis_name,
-                                   core=document_core(settings, q.dtype, q.shape[3]))
+                                   core=document_core(settings, q.dtype, q.shape[3], flags),
+                                   mods=core_mods(flex), sinks=flex and flex.sinks)
     cores = ring_cores(settings, mask, q.dtype, q.shape[3])
     if not _vma_free(cores) and varying_axes(q, k, v):
         raise ValueError(

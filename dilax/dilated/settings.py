@@ -133,7 +133,7 @@ _MASK_KEYWORDS = ("query_seq_lengths", "key_value_seq_lengths", "key_padding_mas
 
 def check_dilated_request(q: Any, k: Any, v: Any, settings: DilatedSettings,
                           mask: AttentionMask | None = None, *, num_shards: int = 1,
-                          empty_batch: bool = False, value_dim: bool = False,
+                          empty_batch: bool = False, value_head_dim: bool = False,
                           **mask_keywords: Any
                           ) -> tuple[jax.Array, jax.Array, jax.Array, AttentionMask,
                                      DilatedSettings]:
@@ -143,14 +143,14 @@ def check_dilated_request(q: Any, k: Any, v: Any, settings: DilatedSettings,
     ``mask`` (then the keywords must be ``None``). ``num_shards``: ``P`` when ``q`` is one
     of ``P`` sequence shards (the mask's lengths are global positions, ``<= P n/P``).
     ``empty_batch``: accept ``b = 0`` (the single-device op returns an empty result);
-    ``value_dim``: accept ``v (b, n, hk, dv)`` with ``dv != d``.
+    ``value_head_dim``: accept ``v (b, n, hk, dv)`` with ``dv != d``.
 
     Returns ``(q, k, v, mask, settings)`` with ``mask.is_causal == settings.is_causal`` (the
     causal flag of either)."""
     if not isinstance(settings, DilatedSettings):
         raise TypeError(f"settings must be a dilax.DilatedSettings, got "
                         f"{type(settings).__name__}")
-    q, k, v = V.check_qkv(q, k, v, empty_batch=empty_batch, value_dim=value_dim)
+    q, k, v = V.check_qkv(q, k, v, empty_batch=empty_batch, value_head_dim=value_head_dim)
     V.check_mode(settings.mode, q.shape[2], len(settings.segment_lengths))
     warn_uncovered_offsets(q.shape[2], settings.segment_lengths, settings.dilation_rates,
                            settings.mode)

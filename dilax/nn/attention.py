@@ -136,13 +136,13 @@ class DilatedAttention(nnx.Module):
 
     @property
     def has_flex_options(self) -> bool:
-        """Whether a score_mod, mask_mod or soft-cap is set (decoding has none yet)."""
+        """Whether a score_mod, mask_mod or soft-cap is set."""
         return (self.score_mod, self.mask_mod, self.logits_soft_cap) != (None,) * 3
 
     # --- KV-cache decoding -------------------------------------------------------------
 
-    def decode(self, q: jax.Array, k: jax.Array, v: jax.Array,
-               cache: KVCache) -> tuple[jax.Array, KVCache]:
+    def decode(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
+               sinks: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """Causal attention of the next ``t`` positions with a KV cache
         (:func:`dilax.dilated_attention_decode` with this module's configuration).
 
@@ -153,12 +153,12 @@ class DilatedAttention(nnx.Module):
         if self.sequence_parallel is not None:
             raise ValueError("KV-cache decoding runs on one device; this DilatedAttention "
                              "has sequence_parallel set")
-        if self.has_flex_options:
-            raise NotImplementedError("KV-cache decoding with score_mod / mask_mod / "
-                                      "logits_soft_cap is not implemented yet")
+        flex = dict(score_mod=self.score_mod, mask_mod=self.mask_mod, sinks=sinks,
+                    logits_soft_cap=self.logits_soft_cap)  # mixture mode, XLA (decode's rule)
         return dilated_attention_decode(
             q, k, v, cache, self.segment_lengths, self.dilation_rates, mode=self.mode,
-            scale=self.scale, local_window=self.local_window)
+            scale=self.scale, local_window=self.local_window,
+            **{n: x for n, x in flex.items() if x is not None})
 
 
 class MultiheadDilatedAttention(nnx.Module):
@@ -186,7 +186,7 @@ class MultiheadDilatedAttention(nnx.Module):
       learnable_sinks: one learnable sink logit per query head, ``self.sinks``, an
         ``nnx.Param`` ``(num_heads,)`` in ``param_dtype`` initialized to 0 (one extra logit
         with no value in every softmax denominator, :func:`dilax.dilated_attention`'s
-        ``sinks``); not with :meth:`decode` yet.
+        ``sinks``), in :meth:`decode` too.
       dtype: compute dtype (``None``: from inputs and params); param_dtype: parameter dtype.
       keep_rngs: keep a forked ``dropout`` stream of ``rngs`` for dropout (only if
         ``dropout > 0``); with ``False`` pass ``rngs`` at call time.
@@ -298,9 +298,6 @@ class MultiheadDilatedAttention(nnx.Module):
         ``self(query_all, key_all, value_all, is_causal=True)`` at those positions, where
         ``*_all`` is everything written to ``cache`` so far. See
         :func:`dilax.dilated_attention_decode` (cost, in-place update under ``jax.jit``)."""
-        if self.sinks is not None:
-            raise NotImplementedError("KV-cache decoding with learnable_sinks is not "
-                                      "implemented yet")
         q, k, v = project_qkv(self, query, key, value)
-        out, cache = self.attention.decode(q, k, v, cache)
+        out, cache = self.attention.decode(q, k, v, cache, sinks=sink_logits(self))
         return output_projection(self, out.reshape(query.shape)), cache

@@ -64,12 +64,14 @@ def check_sharded_shape(q: jax.Array, mesh: Mesh, seq_axis, batch_axis) -> int:
 
 
 def shard_sequence(body: Callable, mesh: Mesh, seq_axis, batch_axis, q, k, v,
-                   *per_row, per_position: tuple = (), check_vma: bool = True) -> jax.Array:
+                   *per_row, per_position: tuple = (), check_vma: bool = True,
+                   replicated: tuple = ()) -> jax.Array:
     """``jax.shard_map(body)`` with the batch of ``q, k, v`` and the output over
     ``batch_axis`` and their sequence over ``seq_axis``. ``per_row``: extra ``(b,)`` arrays
     (e.g. valid lengths), sharded over ``batch_axis`` only (``None`` passes through).
     ``per_position``: ``(b, n)`` arrays (e.g. document ids) sharded like ``q``'s first two
-    axes, passed to ``body`` right after ``q, k, v``.
+    axes, passed to ``body`` right after ``q, k, v``. ``replicated``: pytrees every device
+    receives whole (e.g. the arrays score / mask mods close over, sinks), passed last.
 
     shard_map's default checks (``check_vma=True``): every loop carry and ``cond`` of the core
     and the rings is typed as device-varying. ``check_vma=False`` for bodies that run Pallas
@@ -86,7 +88,12 @@ def shard_sequence(body: Callable, mesh: Mesh, seq_axis, batch_axis, q, k, v,
         per_row = tuple(None if x is None else
                         jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec(batch_axis)))
                         for x in per_row)
+        replicated = jax.tree.map(lambda x: jax.sharding.reshard(
+            x, NamedSharding(mesh, PartitionSpec())), replicated)
     row_specs = tuple(None if x is None else PartitionSpec(batch_axis) for x in per_row)
     pos_specs = (spec,) * len(per_position)
-    return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, *pos_specs, *row_specs),
-                         out_specs=spec, check_vma=check_vma)(q, k, v, *per_position, *per_row)
+    rep_specs = (PartitionSpec(),) * len(replicated)
+    return jax.shard_map(body, mesh=mesh,
+                         in_specs=(spec, spec, spec, *pos_specs, *row_specs, *rep_specs),
+                         out_specs=spec, check_vma=check_vma)(q, k, v, *per_position,
+                                                              *per_row, *replicated)
