@@ -49,12 +49,12 @@ from dilax.batch_dims import fold_batch_dims
 from dilax.block_sparse.ring_sharded import check_sharded_block_sparse, sharded_block_sparse
 from dilax.block_sparse.tables import check_pattern, head_layout, sparse_attention_tables
 from dilax.core import Mask, attention, identity_view
+from dilax.core.arrays import cdiv
 from dilax.core.block_sparse import BlockSparsePallasCore
 from dilax.flex.api import core_mods, prepare_mods, with_sinks
 from dilax.patterns import BlockSparsePattern, mask_tables
 from dilax.reference import length_mask, masked_attention
 from dilax.sp.config import SequenceParallel, check_sequence_parallel
-from dilax.utils import cdiv
 
 # -- static plans -------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from jax import lax
 from dilax import _validation as V
 from dilax.batch_dims import fold_batch_dims
 from dilax.block_sparse.api import attend_tables, pad_seq
-from dilax.utils import cdiv
+from dilax.core.arrays import cdiv
 
 
 def _check_top_k(block_size, top_k, n) -> tuple[int, int]:

@@ -70,17 +70,17 @@ from dilax.block_sparse.tables import (
 from dilax.branch.plan import BranchPlan, plan_branch
 from dilax.branch.runner import attend_branches
 from dilax.core import XLA, BlockSizes, Core, Mask, SlotView, identity_view, merge_attention_states
-from dilax.flex.api import core_mods, prepare_mods, with_sinks
-from dilax.patterns import BlockSparsePattern
-from dilax.sp.documents import global_document_bounds
-from dilax.sp.mesh import axis_size
-from dilax.sp.ring_vjp import backward_streams, stream_loop
-from dilax.utils import (
+from dilax.core.arrays import (
     dynamic_slice_in_dim,
     dynamic_update_slice_in_dim,
     varying_axes,
     varying_like,
 )
+from dilax.flex.api import core_mods, prepare_mods, with_sinks
+from dilax.patterns import BlockSparsePattern
+from dilax.sp.documents import global_document_bounds
+from dilax.sp.mesh import axis_size
+from dilax.sp.ring_vjp import backward_streams, stream_loop
 
 _F32 = jnp.float32
 

@@ -112,7 +112,7 @@ def hop_request(dtype, head_dim: int, is_causal: bool, lengths: bool, block_size
                 interpret=False, documents: bool = False, flags=()) -> registry.CoreRequest:
     """The registry request of the block-sparse ring's hops (``"ring_hop"`` with the
     pattern's ``block_size``: the block-sparse kernel's rules, :mod:`dilax.registry`);
-    ``flags``: the items of :attr:`dilax.flex.FlexMods.request_flags` (mods, sinks)."""
+    ``flags``: the items of :attr:`dilax.flex.api.FlexMods.request_flags` (mods, sinks)."""
     return registry.CoreRequest("ring_hop", dtype, head_dim, bool(is_causal),
                                 has_lengths=bool(lengths), interpret=bool(interpret),
                                 block_size=int(block_size), has_documents=bool(documents),

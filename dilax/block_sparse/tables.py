@@ -18,8 +18,8 @@ import numpy as np
 from jax import lax
 
 from dilax.core import BlockSizes, attention_core, merge_attention_states
+from dilax.core.arrays import cdiv
 from dilax.patterns import BlockSparsePattern
-from dilax.utils import cdiv
 
 # The one row budget of the gathered block-sparse paths, one device and ring: bytes of the
 # key/value blocks one step of query blocks may gather (:func:`rows_per_step`).

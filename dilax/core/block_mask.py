@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dilax.core import pairwise
-from dilax.utils import cdiv
+from dilax.core.arrays import cdiv
 
 
 def block_mask(k_start, block_k, kv_len, q_pos, k_offset, is_causal, q_valid=None, window=None,

@@ -25,12 +25,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from dilax.core import pairwise, xla
+from dilax.core.arrays import output_delta, varying_axes  # delta: rowsum(dO * O) - dlse, float32
 from dilax.core.blocks import BlockSizes, default_block_sizes
 from dilax.core.mask import Mask
 from dilax.core.mods import Mods, check_view, grad_result
 from dilax.core.ordering import when
 from dilax.core.view import SlotView, identity_view
-from dilax.utils import output_delta, varying_axes  # delta: rowsum(dO * O) - dlse, float32
 
 _F32 = jnp.float32
 

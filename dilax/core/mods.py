@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 
-from dilax.utils import varying_axes, varying_like
+from dilax.core.arrays import varying_axes, varying_like
 
 _F32 = jnp.float32
 _I32 = jnp.int32

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dilax.utils import mark_varying
+from dilax.core.arrays import mark_varying
 
 
 def fence_after(x: jax.Array) -> jax.Array:

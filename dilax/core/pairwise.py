@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dilax.utils import dynamic_slice, dynamic_update_slice
+from dilax.core.arrays import dynamic_slice, dynamic_update_slice
 
 _F32 = jnp.float32
 

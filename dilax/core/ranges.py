@@ -14,8 +14,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from dilax.core.arrays import cdiv, dynamic_slice
 from dilax.core.block_mask import block_floor
-from dilax.utils import cdiv, dynamic_slice
 
 EMPTY = jnp.iinfo(jnp.int32).max // 2  # the lower end of an empty range
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dilax.utils import dynamic_slice
+from dilax.core.arrays import dynamic_slice
 
 
 def heads_of(index, num_heads: int, groups: int | None = None) -> np.ndarray:

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dilax.core.arrays import div_rem, dynamic_slice, dynamic_update_slice
 from dilax.core.ranges import within
-from dilax.utils import div_rem, dynamic_slice, dynamic_update_slice
 
 _F32 = jnp.float32
 

@@ -19,6 +19,14 @@ from dilax.core import pairwise
 from dilax.core import ranges as RG
 from dilax.core import rows as R
 from dilax.core import tiles as TL
+from dilax.core.arrays import (
+    cdiv,
+    div_rem,
+    dynamic_slice,
+    dynamic_update_slice,
+    mark_varying,
+    varying_axes,
+)
 from dilax.core.block_mask import (
     block_mask,
     key_blocks,
@@ -29,14 +37,6 @@ from dilax.core.block_mask import (
 from dilax.core.blocks import BlockSizes
 from dilax.core.mask import Mask
 from dilax.core.view import SlotView, static_take
-from dilax.utils import (
-    cdiv,
-    div_rem,
-    dynamic_slice,
-    dynamic_update_slice,
-    mark_varying,
-    varying_axes,
-)
 
 _F32 = jnp.float32
 

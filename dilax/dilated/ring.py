@@ -62,6 +62,7 @@ from dilax.attention_mask import AttentionMask, take_attention_mask
 from dilax.branch.plan import dilated_branches, window_plan
 from dilax.branch.runner import attend_branches
 from dilax.core import BlockSizes, Core
+from dilax.core.arrays import varying_axes
 from dilax.dilated.ring_branches import WindowBranch, branch_op, chunk_starts, is_local
 from dilax.dilated.ring_documents import document_core, ring_documents_core
 from dilax.dilated.settings import DilatedSettings, check_dilated_request, settings_from_keywords
@@ -70,7 +71,6 @@ from dilax.sp.config import SequenceParallel
 from dilax.sp.layout import check_layout, relayout
 from dilax.sp.mesh import axis_size, check_sharded_shape, shard_sequence
 from dilax.sp.ring_vjp import RING_BLOCKS
-from dilax.utils import varying_axes
 
 
 def ring_dilated_attention(

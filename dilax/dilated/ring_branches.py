@@ -25,6 +25,7 @@ from dilax.branch.plan import BranchPlan, slot_view
 from dilax.branch.plan import plan_branch as _plan_branch
 from dilax.branch.runner import CoreBranch
 from dilax.core import XLA, BlockSizes, Core, Mask, attention, identity_view, static_take
+from dilax.core.arrays import dynamic_slice_in_dim, dynamic_update_slice_in_dim, varying_like
 from dilax.dilated.ring_dilate import dilate, undilate, valid_rows
 from dilax.sp.layout import lookup, vblock, vshift
 from dilax.sp.ring_vjp import (
@@ -36,7 +37,6 @@ from dilax.sp.ring_vjp import (
     ring_forward,
 )
 from dilax.sp.schedule import Geometry, geometry, ring_streams
-from dilax.utils import dynamic_slice_in_dim, dynamic_update_slice_in_dim, varying_like
 
 _F32 = jnp.float32
 

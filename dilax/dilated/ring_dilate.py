@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from dilax.branch.plan import BranchPlan, merge_slots, split_slots
+from dilax.core.arrays import dynamic_slice_in_dim, dynamic_update_slice_in_dim
 from dilax.sp.layout import lookup, vshift
 from dilax.sp.schedule import Geometry
-from dilax.utils import dynamic_slice_in_dim, dynamic_update_slice_in_dim
 
 
 def _ctx_rows(geo: Geometry) -> int:

@@ -31,6 +31,7 @@ from dilax.attention_mask import AttentionMask
 from dilax.branch.plan import dilated_branches, window_plan
 from dilax.branch.runner import attend_branches
 from dilax.core import Mask, merge_attention_states
+from dilax.core.arrays import cdiv, varying_like
 from dilax.dilated.documents import (
     EMPTY_RANGE,
     DocumentBranch,
@@ -43,7 +44,6 @@ from dilax.registry import CoreRequest, select
 from dilax.sp.config import SequenceParallel
 from dilax.sp.documents import global_document_bounds
 from dilax.sp.mesh import shard_sequence
-from dilax.utils import cdiv, varying_like
 
 __all__ = ["document_core", "global_document_bounds", "ring_documents_core",
            "sharded_documents"]
@@ -239,7 +239,7 @@ def document_core(settings: DilatedSettings, dtype, head_dim: int, flags=None):
     """The core of the document ring's hops, as :mod:`dilax.registry` picks it for
     ``settings.implementation`` (the XLA core: the kernels have no per-row key ranges nor
     mods; an explicit other name raises ``ValueError`` with the reason). ``flags``: the
-    items of :attr:`dilax.flex.FlexMods.request_flags`, or None."""
+    items of :attr:`dilax.flex.api.FlexMods.request_flags`, or None."""
     return select(settings.implementation, CoreRequest(
         "ring_hop", dtype, head_dim, settings.is_causal, has_documents=True,
         interpret=settings.interpret, **dict(flags or ())))

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dilax.core.arrays import cdiv
 from dilax.core.mods import on_block, trace_mod
-from dilax.utils import cdiv
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 # elements of the mask_mod evaluated per step of the classification

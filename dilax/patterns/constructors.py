@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 
 from dilax import _validation as V
+from dilax.core.arrays import cdiv
 from dilax.patterns.pattern import BlockSparsePattern, from_mask, positive_int
 from dilax.semantics import branch_heads
-from dilax.utils import cdiv
 
 # -- validation helpers -------------------------------------------------------------------
 

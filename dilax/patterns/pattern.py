@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from dilax import _validation as V
-from dilax.utils import cdiv
+from dilax.core.arrays import cdiv
 
 
 def _readonly(x: np.ndarray) -> np.ndarray:

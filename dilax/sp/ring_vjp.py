@@ -42,10 +42,10 @@ from dilax.core import (
     identity_view,
     merge_attention_states,
 )
+from dilax.core.arrays import dynamic_slice_in_dim, dynamic_update_slice_in_dim, varying_like
 from dilax.core.view import SplitView
 from dilax.sp.layout import lookup
 from dilax.sp.schedule import Geometry, Stream
-from dilax.utils import dynamic_slice_in_dim, dynamic_update_slice_in_dim, varying_like
 
 _F32 = jnp.float32
 

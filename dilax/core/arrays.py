@@ -1,8 +1,8 @@
-"""Small helpers every layer of dilax shares: ceiling division, the device-varying type of
-values under ``shard_map``, the backward's row term, dynamic slices of nonnegative starts.
-Internal: not part of the public API.
+"""The core's array helpers, shared by every layer above it: ceiling division, the
+device-varying type of values under ``shard_map``, the backward's row term, dynamic slices of
+nonnegative starts. Internal: not part of the public API.
 
-Imports nothing of dilax (it sits beside :mod:`dilax.semantics` at the bottom).
+Imports nothing of dilax (with it, :mod:`dilax.core` imports nothing outside itself).
 """
 
 from __future__ import annotations
