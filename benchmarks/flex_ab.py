@@ -96,24 +96,28 @@ def programs(fn, args: tuple, ct) -> dict[str, tuple]:
     return out
 
 
-def call_seconds(compiled, args: tuple) -> float:
-    """Wall seconds of one call (blocked on)."""
-    t0 = time.perf_counter()
+def call_seconds(compiled, args: tuple) -> tuple[float, float]:
+    """``(wall, cpu)`` seconds of one call (blocked on); ``cpu``: this process's CPU time
+    (all its threads), less sensitive than the wall time to other processes on the machine."""
+    t0, c0 = time.perf_counter(), time.process_time()
     jax.block_until_ready(compiled(*args))
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
-def worker(n: int, rows: list[str]) -> None:
-    """Compile the built-in ``rows`` (names of :data:`BUILTIN`) at ``n``, warm each up,
+def worker(n: int, warmup: int, rows: list[str]) -> None:
+    """Compile the built-in ``rows`` (names of :data:`BUILTIN`) at ``n``, call each
+    ``warmup`` times,
     print ``{"dilax": path, "memory": [[row, pass, bytes and HLO digest], ...]}``, then
-    answer ``{"row": ..., "pass": ...}`` lines with ``{"seconds": ...}`` (one call each)."""
+    answer ``{"row": ..., "pass": ...}`` lines with ``{"seconds": wall, "cpu": cpu}`` (one
+    call each)."""
     x = inputs(n)
     progs = {}
     for row in rows:
         fn, names = BUILTIN[row]
         args = tuple(x[a] for a in names)
         for pas, (c, mem) in programs(fn, args, x["ct"]).items():
-            jax.block_until_ready(c(*args))  # warm-up
+            for _ in range(warmup):
+                jax.block_until_ready(c(*args))
             progs[row, pas] = (c, args, mem)
     import dilax
 
@@ -122,8 +126,8 @@ def worker(n: int, rows: list[str]) -> None:
     for line in sys.stdin:
         req = json.loads(line)
         c, args, _ = progs[req["row"], req["pass"]]
-        print(json.dumps({"seconds": call_seconds(c, args)}), flush=True)
+        print(json.dumps(dict(zip(("seconds", "cpu"), call_seconds(c, args)))), flush=True)
 
 
 if __name__ == "__main__":
-    worker(int(sys.argv[1]), sys.argv[2:] or list(BUILTIN))
+    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:] or list(BUILTIN))

@@ -36,6 +36,10 @@ def _check_ratio(new, base):
     per = [a / b for a, b in zip(new["ms"], base["ms"], strict=True)]
     assert new["ratio"] == pytest.approx(new["ms_median"] / base["ms_median"], rel=1e-12)
     assert (new["ratio_min"], new["ratio_max"]) == pytest.approx((min(per), max(per)))
+    for x in (new, base):
+        assert x["cpu_ms_median"] == statistics.median(x["cpu_ms"]) > 0
+    assert new["cpu_ratio"] == pytest.approx(new["cpu_ms_median"] / base["cpu_ms_median"],
+                                             rel=1e-12)
 
 
 def test_rows_ratios_are_medians_of_their_own_timings(result):
@@ -55,7 +59,8 @@ def test_rows_ratios_are_medians_of_their_own_timings(result):
         assert new["vs"] == base["row"] and "ratio" not in base
         _check_ratio(new, base)
         key = f"documents, causal: {new['row']} / {base['row']}, {p}"
-        assert res["summary"][key] == dict(ratio=round(new["ratio"], 3), target=1.15,
+        assert res["summary"][key] == dict(ratio=round(new["ratio"], 3),
+                                           cpu_ratio=round(new["cpu_ratio"], 3), target=1.15,
                                            ok=new["ratio"] <= 1.15)
         assert f"| {new['ratio']:.3f} (" in md
     assert "Load average before / after" in md and res["load_before"]["loadavg"]
@@ -67,8 +72,8 @@ def test_ab_of_a_checkout_against_itself(result):
                                                             ("plain causal", "fwd+bwd")]
     for r in res["ab"]:
         assert len(r["base"]["ms"]) == len(r["new"]["ms"]) == 2
-        _check_ratio(r["new"] | {"ratio": r["ratio"], "ratio_min": r["ratio_min"],
-                                 "ratio_max": r["ratio_max"]}, r["base"])
+        _check_ratio(r["new"] | {k: r[k] for k in ("ratio", "ratio_min", "ratio_max",
+                                                    "cpu_ratio")}, r["base"])
         # both workers imported this checkout: the same program, hence the same memory
         assert r["dilax_base"] == r["dilax_new"] == str(ROOT / "dilax" / "__init__.py")
         assert r["same_hlo"] and r["memory_equal"] and r["memory_base"]["temp"] > 0
