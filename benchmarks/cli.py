@@ -276,7 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
                "(needs jax[cuda12], see `make gpu-check`). `python -m benchmarks gpu --help`: "
                "checks and timings on the GPU at hand (benchmarks/gpu.py). "
                "`python -m benchmarks quality --help`: does dilated attention learn long "
-               "context? Small LMs that differ only in attention (docs/quality.md). Every "
+               "context? Small LMs that differ only in attention (docs/quality.md). "
+               "`python -m benchmarks flex --help`: what score_mod, mask_mod, block masks and "
+               "the soft-cap cost next to the built-in paths (benchmarks/flex.py). Every "
                "command but gpu-compile uses the persistent compilation cache "
                "(dilax.compile_cache: ~/.cache/dilax/jax); --no-compile-cache after the command "
                "turns it off (compile time is never part of a measured time).")
@@ -300,6 +302,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from benchmarks import gpu
 
         return gpu.main(argv[1:])
+    if argv[:1] == ["flex"]:  # its own flags (benchmarks/flex.py)
+        from benchmarks import flex
+
+        return flex.main(argv[1:])
     if argv[:1] == ["quality"]:  # its own flags (benchmarks/quality.py)
         from benchmarks import quality
 
