@@ -163,6 +163,22 @@ def online_softmax(q, q_pos, k_ref, v_ref, *, segments, kv_len, k_offset, scale,
     return out, lse
 
 
+def _backward_logits(s, mods, grads, masked, q_pos, k_idx, kv_len, k_offset, is_causal,
+                     window, k_valid):
+    """A backward tile's recomputed logits ``(s, pull, vis)``: the mods' scores and their
+    vjp ``pull`` (None without mods), then the tile's mask ``vis`` (None unless ``masked``;
+    ``masked is WHOLE``: inside the mask_mod, which is then not evaluated)."""
+    pull = allowed = vis = None
+    if mods is not None:
+        qp, kp = q_pos[:, None], (k_offset + k_idx)[None, :]
+        s, pull = mods.scores_vjp(s, qp, kp, grads)
+        allowed = None if masked is WHOLE else mods.allowed(qp, kp)
+    if masked:
+        vis = _visible(q_pos, k_idx, kv_len, k_offset, is_causal, window, k_valid, allowed)
+        s = jnp.where(vis, s, _NEG_INF)
+    return s, pull, vis
+
+
 def dq_loop(q, do, lse, delta, q_pos, k_ref, v_ref, *, segments, kv_len, k_offset, scale,
             is_causal, block_k, window=None, kv_valid_ref=None, mods=None):
     """dq of one query tile: ``sum_j ds_j @ k_j * scale`` over the key tiles of ``segments``
@@ -185,16 +201,11 @@ def dq_loop(q, do, lse, delta, q_pos, k_ref, v_ref, *, segments, kv_len, k_offse
                 ok, k_valid = _keys_ok(k_idx, kv_len, kv_valid_ref, start, block_k)
                 k = jnp.where(ok[:, None], k, jnp.zeros((), k.dtype))
                 v = jnp.where(ok[:, None], v, jnp.zeros((), v.dtype))
-            s = _dot(q, k, 1, 1) * scale
-            if mods is not None:
-                k_idx = start + arange_i32(block_k)
-                qp, kp = q_pos[:, None], (k_offset + k_idx)[None, :]
-                s, pull = mods.scores_vjp(s, qp, kp, grads)
-                allowed = None if masked is WHOLE else mods.allowed(qp, kp)
-            if masked:
-                vis = _visible(q_pos, k_idx, kv_len, k_offset, is_causal, window, k_valid,
-                               None if mods is None else allowed)
-                s = jnp.where(vis, s, _NEG_INF)
+            if not masked:
+                k_idx = None if mods is None else start + arange_i32(block_k)
+                k_valid = None
+            s, pull, vis = _backward_logits(_dot(q, k, 1, 1) * scale, mods, grads, masked, q_pos,
+                                            k_idx, kv_len, k_offset, is_causal, window, k_valid)
             p = jnp.exp(s - lse[:, None])
             ds = p * (_dot(do, v, 1, 1) - delta[:, None])
             if mods is not None:  # chain rule through the score mod; masked pairs get none
@@ -230,17 +241,9 @@ def dkdv_loop(carry, g, k, v, k_idx, kv_len, q_ref, do_ref, lse_ref, delta_ref, 
             do = do_ref[pl.ds(start, block_q), g, :]
             lse = lse_ref[g, pl.ds(start, block_q)]
             delta = delta_ref[g, pl.ds(start, block_q)]
-            s = _dot(q, k, 1, 1) * scale
-            if masked or mods is not None:
-                q_pos = q_offset + start + arange_i32(block_q)
-            if mods is not None:
-                qp, kp = q_pos[:, None], (k_offset + k_idx)[None, :]
-                s, pull = mods.scores_vjp(s, qp, kp, False)
-                allowed = None if masked is WHOLE else mods.allowed(qp, kp)
-            if masked:
-                vis = _visible(q_pos, k_idx, kv_len, k_offset, is_causal, window, k_valid,
-                               None if mods is None else allowed)
-                s = jnp.where(vis, s, _NEG_INF)
+            q_pos = q_offset + start + arange_i32(block_q) if masked or mods is not None else None
+            s, pull, vis = _backward_logits(_dot(q, k, 1, 1) * scale, mods, False, masked, q_pos,
+                                            k_idx, kv_len, k_offset, is_causal, window, k_valid)
             p = jnp.exp(s - lse[:, None])
             dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
             ds = p * (_dot(do, v, 1, 1) - delta[:, None])

@@ -15,9 +15,14 @@ from dilax import flex, registry
 from tests.tolerance import FP32, HALF, assert_scaled_close
 
 
-def oracle(q, k, v, *, scale, allowed, bias=0.0, cap=None, sinks=None, dout=None):
+def oracle(q, k, v, *, scale, allowed=None, weights=None, bias=0.0, cap=None, sinks=None,
+           dout=None, div=1):
     """Float64: ``out``, and with ``dout`` the gradients ``dq, dk, dv, dscore, dsinks``
-    (``dscore (b, h, n, s)``: the cotangent of the score after the cap, i.e. of ``bias``)."""
+    (``dscore (b, h, n, s)``: the cotangent of the score after the cap, i.e. of ``bias``).
+
+    ``allowed`` (bool, broadcast to ``(b, h, n, s)``) or ``weights``: multiplicities of the
+    pairs in the one softmax (0 = not attended; a dilated mixture's count matrix); ``div``:
+    the result divided by it (grouped mode's ``G``)."""
     q, k, v = (np.asarray(np.asarray(x, np.float32), np.float64) for x in (q, k, v))
     b, n, h, _ = q.shape
     g = h // k.shape[2]
@@ -25,20 +30,21 @@ def oracle(q, k, v, *, scale, allowed, bias=0.0, cap=None, sinks=None, dout=None
     raw = np.einsum("bqhd,bkhd->bhqk", q, kr) * scale
     t = np.tanh(raw / cap) if cap else None
     score = (cap * t if cap else raw) + bias
-    allowed = np.broadcast_to(allowed, score.shape)
-    score = np.where(allowed, score, -np.inf)
+    w = np.broadcast_to(np.asarray(allowed if weights is None else weights, np.float64),
+                        score.shape)
+    score = np.where(w > 0, score, -np.inf)
     sink = (np.full(h, -np.inf) if sinks is None else np.asarray(sinks, np.float64))
     sink = np.broadcast_to(sink[None, :, None, None], (b, h, n, 1))
     m = np.maximum(np.max(score, axis=-1, keepdims=True), sink)
     m = np.where(np.isfinite(m), m, 0.0)
-    e, es = np.exp(score - m), np.exp(sink - m)
+    e, es = np.where(w > 0, w * np.exp(score - m), 0.0), np.exp(sink - m)
     z = e.sum(-1, keepdims=True) + es
     zs = np.where(z > 0, z, 1.0)
     p, ps = e / zs, es / zs
     out = np.einsum("bhqk,bkhd->bqhd", p, vr)
     if dout is None:
-        return out
-    dout = np.asarray(dout, np.float64)
+        return out / div
+    dout = np.asarray(dout, np.float64) / div
     dp = np.einsum("bqhd,bkhd->bhqk", dout, vr)
     delta = np.einsum("bqhd,bqhd->bhq", dout, out)[..., None]
     ds = p * (dp - delta)
@@ -48,7 +54,7 @@ def oracle(q, k, v, *, scale, allowed, bias=0.0, cap=None, sinks=None, dout=None
     fold = lambda x: x.reshape(b, x.shape[1], -1, g, x.shape[-1]).sum(3)  # noqa: E731
     dk = fold(np.einsum("bhqk,bqhd->bkhd", dr, q) * scale)
     dv = fold(np.einsum("bhqk,bqhd->bkhd", p, dout))
-    return out, dq, dk, dv, ds, dsinks
+    return out / div, dq, dk, dv, ds, dsinks
 
 
 def _inputs(b, n, s, h, hk, d, dv, seed=0, dtype=jnp.float32):

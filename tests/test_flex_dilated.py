@@ -16,45 +16,8 @@ import pytest
 import dilax
 from dilax import flex
 from dilax.reference import document_counts
+from tests.test_flex import oracle
 from tests.tolerance import assert_scaled_close
-
-
-def oracle(q, k, v, *, scale, weights, bias=0.0, cap=None, sinks=None, dout=None, div=1):
-    """Float64 ``out`` of one softmax per (head, query) with multiplicities ``weights
-    (b|1, h, n, n)`` (0 = not attended), a soft-cap, an additive ``bias`` (the score_mod)
-    and a sink logit per head, divided by ``div`` (grouped mode: G); with ``dout`` also
-    ``dq, dk, dv, dscore (b, h, n, n), dsinks``."""
-    q, k, v = (np.asarray(np.asarray(x, np.float32), np.float64) for x in (q, k, v))
-    b, n, h, _ = q.shape
-    g = h // k.shape[2]
-    kr, vr = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
-    raw = np.einsum("bqhd,bkhd->bhqk", q, kr) * scale
-    t = np.tanh(raw / cap) if cap else None
-    score = (cap * t if cap else raw) + bias
-    w = np.broadcast_to(np.asarray(weights, np.float64), score.shape)
-    score = np.where(w > 0, score, -np.inf)
-    sink = np.full(h, -np.inf) if sinks is None else np.asarray(sinks, np.float64)
-    sink = np.broadcast_to(sink[None, :, None, None], (b, h, n, 1))
-    m = np.maximum(np.max(score, axis=-1, keepdims=True), sink)
-    m = np.where(np.isfinite(m), m, 0.0)
-    e, es = np.where(w > 0, w * np.exp(score - m), 0.0), np.exp(sink - m)
-    z = e.sum(-1, keepdims=True) + es
-    zs = np.where(z > 0, z, 1.0)
-    p, ps = e / zs, es / zs
-    o = np.einsum("bhqk,bkhd->bqhd", p, vr)
-    if dout is None:
-        return o / div
-    dout = np.asarray(dout, np.float64) / div
-    dp = np.einsum("bqhd,bkhd->bhqk", dout, vr)
-    delta = np.einsum("bqhd,bqhd->bhq", dout, o)[..., None]
-    ds = p * (dp - delta)
-    dsinks = -(ps * delta).sum(axis=(0, 2, 3))
-    dr = ds * (1 - t**2) if cap else ds
-    dq = np.einsum("bhqk,bkhd->bqhd", dr, kr) * scale
-    fold = lambda x: x.reshape(b, x.shape[1], -1, g, x.shape[-1]).sum(3)  # noqa: E731
-    dk = fold(np.einsum("bhqk,bqhd->bkhd", dr, q) * scale)
-    dv = fold(np.einsum("bhqk,bqhd->bkhd", p, dout))
-    return o / div, dq, dk, dv, ds, dsinks
 
 
 def _grads(fn, args, w):

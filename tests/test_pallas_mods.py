@@ -18,16 +18,14 @@ from dilax import flex, registry
 from dilax.core.mods import trace_mod
 from pallas_kernels.decode import DecodeBranch, decode_attention
 from pallas_kernels.mods import kernel_mods
+from tests.test_flex import _inputs as flex_inputs
 from tests.test_flex import oracle
 from tests.tolerance import FP32, HALF, assert_scaled_close
 
 
 def _inputs(b, n, h, hk, d, seed, dtype=jnp.float32):
-    rng = np.random.default_rng(seed)
-    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in
-               ((b, n, h, d), (b, n, hk, d), (b, n, hk, d)))
-    w = rng.standard_normal((b, n, h, d)).astype(np.float32)  # the loss's weights = dout
-    return tuple(jnp.asarray(x, dtype) for x in (q, k, v)), w, rng
+    """test_flex's inputs with ``s = n`` and ``dv = d`` (the kernels' square case)."""
+    return flex_inputs(b, n, n, h, hk, d, d, seed, dtype)
 
 
 def _run(fn, args, w):
