@@ -4,6 +4,7 @@ Table 2) and the plots; the command is :mod:`benchmarks.quality`."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -87,7 +88,8 @@ def summarize(s: dict[str, Any], arms: list[Arm], lm: list[dict], probes: list[A
                 row["reach_2x"] = structural_reach(2 * long_, s["num_heads"],
                                                    s["num_layers"], arm.model_fields(),
                                                    row["buckets_2x"])
-                row["reach_ends"] = _reach_end(row["buckets_2x"], row["accuracy_2x"])
+                per = max(1, s["probe_eval"] // len(row["buckets_2x"])) * len(recs)
+                row["reach_ends"] = _reach_end(row["buckets_2x"], row["accuracy_2x"], per)
         prows.append(row)
     del mcfg
     return dict(rows=rows, probe=prows, training_tokens_per_arm=tokens,
@@ -95,13 +97,16 @@ def summarize(s: dict[str, Any], arms: list[Arm], lm: list[dict], probes: list[A
 
 
 
-def _reach_end(buckets: list[tuple[int, int]], acc: list[dict[str, float]],
-               level: float = 0.5) -> int | None:
-    """The upper end of the last distance bucket of a run of buckets, from the first, where
-    the mean accuracy is at least ``level`` (None when the first bucket is below it)."""
+def _reach_end(buckets: list[tuple[int, int]], acc: list[dict[str, float]], queries: int,
+               z: float = 3.0) -> int | None:
+    """The upper end of the run of distance buckets, from the shortest, whose pooled accuracy
+    over ``queries`` held-out queries per bucket lies ``z`` binomial standard deviations or
+    more above chance (``1 / PROBE_VALUES``); None when the first bucket does not."""
+    p0 = 1.0 / PROBE_VALUES
+    bar = p0 + z * math.sqrt(p0 * (1.0 - p0) / max(queries, 1))
     end = None
     for (_, hi), a in zip(buckets, acc):
-        if a["mean"] < level:
+        if a["mean"] < bar:
             break
         end = hi - 1
     return end
@@ -228,7 +233,8 @@ def _beyond_lines(probe: list[dict[str, Any]], long_: int) -> list[str]:
     lines = ["", f"The same probe models evaluated at {2 * long_} tokens, twice their training "
              "length (the segments keep their lengths; the rows hold more of them): accuracy "
              "/ structural reach by distance, and the last distance up to which the mean "
-             "accuracy stays at or above 0.5 from the shortest distances on:", "",
+             "accuracy stays 3 binomial standard deviations or more above chance (all seeds' "
+             "queries pooled), from the shortest distances on:", "",
              "| probe arm | " + " | ".join(f"d {lo}–{hi - 1}" for lo, hi in buckets)
              + " | reach ends at |", "|---|" + "---:|" * (len(buckets) + 1)]
     for r in probe:
