@@ -145,7 +145,10 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"### `{command.strip()}` — {m.get('date', '')}, "
         f"{m.get('cpu', '')} ({m.get('cores', '?')} cores, {m.get('backend', '')}, jax "
-        f"{m.get('jax', '')}); {result.get('wall_seconds', 0) / 60:.1f} min",
+        f"{m.get('jax', '')}); {result.get('wall_seconds', 0) / 60:.1f} min"
+        + (f" ({result['runs_cached_before']} of "
+           f"{(len(result['rows']) + len(result['probe'])) * seeds} runs read from the cache, "
+           "trained by an earlier invocation)" if result.get("runs_cached_before") else ""),
         "",
         f"Byte-level LMs on the Python {sys.version_info.major}.{sys.version_info.minor} "
         f"standard library ({result['data']['files_train']} train / "

@@ -296,7 +296,8 @@ def test_quality_ctrl_c_keeps_finished_runs(tmp_path, monkeypatch):
     assert res["runs_cached_before"] == 1 and len(res["rows"]) == 3
 
 
-@pytest.mark.parametrize("name", ["quality-quick", "quality-quick-probe800", "quality-estimate"])
+@pytest.mark.parametrize("name", ["quality", "quality-quick", "quality-quick-probe800",
+                                  "quality-estimate"])
 def test_committed_quality_tables_match_their_json(name):
     """The committed Markdown is what the JSON renders to (nothing edited by hand)."""
     from pathlib import Path
