@@ -181,8 +181,9 @@ class MultiheadDilatedAttention(nnx.Module):
       layer_norm_eps: LayerNorm epsilon.
       gamma_init: Xavier-normal gain of ``v_proj`` and ``out_proj`` (``q_proj``/``k_proj`` use
         gain 1), MAGNETO's depth-dependent gamma.
-      mode, scale, implementation, block_sizes, sequence_parallel, local_window, settings,
-        score_mod, mask_mod, logits_soft_cap: as in :class:`DilatedAttention`.
+      mode, scale, implementation, block_sizes, sequence_parallel, local_window, settings: as
+        in :class:`DilatedAttention`.
+      score_mod, mask_mod, logits_soft_cap: as in :class:`DilatedAttention`.
       learnable_sinks: one learnable sink logit per query head, ``self.sinks``, an
         ``nnx.Param`` ``(num_heads,)`` in ``param_dtype`` initialized to 0 (one extra logit
         with no value in every softmax denominator, :func:`dilax.dilated_attention`'s
