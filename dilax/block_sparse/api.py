@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -220,8 +221,8 @@ def block_sparse_attention(
     sequence_parallel: SequenceParallel | None = None,
     segment_ids: jax.Array | None = None,
     attention_mask: AttentionMask | None = None,
-    score_mod=None,
-    mask_mod=None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
     sinks: jax.Array | None = None,
     logits_soft_cap: float | None = None,
 ) -> jax.Array:

@@ -39,7 +39,7 @@ Validation happens once, at the public entry (:func:`dilax.block_sparse_attentio
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import jax
 import jax.numpy as jnp
@@ -330,8 +330,8 @@ def ring_block_sparse_attention(
     segment_ids: jax.Array | None = None,
     attention_mask: AttentionMask | None = None,
     mask: AttentionMask | None = None,
-    score_mod=None,
-    mask_mod=None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
     sinks: jax.Array | None = None,
     logits_soft_cap: float | None = None,
 ) -> jax.Array:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -338,8 +339,8 @@ def dilated_attention_decode(
     query_seq_lengths: jax.Array | None = None,
     interpret: bool = False,
     settings: DilatedSettings | None = None,
-    score_mod=None,
-    mask_mod=None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
     sinks: jax.Array | None = None,
     logits_soft_cap: float | None = None,
 ) -> tuple[jax.Array, KVCache]:

@@ -50,7 +50,7 @@ device-varying; the Pallas kernels' outputs carry no such type, so with them cal
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import jax
 import jax.numpy as jnp
@@ -93,8 +93,8 @@ def ring_dilated_attention(
     attention_mask: AttentionMask | None = None,
     segment_ids: jax.Array | None = None,
     mask: AttentionMask | None = None,
-    score_mod=None,
-    mask_mod=None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
     sinks: jax.Array | None = None,
     logits_soft_cap: float | None = None,
 ) -> jax.Array:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -159,9 +160,21 @@ def with_sinks(out, lse, sinks, dtype):
     return out, jnp.logaddexp(lse, sink)
 
 
-def flex_attention(query, key, value, *, score_mod=None, mask_mod=None, block_mask=None,
-                   scale=None, sinks=None, logits_soft_cap=None, return_residual=False,
-                   implementation=None, interpret=False):
+def flex_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
+    block_mask: BlockMask | None = None,
+    scale: float | None = None,
+    sinks: jax.Array | None = None,
+    logits_soft_cap: float | None = None,
+    return_residual: bool = False,
+    implementation: str | None = None,
+    interpret: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention with your own scores and masks (PyTorch FlexAttention semantics).
 
     Per pair (query ``q_idx``, key ``kv_idx``) of head ``h`` in batch row ``b``:
