@@ -57,10 +57,11 @@ def _eval_varying(jaxpr, consts, args):
     env = {}
 
     def read(v):
-        return jnp.asarray(v.val) if isinstance(v, Literal) else env[v]
+        return jnp.asarray(v.val, v.aval.dtype) if isinstance(v, Literal) else env[v]  # x64-safe
 
-    env.update(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
+    # the dtypes the mod was traced at (under jax_enable_x64 index arrays may come as int64)
+    env.update((v, jnp.asarray(x, v.aval.dtype)) for v, x in zip(jaxpr.constvars, consts))
+    env.update((v, jnp.asarray(x, v.aval.dtype)) for v, x in zip(jaxpr.invars, args))
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
         axes = varying_axes(*ins)
