@@ -133,8 +133,9 @@ class Mods:
         :mod:`dilax.dilated.flex`, or a ring's branch heads); then any view is accepted.
         None: ``h = i``.
 
-    table_block: static ``(q_block, kv_block)`` of the tables when they are not the core's
-      blocks (the Pallas kernels read them with their own tiles when these divide them).
+      table_block: static ``(q_block, kv_block)`` of the tables when they are not the
+        core's blocks (the Pallas kernels read them with their own tiles when these divide
+        them).
 
     Without them positions are ``q_offset + row`` and ``k_offset + key`` of the call, heads
     the query heads of an identity view, ``b`` the call's batch row.
@@ -204,8 +205,7 @@ def _positions(mods, b, u0, U, G, q_pos, k0, bk, k_offset):
         h = jnp.take(jnp.asarray(mods.heads, _I32), h)
     q, kv = q_pos.astype(_I32), k_offset + k0 + lax.iota(_I32, bk)
     if mods.q_pos is not None and mods.q_pos.ndim == 3:  # per virtual kv head
-        rows = jnp.take(mods.q_pos[b], q, axis=1, mode="clip")  # (1 or U_all, bq)
-        q = rows[0] if rows.shape[0] == 1 else jnp.repeat(rows[u0:u0 + U], G, axis=0)
+        q = _per_head(mods.q_pos[b], q, u0, U, G)
     elif mods.q_pos is not None:  # the call's positions mapped (clamped past the arrays)
         q = jnp.take(mods.q_pos[b], q, mode="clip")
     if mods.kv_pos is not None:
