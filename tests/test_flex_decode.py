@@ -3,7 +3,9 @@ XLA path): a chunk of prefill and then one generated token with soft-cap, ALiBi 
 slopes), a document ``mask_mod`` (closing over ids of the cache's positions), sinks and the
 local window give exactly the rows of causal dilated attention over the whole sequence with
 the same options (float64 oracle of tests/test_flex_ring.py): ``q_idx`` is the new token's
-position, ``kv_idx`` the cache slot's. And the refusals (Pallas, grouped mode)."""
+position, ``kv_idx`` the cache slot's; in ``mode="grouped"`` too (each head group's own
+softmax, ``h`` the real query head, sinks once per head), against the oracle and the rows of
+``dilated_attention(mode="grouped")``. And the refusal (Pallas)."""
 
 from __future__ import annotations
 
@@ -53,6 +55,36 @@ def test_decode_mods_refusals():
     with pytest.raises(ValueError, match="score_mod"):  # the registry's reason
         dilax.dilated_attention_decode(x, x, x, cache, (4,), (1,), implementation="pallas",
                                        interpret=True, logits_soft_cap=1.0)
-    with pytest.raises(ValueError, match="mode='mixture'"):
-        dilax.dilated_attention_decode(x, x, x, cache, (4, 8), (1, 2), mode="grouped",
-                                       score_mod=flex.soft_cap(1.0))
+
+
+def test_decode_grouped_softcap_alibi_documents_sinks():
+    """``mode="grouped"``: prefill, a chunk and one token equal the causal rows of the
+    one-device grouped op with the same mods (and the float64 oracle: per head its group's
+    branch, the sink in its softmax, divided by the number of groups). ALiBi slopes differ
+    per head, so a wrong head of a group's virtual heads would show."""
+    rng = np.random.default_rng(1)
+    L, t0 = 19, 11
+    q, k, v = (rng.normal(size=(B, L, h, D)).astype(np.float32) for h in (H, HK, HK))
+    slopes = jnp.asarray(rng.uniform(0.05, 0.3, H), jnp.float32)
+    sinks = jnp.asarray(rng.normal(size=H), jnp.float32)
+    ids = np.zeros((B, MAX), np.int32)
+    ids[0, 4:], ids[1, 12:] = 1, 1
+    kw = dict(mode="grouped", score_mod=flex.alibi(slopes), logits_soft_cap=CAP, sinks=sinks,
+              mask_mod=flex.document_mask(jnp.asarray(ids)))
+    cache = dilax.KVCache.init(B, MAX, HK, D)
+    outs = []
+    for lo, hi in ((0, t0), (t0, L - 1), (L - 1, L)):
+        out, cache = dilax.dilated_attention_decode(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi],
+                                                    cache, WS, RS, **kw)
+        outs.append(np.asarray(out))
+    got = np.concatenate(outs, axis=1)
+    whole = np.asarray(dilax.dilated_attention(q, k, v, WS, RS, is_causal=True, **kw))
+    doc = ids[:, :L]
+    w = dilated_counts(L, H, WS, RS, "grouped", True, None)[None] * (
+        doc[:, :, None] == doc[:, None, :])[:, None]
+    want = oracle(q, k, v, w, slopes, sinks, np.zeros((B, L, H, D)))[0] / len(WS)
+    assert_scaled_close(whole, want, 1e-5)
+    assert_scaled_close(got, whole, 1e-5)
+    print(f"grouped decode with mods: max |err| {np.max(np.abs(got - want)):.1e} (oracle), "
+          f"{np.max(np.abs(got - whole)):.1e} (dilated_attention)")
+    assert np.asarray(cache.lengths).tolist() == [L, L]

@@ -128,11 +128,13 @@ def _row_gather(x, idx):
 
 
 def _head_view(br: _Branch, h: int, hk: int):
+    """The core's view of the branch's heads and the query head of each of its virtual
+    heads (the mods' ``h``; None: every head, virtual head ``i`` is head ``i``)."""
     if len(br.heads) == h:
-        return identity_view(hk, h // hk)
+        return identity_view(hk, h // hk), None
     # A subset of heads (grouped mode): pair them with their kv heads as a branch plan does.
     plan = plan_branch(1, h, hk, 1, 1, br.heads, (0,) * len(br.heads))
-    return slot_view(plan, h, hk)
+    return slot_view(plan, h, hk), tuple(plan.q_heads)
 
 
 def _window_branch(q, kc, vc, pos, br: _Branch, scale, mods=None):
@@ -143,7 +145,7 @@ def _window_branch(q, kc, vc, pos, br: _Branch, scale, mods=None):
     positions, or None."""
     b, t, h, d = q.shape
     hk = kc.shape[2]
-    view = _head_view(br, h, hk)
+    view, heads = _head_view(br, h, hk)
     tb = max(1, min(t, _MAX_GATHERED_ROWS // br.m))
     nblk = -(-t // tb)
     step = jnp.arange(br.m, dtype=jnp.int32) * br.r
@@ -159,7 +161,7 @@ def _window_branch(q, kc, vc, pos, br: _Branch, scale, mods=None):
         B = b * qb.shape[1]
         mods_b = None if mods is None else dataclasses.replace(  # positions, not slots
             mods, q_pos=pb.reshape(B, 1), kv_pos=jnp.clip(idx, 0, None).reshape(B, 1, br.m),
-            batch=jnp.repeat(jnp.arange(b, dtype=jnp.int32), qb.shape[1]))
+            batch=jnp.repeat(jnp.arange(b, dtype=jnp.int32), qb.shape[1]), heads=heads)
         mask = Mask(kv_len=jnp.broadcast_to(kv_len.reshape(B, 1), (B, len(view.kv_index))),
                     mods=mods_b)
         out, lse = XLA.forward(
@@ -220,9 +222,9 @@ def _selected(pos, br: _Branch):
 
 def _xla_branches(q, kc, vc, lengths, pos, branches, mode: str, scale: float, mods=None,
                   sinks=None):
-    """Every branch on the XLA core, merged: ``(b, t, h, d)`` float32. With ``mods``
-    (mixture) every branch reads per-query windows; ``sinks (h,)``: one more logit per head
-    in the merged denominator."""
+    """Every branch on the XLA core, merged: ``(b, t, h, dv)`` float32. With ``mods`` every
+    branch reads per-query windows; ``sinks (h,)``: one more logit per head in the merged
+    denominator (grouped: in each head's own softmax, as :func:`dilax.dilated_attention`)."""
     t = q.shape[1]
     outs, lses = [], []
     for br in branches:
@@ -242,7 +244,10 @@ def _xla_branches(q, kc, vc, lengths, pos, branches, mode: str, scale: float, mo
             out, lse = merge_attention_states(out, lse, o, s)
         return out if sinks is None else with_sinks(out, lse, sinks, _F32)[0]
     # head groups side by side, each divided by the number of branches
-    return jnp.concatenate(outs, axis=2) / len(branches)
+    out = jnp.concatenate(outs, axis=2) / len(branches)
+    if sinks is None:
+        return out
+    return with_sinks(out, jnp.concatenate(lses, axis=2), sinks, _F32)[0]
 
 
 def _pallas_branches(q, kc, vc, pos, branches, mode: str, scale: float, interpret: bool):
@@ -392,9 +397,10 @@ def dilated_attention_decode(
         :func:`dilax.dilated_attention` over the whole sequence: ``q_idx`` is the new
         token's position (``cache.lengths[i] + j``), ``kv_idx`` the cache slot's position,
         ``b`` the batch row; each branch counts a pair iff it AND ``mask_mod`` allow it;
-        ``sinks (h,)`` add one logit per head to the merged denominator. XLA core only
-        (``"pallas"`` refuses them with :mod:`dilax.registry`'s reason), ``mode="mixture"``;
-        every branch then reads per-query windows (a chunk of ``t`` costs ``t`` windows).
+        ``sinks (h,)`` add one logit per head to the merged denominator (``mode="grouped"``:
+        to each head's own softmax, ``h`` the real query head of its group). XLA core only
+        (``"pallas"`` refuses them with :mod:`dilax.registry`'s reason), either mode; every
+        branch then reads per-query windows (a chunk of ``t`` costs ``t`` windows).
 
     Returns:
       ``(out, cache)``: ``out (b, t, h, d)`` in ``q.dtype`` and the cache with the new
@@ -424,9 +430,6 @@ def dilated_attention_decode(
                         getattr(getattr(cache, "k", None), "shape", (0, 0))[1],
                         score_mod=score_mod, mask_mod=mask_mod, sinks=sinks,
                         logits_soft_cap=logits_soft_cap)
-    if flex is not None and settings.mode != "mixture":
-        raise ValueError("dilated_attention_decode: score_mod / mask_mod / sinks / "
-                         "logits_soft_cap need mode='mixture' (grouped: not yet)")
     name, _ = registry.choose(settings.implementation, registry.CoreRequest(
         "decode", q.dtype, q.shape[3], True, has_window=settings.local_window is not None,
         has_lengths=new_lengths is not None, interpret=settings.interpret,
