@@ -7,8 +7,9 @@ Forward and gradients (q, k, v, the slopes: summed over the devices, the sinks) 
 float64 NumPy oracle with multiplicity weights (the dilated mixture counts each pair once
 per branch that allows it). The dilated ring inside a user's ``shard_map`` with
 ``segment_ids``; the block-sparse ring through ``sequence_parallel=`` with ``segment_ids`` and
-a band ``mask_mod``; the dilated door with documents as a ``mask_mod`` (forward). One compiled
-program per case, two data sets for the gradient cases.
+a band ``mask_mod``; the dilated door with documents as a ``mask_mod`` (forward). Values
+with their own head dim (``dv = d + 8``, MLA-style) on both rings, plain and with the mods.
+One compiled program per case, two data sets for the gradient cases.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jax.sharding import PartitionSpec as PS
 
 import dilax
 from dilax import flex, patterns
+from dilax.dilated.ring import ring_cores
 from dilax.reference import dilated_counts
 from tests.tolerance import assert_scaled_close
 
@@ -63,19 +65,20 @@ def _data(seed):
     return q, k, v, g, slopes, sinks
 
 
-def oracle(q, k, v, weights, slopes, sinks, dout):
+def oracle(q, k, v, weights, slopes, sinks, dout, cap=CAP):
     """Float64: ``out = sum_t C e^s v / (e^sink + sum_t C e^s)`` with
-    ``s = cap tanh(q.k / sqrt(d) / cap) + slope_h (t - p)``, and the gradients of
-    ``sum(out * dout)`` w.r.t. q, k, v, the slopes and the sinks."""
+    ``s = cap tanh(q.k / sqrt(d) / cap) + slope_h (t - p)`` (``cap`` None: no soft-cap), and
+    the gradients of ``sum(out * dout)`` w.r.t. q, k, v, the slopes and the sinks. ``v`` may
+    have its own head dim ``dv``."""
     q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
     slopes, sinks = np.asarray(slopes, np.float64), np.asarray(sinks, np.float64)
     b, n, h, d = q.shape
     g = h // k.shape[2]
     kr, vr = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
     raw = np.einsum("bqhd,bkhd->bhqk", q, kr) / np.sqrt(d)
-    t = np.tanh(raw / CAP)
+    t = np.tanh(raw / cap) if cap else raw
     rel = (np.arange(n)[None, :] - np.arange(n)[:, None]).astype(np.float64)
-    score = CAP * t + slopes[None, :, None, None] * rel
+    score = (cap * t if cap else raw) + slopes[None, :, None, None] * rel
     w = np.broadcast_to(weights, score.shape)
     score = np.where(w > 0, score, -np.inf)
     sink = np.broadcast_to(sinks[None, :, None, None], (b, h, n, 1))
@@ -87,8 +90,8 @@ def oracle(q, k, v, weights, slopes, sinks, dout):
     dp = np.einsum("bqhd,bkhd->bhqk", dout, vr)
     delta = np.einsum("bqhd,bqhd->bhq", dout, out)[..., None]
     ds = p * (dp - delta)
-    dr = ds * (1 - t**2)
-    fold = lambda x: x.reshape(b, n, -1, g, d).sum(3)  # noqa: E731
+    dr = ds * (1 - t**2) if cap else ds
+    fold = lambda x: x.reshape(b, n, -1, g, x.shape[-1]).sum(3)  # noqa: E731
     return (out, np.einsum("bhqk,bkhd->bqhd", dr, kr) / np.sqrt(d),
             fold(np.einsum("bhqk,bqhd->bkhd", dr, q) / np.sqrt(d)),
             fold(np.einsum("bhqk,bqhd->bkhd", p, dout)),
@@ -187,6 +190,82 @@ def test_dilated_whole_mesh_document_mask_mod():
     packed = oracle(q, k, v, _dilated_counts(ids, packed=True), slopes, sinks, g)[0]
     assert np.max(np.abs(want - packed)) > 0.1  # the two document semantics differ here
     print(f"dilated whole_mesh mask_mod: max |err| {np.max(np.abs(np.asarray(out) - want)):.1e}")
+
+
+DV = D + 8  # v's own head dim (MLA-style)
+WS_DV, RS_DV, W_DV = (8, 12, 32), (1, 1, 2), 3  # a local, a halo and a ring branch; a window
+KV_LEN = (50, 64)
+
+
+def _data_dv(seed):
+    q, k, _, _, slopes, sinks = _data(seed)
+    rng = np.random.default_rng(seed + 100)
+    v, g = (jnp.asarray(rng.normal(size=(2, N, h, DV)), jnp.float32) for h in (HK, H))
+    return q, k, v, g, slopes, sinks
+
+
+def _dilated_plain(q, k, v, slopes, sinks, ids):
+    """The dilated ring without mods (its local, halo and ring branches and the window),
+    causal, valid key lengths."""
+    del slopes, sinks, ids
+    return dilax.dilated_attention(q, k, v, WS_DV, RS_DV, is_causal=True, local_window=W_DV,
+                                   key_value_seq_lengths=jnp.asarray(KV_LEN),
+                                   sequence_parallel=dilax.SequenceParallel(_mesh(), "sp"))
+
+
+def _block_sparse_plain(q, k, v, slopes, sinks, ids):
+    """The block-sparse ring without mods, causal, valid key lengths."""
+    del slopes, sinks, ids
+    return dilax.block_sparse_attention(
+        q, k, v, PATTERN, is_causal=True, key_value_seq_lengths=jnp.asarray(KV_LEN),
+        sequence_parallel=dilax.SequenceParallel(_mesh(), "sp"))
+
+
+_DV_CASES = {"dilated": _dilated_plain, "block_sparse": _block_sparse_plain,
+             "dilated_mods": _dilated_per_device, "block_sparse_mods": _block_sparse_whole_mesh}
+
+
+@pytest.mark.parametrize("op", list(_DV_CASES))
+def test_ring_value_head_dim(op):
+    """``v (b, n, hk, dv)`` with ``dv = d + 8`` on the rings: the output and the values'
+    buffers and accumulators travel with ``dv``. Forward and gradients (q, k, v; with the
+    mods also the slopes and sinks) against the float64 oracle."""
+    q, k, v, g, slopes, sinks = _data_dv(4)
+    ids = _ids(1)
+    got = _run(_DV_CASES[op], (q, k, v, g, slopes, sinks, jnp.asarray(ids)))
+    assert got[0][1].shape == (2, N, H, DV)
+    keys = (np.arange(N)[None] < np.asarray(KV_LEN)[:, None])[:, None, None]  # (b, 1, 1, n)
+    if op == "dilated":
+        w = dilated_counts(N, H, WS_DV, RS_DV, "mixture", True, W_DV)[None] * keys
+    elif op == "block_sparse":
+        w = PATTERN.expanded_mask(N, True)[None] * keys
+    elif op == "dilated_mods":
+        w = _dilated_counts(ids, packed=True)
+    else:
+        w = PATTERN.expanded_mask(N, True)[None] * _same_doc(ids) * _band()
+    if op.endswith("_mods"):
+        _check(got, oracle(q, k, v, w, slopes, sinks, g), f"{op} dv={DV}")
+    else:  # no mods: no soft-cap, no slopes, no sink; out, dq, dk, dv only
+        want = oracle(q, k, v, w, np.zeros(H), np.full(H, -1e30), g, cap=None)
+        _check(got, want[:4], f"{op} dv={DV}")
+
+
+def test_ring_value_head_dim_pallas_refused():
+    """The Pallas hops have no ``dv != d``: an explicit ``"pallas"`` raises with the
+    registry's reason; ``None`` with ``interpret=True`` runs every ring call on XLA."""
+    sp = dilax.SequenceParallel(_mesh(), "sp")
+    q, k, v, *_ = _data_dv(5)
+    with pytest.raises(ValueError, match="dv != d"):
+        dilax.dilated_attention(q, k, v, WS_DV, RS_DV, sequence_parallel=sp,
+                                implementation="pallas", interpret=True)
+    with pytest.raises(ValueError, match="dv != d"):
+        dilax.block_sparse_attention(q, k, v, PATTERN, sequence_parallel=sp,
+                                     implementation="pallas", interpret=True)
+    settings = dilax.DilatedSettings(WS_DV, RS_DV, local_window=W_DV, interpret=True)
+    cores = ring_cores(settings, dilax.AttentionMask(), jnp.float32, D, DV)
+    assert [c.name for c in cores] == ["xla"] * 3
+    assert [c.name for c in ring_cores(settings, dilax.AttentionMask(), jnp.float32, D, D)
+            ][:2] == ["pallas"] * 2  # dv == d: the kernels serve the branches and the hops
 
 
 def test_ring_mods_refusals():

@@ -236,7 +236,7 @@ def block_sparse_attention(
         as :func:`dilax.dilated_attention`).
       k, v: ``(b, n, hk, d)``, ``h % hk == 0`` (GQA/MQA without repeating K/V); ``v`` may
         have its own head dim ``(b, n, hk, dv)`` (out ``(b, n, h, dv)``; XLA path and the
-        reference, one device).
+        reference, and the ring's XLA hops with ``sequence_parallel``).
       pattern: a :class:`dilax.patterns.BlockSparsePattern` with ``ceil(n / B)`` query and
         key blocks and 1 or ``h`` heads. If ``n % B != 0`` the last block is partial (its
         missing keys never receive weight).
@@ -314,10 +314,6 @@ def block_sparse_attention(
     flex = prepare_mods("block_sparse_attention", b, q.shape[2], n, n, score_mod=score_mod,
                         mask_mod=mask_mod, sinks=sinks, logits_soft_cap=logits_soft_cap)
     if sequence_parallel is not None:
-        if v.shape[-1] != q.shape[-1]:
-            raise ValueError(f"block_sparse_attention: v's head dim {v.shape[-1]} != q's "
-                             f"{q.shape[-1]} (dv != d) is not supported with "
-                             f"sequence_parallel yet (one device: the XLA path)")
         check_sequence_parallel(sequence_parallel, implementation, interpret=interpret,
                                 block_size=pattern.block_size)
         check_sharded_block_sparse(q, pattern, sequence_parallel)

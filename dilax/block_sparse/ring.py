@@ -268,8 +268,9 @@ class BlockSparseRing:
 
     def forward(self, q, k, v, aux):
         p, me = self.plan, lax.axis_index(self.axis_name)
-        b, m, h, d = q.shape
-        state = (varying_like(jnp.zeros((b, m, h, d), _F32), q, k, v),
+        b, m, h = q.shape[:3]
+        # the output's head dim is the values' (dv may differ from d)
+        state = (varying_like(jnp.zeros((b, m, h, v.shape[-1]), _F32), q, k, v),
                  varying_like(jnp.full((b, m, h), -jnp.inf, _F32), q, k, v))
         state = self._own_only(
             lambda s: self._fold(s, q, k, v, aux, True, me, me), state)
@@ -345,7 +346,8 @@ def ring_block_sparse_attention(
 
     Args:
       q: local shard ``(b, n/P, h, d)``; device ``i`` holds positions ``[i n/P, (i+1) n/P)``.
-      k, v: local shards ``(b, n/P, hk, d)``, ``h % hk == 0``.
+      k, v: local shards ``(b, n/P, hk, d)``, ``h % hk == 0``; ``v`` may have its own head
+        dim ``(b, n/P, hk, dv)`` (XLA hops; the Pallas kernel refuses ``dv != d``).
       pattern: the :class:`dilax.patterns.BlockSparsePattern` of the *full* sequence
         (``n / B`` blocks, 1 or ``h`` heads); ``n/P`` must be a multiple of
         ``pattern.block_size``.
@@ -379,7 +381,7 @@ def ring_block_sparse_attention(
         ``axis_name``. XLA hops only (the Pallas kernel refuses them, the registry's reason).
 
     Returns:
-      The local shard of the output, ``(b, n/P, h, d)`` in ``q.dtype``.
+      The local shard of the output, ``(b, n/P, h, dv)`` in ``q.dtype``.
 
     Raises:
       TypeError: ``axis_name`` is not a str, ``pattern`` is not a ``BlockSparsePattern``,
@@ -393,7 +395,7 @@ def ring_block_sparse_attention(
         ``implementation="pallas"``, and every input error of
         :func:`dilax.block_sparse_attention`.
     """
-    q, k, v = V.check_qkv(q, k, v)
+    q, k, v = V.check_qkv(q, k, v, value_head_dim=True)
     attention_mask = take_attention_mask(attention_mask, mask, "ring_block_sparse_attention")
     if attention_mask is not None:
         is_causal, query_seq_lengths, key_value_seq_lengths, segment_ids = unpack_attention_mask(
@@ -418,7 +420,8 @@ def ring_block_sparse_attention(
                         logits_soft_cap=logits_soft_cap)
     core = hop_core(implementation, V.check_bool(interpret, "interpret"), q, pattern,
                     is_causal, q_len is not None or kv_len is not None, segment_ids is not None,
-                    flags=() if flex is None else tuple(flex.request_flags.items()))
+                    flags=() if flex is None else tuple(flex.request_flags.items()),
+                    value_head_dim=v.shape[-1])
     if core.name != "xla" and varying_axes(q, k, v):
         raise ValueError(
             "the ring's hops run the Pallas kernel here, whose outputs carry no device-varying "

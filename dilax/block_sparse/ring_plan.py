@@ -109,24 +109,27 @@ def plan_ring(pattern: BlockSparsePattern, num_devices: int, h: int, hk: int,
 
 
 def hop_request(dtype, head_dim: int, is_causal: bool, lengths: bool, block_size: int,
-                interpret=False, documents: bool = False, flags=()) -> registry.CoreRequest:
+                interpret=False, documents: bool = False, flags=(),
+                value_head_dim: int | None = None) -> registry.CoreRequest:
     """The registry request of the block-sparse ring's hops (``"ring_hop"`` with the
     pattern's ``block_size``: the block-sparse kernel's rules, :mod:`dilax.registry`);
-    ``flags``: the items of :attr:`dilax.flex.api.FlexMods.request_flags` (mods, sinks)."""
+    ``flags``: the items of :attr:`dilax.flex.api.FlexMods.request_flags` (mods, sinks);
+    ``value_head_dim``: ``dv`` (``v (b, n, hk, dv)``), when known."""
     return registry.CoreRequest("ring_hop", dtype, head_dim, bool(is_causal),
                                 has_lengths=bool(lengths), interpret=bool(interpret),
                                 block_size=int(block_size), has_documents=bool(documents),
-                                **dict(flags))
+                                value_head_dim=value_head_dim, **dict(flags))
 
 
 def hop_core(implementation: str | None, interpret: bool, q, pattern: BlockSparsePattern,
-             is_causal: bool, lengths: bool, documents: bool = False, flags=()) -> Core:
+             is_causal: bool, lengths: bool, documents: bool = False, flags=(),
+             value_head_dim: int | None = None) -> Core:
     """The core of the ring's hops for ``q (b, n/P, h, d)``: :func:`hop_request` to
     :func:`dilax.registry.select` (``ValueError`` with the registry's reason where an explicit
-    ``implementation`` cannot serve them; packed documents (``documents``) and mods
-    (``flags``) run on the XLA core only)."""
+    ``implementation`` cannot serve them; packed documents (``documents``), mods (``flags``)
+    and values with their own head dim (``value_head_dim != d``) run on the XLA core only)."""
     request = hop_request(q.dtype, q.shape[-1], is_causal, lengths, pattern.block_size,
-                          interpret, documents, flags)
+                          interpret, documents, flags, value_head_dim)
     return registry.select(implementation, request)
 
 

@@ -47,7 +47,7 @@ def sharded_block_sparse(q, k, v, pattern: BlockSparsePattern, is_causal: bool, 
     flags = () if flex is None else tuple(sorted(flex.request_flags.items()))
     core = hop_core(implementation, interpret, q, pattern, is_causal,
                     query_seq_lengths is not None or key_value_seq_lengths is not None,
-                    segment_ids is not None, flags)
+                    segment_ids is not None, flags, v.shape[-1])
     if q.shape[0] == 0:  # nothing to shard: an empty result (and empty gradients)
         return V.empty_batch(q, v)
     extra = {} if flex is None else dict(mods=core_mods(flex), sinks=flex.sinks)

@@ -109,7 +109,8 @@ def dilated_attention(
         ``(batch..., n, h, d)`` (rank 3 included), with per-row arguments shaped to match
         (:func:`dilax.batch_dims.fold_batch_dims`).
       k, v: ``(b, n, hk, d)`` keys and values, ``h % hk == 0`` (GQA/MQA without repeating
-        K/V); ``v`` may have its own head dim ``(b, n, hk, dv)`` (then the XLA core runs).
+        K/V); ``v`` may have its own head dim ``(b, n, hk, dv)`` (then the XLA core runs;
+        with ``sequence_parallel`` too).
       segment_lengths: ``(w_0, ...)``, one per branch; any ``n >= 1`` is allowed (the last
         segment is shorter when ``n % w != 0``; ``w > n`` means one segment).
       dilation_rates: ``(r_0, ...)``, same length, ``w_i % r_i == 0``.
@@ -208,13 +209,13 @@ def dilated_attention(
         mask=take_attention_mask(attention_mask, mask, "dilated_attention"))
     q, k, v, mask, settings = check_dilated_request(
         q, k, v, settings, empty_batch=sequence_parallel is None,
-        value_head_dim=sequence_parallel is None, **rows)
+        value_head_dim=True, **rows)
     (b, n, h, d), dv = q.shape, v.shape[-1]
     flex = prepare_mods("dilated_attention", b, h, n, n, score_mod=score_mod,
                         mask_mod=mask_mod, block_mask=block_mask, sinks=sinks,
                         logits_soft_cap=logits_soft_cap)
     if sequence_parallel is not None:
-        check_sharded(q, k.shape[2], mask, settings, sequence_parallel)
+        check_sharded(q, k.shape[2], mask, settings, sequence_parallel, dv)
         if mask_mod is None and block_mask is not None:
             mask_mod = block_mask.mask_mod
         mods = dict(score_mod=score_mod, mask_mod=mask_mod, sinks=sinks,

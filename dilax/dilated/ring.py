@@ -109,7 +109,9 @@ def ring_dilated_attention(
 
     Args:
       q: local shard ``(b, n/P, h, d)``.
-      k, v: local shards ``(b, n/P, hk, d)``, ``h % hk == 0``.
+      k, v: local shards ``(b, n/P, hk, d)``, ``h % hk == 0``; ``v`` may have its own head
+        dim ``(b, n/P, hk, dv)`` (the calls then run on the XLA core: the Pallas kernels
+        refuse ``dv != d``, :mod:`dilax.registry`).
       segment_lengths, dilation_rates, is_causal, mode, scale, block_sizes: as in
         :func:`dilax.dilated_attention` (segments refer to global positions).
       axis_name: the mesh axis the sequence is sharded over (size ``P``).
@@ -146,7 +148,7 @@ def ring_dilated_attention(
         hops refuse them with :mod:`dilax.registry`'s reason).
 
     Returns:
-      The local shard of the output, ``(b, n/P, h, d)`` in ``q.dtype``.
+      The local shard of the output, ``(b, n/P, h, dv)`` in ``q.dtype``.
 
     Raises:
       ValueError: ``axis_name`` not bound by an enclosing ``shard_map``, a bad ``layout``,
@@ -166,8 +168,9 @@ def ring_dilated_attention(
     P = axis_size(axis_name, "ring_dilated_attention", "dilated_attention")
     mask = take_attention_mask(attention_mask, mask, "ring_dilated_attention")
     q, k, v, mask, settings = check_dilated_request(
-        q, k, v, settings, mask, num_shards=P, query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids)
+        q, k, v, settings, mask, num_shards=P, value_head_dim=True,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        segment_ids=segment_ids)
     _check_ring(q.shape, k.shape[2], mask, settings, P, layout, q.dtype, per_device=True,
                 seq_axis=axis_name)
     flex = prepare_mods("ring_dilated_attention", q.shape[0], q.shape[2], P * q.shape[1],
@@ -181,9 +184,10 @@ def ring_dilated_attention(
         flags = None if flex is None else tuple(sorted(flex.request_flags.items()))
         return ring_documents_core(q, k, v, mask.segment_ids, mask, settings,
                                    axis_name=axis_name,
-                                   core=document_core(settings, q.dtype, q.shape[3], flags),
+                                   core=document_core(settings, q.dtype, q.shape[3], flags,
+                                                      v.shape[3]),
                                    mods=core_mods(flex), sinks=flex and flex.sinks)
-    cores = ring_cores(settings, mask, q.dtype, q.shape[3])
+    cores = ring_cores(settings, mask, q.dtype, q.shape[3], v.shape[3])
     if not _vma_free(cores) and varying_axes(q, k, v):
         raise ValueError(
             "the ring's hops run the Pallas kernels here, whose outputs carry no device-varying "
@@ -193,19 +197,20 @@ def ring_dilated_attention(
                              cores=cores)
 
 
-def ring_cores(settings: DilatedSettings, mask: AttentionMask, dtype, head_dim: int
-               ) -> tuple[Core, Core, Core | None]:
+def ring_cores(settings: DilatedSettings, mask: AttentionMask, dtype, head_dim: int,
+               value_head_dim: int | None = None) -> tuple[Core, Core, Core | None]:
     """The cores of the ring's calls, as :mod:`dilax.registry` picks them for
     ``settings.implementation``: the local branches' (``"dilated_branch"``), the spanning
     branches' hops (``"ring_hop"``) and the local window's (``"window"``; ``None`` without
     one). ``None`` takes the best core of each (Pallas on GPU, or with ``interpret``; XLA
-    otherwise); an explicit name runs every call or raises ``ValueError`` with the reason."""
+    otherwise, and for ``value_head_dim`` (``dv``) != ``head_dim``, which the kernels do not
+    serve); an explicit name runs every call or raises ``ValueError`` with the reason."""
     lengths = mask.query_seq_lengths is not None or mask.key_value_seq_lengths is not None
     ops = ("dilated_branch", "ring_hop") + (("window",) if settings.local_window is not None
                                             else ())
     cores, _ = registry.choose_branch_cores(settings.implementation, [registry.CoreRequest(
         op, dtype, head_dim, settings.is_causal, has_lengths=lengths,
-        interpret=settings.interpret) for op in ops])
+        interpret=settings.interpret, value_head_dim=value_head_dim) for op in ops])
     return cores if len(cores) == 3 else (*cores, None)
 
 
@@ -249,17 +254,19 @@ def _check_ring(shape, hk: int, mask: AttentionMask, settings: DilatedSettings, 
 
 
 def check_sharded(q: jax.Array, k_heads: int, mask: AttentionMask,
-                  settings: DilatedSettings, sp: SequenceParallel) -> None:
+                  settings: DilatedSettings, sp: SequenceParallel,
+                  value_head_dim: int | None = None) -> None:
     """The rules of a sequence-parallel call on arguments :func:`check_dilated_request`
     validated (global view): divisibility by the mesh, zigzag, window, per-device memory, an
-    implementation that serves every call of the ring (:func:`ring_cores`)."""
+    implementation that serves every call of the ring (:func:`ring_cores`; ``value_head_dim``:
+    ``dv`` of ``v (b, n, hk, dv)``)."""
     P = check_sharded_shape(q, sp.mesh, sp.seq_axis, sp.batch_axis)
     b, n, h, d = q.shape
     if sp.batch_axis is not None:
         b //= sp.mesh.shape[sp.batch_axis]
     _check_ring((b, n, h, d), k_heads, mask, settings, P, sp.layout, q.dtype,
                 per_device=False, seq_axis=sp.seq_axis)
-    ring_cores(settings, mask, q.dtype, d)
+    ring_cores(settings, mask, q.dtype, d, value_head_dim)
 
 
 def ring_dilated_core(q, k, v, mask: AttentionMask, settings: DilatedSettings, *,
@@ -275,7 +282,8 @@ def ring_dilated_core(q, k, v, mask: AttentionMask, settings: DilatedSettings, *
     block_sizes, window = settings.block_sizes, settings.local_window
     q_len, kv_len = mask.query_seq_lengths, mask.key_value_seq_lengths
     plans = dilated_branches(n, h, k.shape[2], ws, rs, mode)
-    branch_core, hop_core, window_core = cores or ring_cores(settings, mask, q.dtype, d)
+    branch_core, hop_core, window_core = cores or ring_cores(settings, mask, q.dtype, d,
+                                                             v.shape[3])
     # Spanning branches first, sparsest (largest r, smallest dilated copies) first, local ones
     # last, each fenced behind the previous one (attend_branches): only finished (dilated, so
     # small) branch outputs are live next to the branch being computed, whatever the XLA
@@ -316,7 +324,7 @@ def sharded_dilated(q, k, v, mask: AttentionMask, settings: DilatedSettings,
 def _sharded_jit(q, k, v, mask, settings, sp):
     P = sp.mesh.shape[sp.seq_axis]
     zigzag = sp.layout == "zigzag" and P > 1
-    cores = ring_cores(settings, mask, q.dtype, q.shape[3])
+    cores = ring_cores(settings, mask, q.dtype, q.shape[3], v.shape[3])
 
     def body(q, k, v, q_len=None, kv_len=None):
         if zigzag:

@@ -47,6 +47,7 @@ def _halo_branch(qd, kd, vd, geo: Geometry, n_u, axis_name, scale, is_causal, bl
     ``L - 1`` dilated rows on either side of its chunks from its neighbours, cuts
     segment-aligned windows and runs ``core`` on them. ``(out f32, lse)`` per dilated row."""
     b, C, R, U, G, d = qd.shape
+    dv = vd.shape[-1]  # the values' head dim (may differ from d)
     L, Lm1 = geo.L, geo.L - 1
     idx = lax.axis_index(axis_name)
     F = [lookup(t, idx) for t in geo.table(geo.F[:-1])]
@@ -85,10 +86,10 @@ def _halo_branch(qd, kd, vd, geo: Geometry, n_u, axis_name, scale, is_causal, bl
     kv_len = jnp.clip(n_u[:, None, None, :] - seg_start[None, :, :, None], 0, L)
     kv_len = kv_len.reshape(b * C * s_w, U)
     out, lse = attention(qw.reshape(b * C * s_w, L, U * G, d), kw.reshape(b * C * s_w, L, U, d),
-                         vw.reshape(b * C * s_w, L, U, d), view=identity_view(U, G),
+                         vw.reshape(b * C * s_w, L, U, dv), view=identity_view(U, G),
                          scale=scale, mask=Mask(kv_len, 0, 0, bool(is_causal)), core=core,
                          block_sizes=block_sizes)
-    out = out.reshape(b, C, s_w * L, U, G, d)
+    out = out.reshape(b, C, s_w * L, U, G, dv)
     lse = lse.reshape(b, C, s_w * L, U, G)
     out = jnp.stack([dynamic_slice_in_dim(out[:, c], F[c] % L, R, axis=1)
                      for c in range(C)], axis=1)

@@ -228,26 +228,28 @@ def sharded_documents(q, k, v, mask: AttentionMask, settings: DilatedSettings,
         raise ValueError(f"{what} with sequence_parallel need layout='contiguous' (the "
                          f"document ring), got {sp.layout!r}")
     flags = None if flex is None else tuple(sorted(flex.request_flags.items()))
-    document_core(settings, q.dtype, q.shape[-1], flags)  # raises for a core that cannot serve
+    document_core(settings, q.dtype, q.shape[-1], flags, v.shape[-1])  # raises if it cannot serve
     if flex is None:
         return _documents_jit(q, k, v, mask, settings, sp)
     return _documents_jit(q, k, v, mask, settings, sp, core_mods(flex), flex.sinks,
                           flags=flags)
 
 
-def document_core(settings: DilatedSettings, dtype, head_dim: int, flags=None):
+def document_core(settings: DilatedSettings, dtype, head_dim: int, flags=None,
+                  value_head_dim: int | None = None):
     """The core of the document ring's hops, as :mod:`dilax.registry` picks it for
     ``settings.implementation`` (the XLA core: the kernels have no per-row key ranges nor
     mods; an explicit other name raises ``ValueError`` with the reason). ``flags``: the
-    items of :attr:`dilax.flex.api.FlexMods.request_flags`, or None."""
+    items of :attr:`dilax.flex.api.FlexMods.request_flags`, or None; ``value_head_dim``: ``dv``
+    of ``v (b, n, hk, dv)``, when known."""
     return select(settings.implementation, CoreRequest(
         "ring_hop", dtype, head_dim, settings.is_causal, has_documents=True,
-        interpret=settings.interpret, **dict(flags or ())))
+        interpret=settings.interpret, value_head_dim=value_head_dim, **dict(flags or ())))
 
 
 @functools.partial(jax.jit, static_argnames=("settings", "sp", "flags"))
 def _documents_jit(q, k, v, mask, settings, sp, mods=None, sinks=None, flags=None):
-    core = document_core(settings, q.dtype, q.shape[-1], flags)
+    core = document_core(settings, q.dtype, q.shape[-1], flags, v.shape[-1])
     ids = mask.segment_ids
     extra = tuple(x for x in (mods, sinks) if x is not None)
 

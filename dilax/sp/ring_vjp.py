@@ -114,8 +114,10 @@ def _candidates(cfg: RingConfig, Fq, cq, Fk, ck, ok, R, n_u=None):
 
 
 def _pair_forward(cfg: RingConfig, q, k, v, Fq, cq, Fk, ck, ok, n_u=None):
-    """Attention of one query chunk ``q: (b, R, U, G, d)`` to one key chunk: (out f32, lse)."""
+    """Attention of one query chunk ``q: (b, R, U, G, d)`` to one key chunk ``k (b, R, U, d)``,
+    ``v (b, R, U, dv)``: (out f32 ``(b, R, U, G, dv)``, lse)."""
     b, R, U, G, d = q.shape
+    o_shape = q.shape[:-1] + v.shape[-1:]  # the values' head dim (dv may differ from d)
     results = []
     for lo, kv_len, pred, rows in _candidates(cfg, Fq, cq, Fk, ck, ok, R, n_u):
         ks = k if lo is None else _shift_rows(k, lo)
@@ -130,10 +132,10 @@ def _pair_forward(cfg: RingConfig, q, k, v, Fq, cq, Fk, ck, ok, n_u=None):
                                       mask=Mask(kv_len_b, Fq, k_off, cfg.is_causal),
                                       scale=cfg.scale, block_sizes=cfg.block_sizes,
                                       out_dtype=_F32)
-            return o.reshape(q.shape), lse.reshape(q.shape[:-1])
+            return o.reshape(o_shape), lse.reshape(q.shape[:-1])
 
         def skip(ops):
-            return (varying_like(jnp.zeros(ops[0].shape, _F32), *ops),
+            return (varying_like(jnp.zeros(o_shape, _F32), *ops),
                     varying_like(jnp.full(ops[0].shape[:-1], -jnp.inf, _F32), *ops))
 
         results.append((lax.cond(pred, run, skip, (q, ks, vs)), rows))
@@ -264,8 +266,8 @@ def _ring_forward(qd, kd, vd, cfg: RingConfig, n_u=None):
                                       ok, state[c], n_u)
         return tuple(state)
 
-    b, _, R, U, G, d = qd.shape
-    state = ((varying_like(jnp.zeros((b, R, U, G, d), _F32), qd, kd),
+    b, _, R, U, G, _ = qd.shape
+    state = ((varying_like(jnp.zeros((b, R, U, G, vd.shape[-1]), _F32), qd, kd),
               varying_like(jnp.full((b, R, U, G), -jnp.inf, _F32), qd, kd)),) * C
     if not cfg.streams:
         return _stack_state(visit(state, kd, vd, idx))
@@ -356,7 +358,7 @@ def backward_streams(streams, axis_name, idx, visit, kc, vc, dq, zeros):
 
 def ring_forward(cfg: RingConfig, q, k, v, n_u=None):
     """Ring attention of the local shards ``q, k, v`` in the dilated layout of ``cfg.dilate``:
-    ``out (b, C, R, U, G, d)`` float32 and ``lse (b, C, R, U, G)``. ``n_u``: optional int
+    ``out (b, C, R, U, G, dv)`` float32 and ``lse (b, C, R, U, G)``. ``n_u``: optional int
     ``(b, U)`` valid dilated rows per batch row and virtual kv head (valid key lengths),
     at most ``cfg.n_u``."""
     return _ring_forward(*cfg.dilate(q, k, v), cfg, n_u)
