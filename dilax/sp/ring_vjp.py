@@ -294,10 +294,11 @@ def _stack_state(state):
 
 
 def _ring_backward(cfg: RingConfig, kd, vd, qside, n_u=None):
-    """The backward ring over the dilated K/V chunks ``kd, vd (b, C, R, U, d)``. ``qside =
+    """The backward ring over the dilated K/V chunks ``kd (b, C, R, U, d)``, ``vd (b, C, R, U,
+    dv)``. ``qside =
     (view, qs, ls, dos, des, dq)``: per local chunk (tuples of ``C``) the queries, lse, dout,
     delta and the float32 dq accumulator, read through ``view`` (:func:`_pair_backward`).
-    Returns the tuples ``(dq, dk, dv)``, dk and dv float32 ``(b, R, U, d)`` per chunk."""
+    Returns the tuples ``(dq, dk, dv)``, dk and dv float32 ``(b, R, U, d or dv)`` per chunk."""
     C = cfg.geo.C
     F_t, cnt_t, idx, Fq, cq = _tables(cfg)
     view, qs, ls, dos, des, dq = qside
