@@ -18,7 +18,7 @@ import pytest
 from tolerance import FP32, HALF, assert_scaled_close
 
 import dilax
-from dilax.core import BlockSizes, Mask, SlotView, attention, identity_view
+from dilax.core import BlockSizes, Mask, PairArrays, SlotView, attention, identity_view
 
 B, T, S, N, K, H = 2, 21, 29, 4, 2, 8  # T != S, GQA (two query heads per kv head)
 
@@ -208,7 +208,7 @@ def test_bias_read_by_blocks_without_dense_float32_copies(shape):
     view = identity_view(N, 1)
 
     def ours(q, k, v, bias):  # partial last blocks on both axes: 96 = 2 * 40 + 16
-        return attention(q, k, v, view=view, scale=0.3, mask=Mask(bias=bias),
+        return attention(q, k, v, view=view, scale=0.3, mask=Mask(arrays=PairArrays(bias=bias)),
                          block_sizes=BlockSizes(40, 40, 40, 40))[0]
 
     def loss(f, *a):
@@ -291,7 +291,8 @@ def test_errors_beyond_jax():
         dilax.dot_product_attention(q, k, v, local_window_size=2.5)
     permuted = SlotView(1, N, K, (1, 0, 2, 3), (0, 1))  # query head 0 reads slot 1
     with pytest.raises(ValueError, match="identity view"):
-        attention(q, k, v, view=permuted, scale=0.3, mask=Mask(bias=jnp.zeros((1, N, T, S))))
+        attention(q, k, v, view=permuted, scale=0.3,
+                  mask=Mask(arrays=PairArrays(bias=jnp.zeros((1, N, T, S)))))
 
 
 def test_cudnn_is_jax_cudnn():

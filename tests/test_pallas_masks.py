@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from test_pallas import STRICT, _compare, _grouped_inputs, _oracle, _vjp
 
-from dilax.core import Mask, PallasCore, identity_view
+from dilax.core import KeyBounds, Mask, PairArrays, PallasCore, identity_view
 from pallas_kernels import KernelConfig, flash_attention
 
 
@@ -126,8 +126,9 @@ def test_pallas_core_takes_every_mask_field_but_a_dense_bias():
     call = lambda mask: jax.eval_shape(functools.partial(  # noqa: E731
         PallasCore(interpret=True).forward, view=identity_view(1, 2), mask=mask, scale=0.3),
         q, k, v)
-    out, lse = call(Mask(kv_len=jnp.array([[30]]), is_causal=True, q_len=jnp.array([[20]]),
-                         window=(5, 2), kv_valid=jnp.arange(32)[None, None] % 3 != 1))
+    out, lse = call(Mask(KeyBounds(kv_len=jnp.array([[30]]), is_causal=True,
+                                   q_len=jnp.array([[20]]), window=(5, 2)),
+                         PairArrays(kv_valid=jnp.arange(32)[None, None] % 3 != 1)))
     assert out.shape == q.shape and lse.shape == q.shape[:3]
     with pytest.raises(ValueError, match="bias"):
-        call(Mask(bias=jnp.zeros((1, 1, 32, 32))))
+        call(Mask(arrays=PairArrays(bias=jnp.zeros((1, 1, 32, 32)))))

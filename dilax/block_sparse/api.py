@@ -49,7 +49,7 @@ from dilax.attention_mask import (
 from dilax.batch_dims import fold_batch_dims
 from dilax.block_sparse.ring_sharded import check_sharded_block_sparse, sharded_block_sparse
 from dilax.block_sparse.tables import check_pattern, head_layout, sparse_attention_tables
-from dilax.core import Mask, attention, identity_view
+from dilax.core import KeyBounds, Mask, attention, identity_view
 from dilax.core.arrays import cdiv
 from dilax.core.block_sparse import BlockSparsePallasCore
 from dilax.flex.api import core_mods, prepare_mods, with_sinks
@@ -359,7 +359,7 @@ def _block_sparse_pallas(q, k, v, q_len, kv_len, pattern, is_causal, scale, inte
     with :class:`~dilax.core.block_sparse.BlockSparsePallasCore` (lengths in the kernel)."""
     h, hk = q.shape[2], k.shape[2]
     per_row = lambda x: None if x is None else x[:, None]  # (b,) -> (b, 1): every kv head
-    mask = Mask(per_row(kv_len), 0, 0, is_causal, per_row(q_len))
+    mask = Mask(KeyBounds(per_row(kv_len), 0, 0, is_causal, per_row(q_len)))
     out, _ = attention(q, k, v, view=identity_view(hk, h // hk), scale=scale, mask=mask,
                        core=BlockSparsePallasCore(pattern, interpret))
     return out

@@ -69,7 +69,16 @@ from dilax.block_sparse.tables import (
 )
 from dilax.branch.plan import BranchPlan, plan_branch
 from dilax.branch.runner import attend_branches
-from dilax.core import XLA, BlockSizes, Core, Mask, SlotView, identity_view, merge_attention_states
+from dilax.core import (
+    XLA,
+    BlockSizes,
+    Core,
+    KeyBounds,
+    Mask,
+    SlotView,
+    identity_view,
+    merge_attention_states,
+)
 from dilax.core.arrays import (
     dynamic_slice_in_dim,
     dynamic_update_slice_in_dim,
@@ -163,8 +172,9 @@ class BlockSparseRing:
             kr, vr = (gather_key_blocks(x, idx[None], p.kvmap, B) for x in (kb, vb))
             key_range, query_range = ranges.get("gathered") or (None, None)
             res.append(fn(idx[None], qr, kr, vr, identity_view(p.U, p.G),
-                          Mask(_per_row(kv_len, b, p.U), q_len=q_len, key_range=key_range,
-                               query_range=query_range, mods=mods_g),
+                          Mask(KeyBounds(_per_row(kv_len, b, p.U), q_len=q_len,
+                                         key_range=key_range, query_range=query_range),
+                               mods=mods_g),
                           BlockSizes(block_q=B, block_k=min(self.block_k, idx.shape[-1] * B))))
         if diag is not None:
             dl = dynamic_slice_in_dim(jnp.asarray(diag)[me], g * R, R, axis=1)
@@ -174,8 +184,9 @@ class BlockSparseRing:
                 b * R, B, *x.shape[2:])
             diag_range = ranges.get("diag")
             res.append(fn(None, qr, rows(kb), rows(vb), self._diag_view(kb.shape[2]),
-                          Mask(_per_row(dl, b, p.U), 0, 0, True, q_len, key_range=diag_range,
-                               query_range=diag_range, mods=mods_d),
+                          Mask(KeyBounds(_per_row(dl, b, p.U), 0, 0, True, q_len,
+                                         key_range=diag_range, query_range=diag_range),
+                               mods=mods_d),
                           BlockSizes(block_q=B, block_k=B)))
         return res
 

@@ -24,7 +24,7 @@ from jax import lax
 
 from dilax import registry
 from dilax.block_sparse.tables import head_layout
-from dilax.core import Core, Mask, identity_view
+from dilax.core import Core, KeyBounds, Mask, identity_view
 from dilax.core.block_sparse import BlockSparsePallasCore
 from dilax.patterns import BlockSparsePattern, mask_tables
 from dilax.sp.schedule import Stream, needs_matrix, plan_streams
@@ -184,7 +184,7 @@ class KernelHops:
         local = lambda L, start: None if L is None else jnp.clip(  # noqa: E731
             L - start * m, 0, m)[:, None]
         q_len, kv_len = (None, None) if aux is None else (local(aux[0], me), local(aux[1], src))
-        mask = Mask(kv_len, 0, 0, bool(own and self.is_causal), q_len)
+        mask = Mask(KeyBounds(kv_len, 0, 0, bool(own and self.is_causal), q_len))
         return identity_view(hk, h // hk), mask
 
     def attend(self, q, kb, vb, aux, own: bool, e, src, *, scale: float, axis_name):

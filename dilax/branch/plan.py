@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dilax.core import Mask, SlotView, static_take
+from dilax.core import KeyBounds, Mask, PairArrays, SlotView, static_take
 from dilax.semantics import branch_heads, effective_segment_length
 
 
@@ -240,11 +240,11 @@ def branch_io(q: jax.Array, k: jax.Array, v: jax.Array, plan: BranchPlan, is_cau
     per-key validity; ``None`` builds exactly the mask without them."""
     view = slot_view(plan, q.shape[2], k.shape[2])
     q_len, kv_len, key_valid = (tuple(lengths) + (None,) * 3)[:3] if lengths else (None,) * 3
-    mask = Mask(
+    mask = Mask(KeyBounds(
         kv_len=(plan_kv_len(plan, q.shape[0]) if kv_len is None
                 else dilated_lengths(kv_len, plan)),  # <= the ragged tail's bound (lengths <= n)
         is_causal=is_causal,
         q_len=None if q_len is None else dilated_lengths(q_len, plan),
-        window=plan.window,
-        kv_valid=None if key_valid is None else dilated_key_valid(key_valid, plan))
+        window=plan.window),
+        None if key_valid is None else PairArrays(kv_valid=dilated_key_valid(key_valid, plan)))
     return (slot_layout(q, plan), slot_layout(k, plan), slot_layout(v, plan)), view, mask

@@ -4,7 +4,9 @@ Dilated, block-sparse and ring attention all reduce to calls of one :class:`Core
 (:mod:`dilax.core.interface`) plus :func:`merge_attention_states`:
 
 * :mod:`~dilax.core.blocks`: :class:`BlockSizes`, the tile config of every implementation;
-* :mod:`~dilax.core.mask`: :class:`Mask`, valid key lengths, offsets, causality;
+* :mod:`~dilax.core.mask`: :class:`Mask`, the general form: :class:`KeyBounds` (each
+  row's key interval: causality, window, lengths, offsets, ranges), :class:`PairArrays`
+  (key padding, dense bias / mask), the mods and a :class:`RowLayout`;
 * :mod:`~dilax.core.mods`: :class:`~dilax.core.mods.Mods`, the score/mask mods hook
   (FlexAttention's ``score_mod``/``mask_mod``, soft-cap, block tables) on each block;
 * :mod:`~dilax.core.pairwise`: dense ``(B, N, T, S)`` biases and masks, read by block;
@@ -29,7 +31,7 @@ from dilax.core.interface import (
     output_delta,
     pallas_config,
 )
-from dilax.core.mask import Mask
+from dilax.core.mask import KeyBounds, Mask, PairArrays, RowLayout
 from dilax.core.merge import merge_attention_states
 from dilax.core.ordering import fence_after, when
 from dilax.core.view import SlotView, identity_view, static_take
@@ -39,8 +41,11 @@ __all__ = [
     "BlockSizes",
     "Core",
     "CudnnCore",
+    "KeyBounds",
     "Mask",
+    "PairArrays",
     "PallasCore",
+    "RowLayout",
     "SlotView",
     "XlaCore",
     "attention",

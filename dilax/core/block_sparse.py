@@ -48,22 +48,22 @@ class BlockSparsePallasCore:
         hk = k.shape[2]
         if view != identity_view(hk, h // hk):
             raise ValueError("the Pallas block-sparse core reads the identity head view only")
-        if (mask.window is not None or mask.kv_valid is not None or mask.bias is not None
-                or mask.mask is not None or mask.mods is not None or _nonzero(mask.q_offset)
-                or _nonzero(mask.k_offset)):
+        bounds = mask.bounds
+        if (bounds.window is not None or mask.arrays is not None or mask.mods is not None
+                or _nonzero(bounds.q_offset) or _nonzero(bounds.k_offset)):
             raise ValueError("implementation='pallas': the block-sparse kernel takes causality "
                              "and valid lengths only (no band, per-key mask, bias, mods or "
                              "offsets; "
                              "dilax.registry decides which core runs which call)")
         bs = self.pattern.block_size
-        tables = self._tables(n, h, mask.is_causal)
+        tables = self._tables(n, h, bounds.is_causal)
         lengths = None
-        if mask.q_len is not None or mask.kv_len is not None:
-            m = mask.resolve(B, hk, n, n)
+        if bounds.q_len is not None or bounds.kv_len is not None:
+            m = mask.resolve(B, hk, n, n).bounds
             full = jnp.full((B, hk), n, jnp.int32)
             lengths = jnp.clip(jnp.stack([full if m.q_len is None else m.q_len,
                                           full if m.kv_len is None else m.kv_len], -1), 0, n)
-        return tables, dict(lengths=lengths, block_size=bs, is_causal=bool(mask.is_causal),
+        return tables, dict(lengths=lengths, block_size=bs, is_causal=bool(bounds.is_causal),
                             config=pallas_config(block_sizes, n, n, d, q.dtype),
                             interpret=self.interpret)
 

@@ -27,7 +27,7 @@ from jax import lax
 from dilax.core import pairwise, xla
 from dilax.core.arrays import output_delta, varying_axes  # delta: rowsum(dO * O) - dlse, float32
 from dilax.core.blocks import BlockSizes, default_block_sizes
-from dilax.core.mask import Mask
+from dilax.core.mask import KeyBounds, Mask
 from dilax.core.mods import Mods, check_view, grad_result
 from dilax.core.ordering import when
 from dilax.core.view import SlotView, identity_view
@@ -75,8 +75,9 @@ class XlaCore:
     def _resolve(q, k, view, mask, block_sizes):
         B, Lq, Lk = q.shape[0], q.shape[1], k.shape[1]
         if block_sizes is None:
-            window = None if mask.window is None else max(0, *pairwise.band(mask.window))
-            block_sizes = default_block_sizes(Lq, Lk, len(view.q_index), bool(mask.is_causal),
+            bounds = mask.bounds
+            window = None if bounds.window is None else max(0, *pairwise.band(bounds.window))
+            block_sizes = default_block_sizes(Lq, Lk, len(view.q_index), bool(bounds.is_causal),
                                               window)
         return mask.resolve(B, len(view.kv_index), Lk, Lq), block_sizes.clipped(Lq, Lk)
 
@@ -112,10 +113,10 @@ def pallas_config(block_sizes: BlockSizes | None, len_q: int, len_k: int, head_d
 
 
 def _drop_invalid_rows(out, lse, view, mask, len_q):
-    """``out = 0``, ``lse = -inf`` on query rows at or past ``mask.q_len`` (output layout):
+    """``out = 0``, ``lse = -inf`` on query rows at or past ``mask.bounds.q_len`` (output layout):
     for kernels without a query-length mask. The backward then recomputes ``p = 0`` on those
     rows from ``lse = -inf``, so their gradient is exactly 0 too."""
-    if mask.q_len is None:
+    if mask.bounds.q_len is None:
         return out, lse
     B, U = out.shape[0], len(view.kv_index)
     q_len = mask.resolve(B, U, len_q, len_q).q_len
@@ -134,10 +135,10 @@ def _refuse_masks(name: str, mask: Mask, *, band_and_keys: bool = False,
     mods at the call's own positions and heads (no position maps, no head list). No
     registry lookup here: the registry builds cores, so the core does not import it."""
     missing = [what for what, given in (
-        ("a band mask (local_window)", mask.window is not None and not band_and_keys),
+        ("a band mask (local_window)", mask.bounds.window is not None and not band_and_keys),
         ("a per-key mask (key padding)", mask.kv_valid is not None and not band_and_keys),
-        ("bias or (B, N, T, S) boolean mask", mask.bias is not None or mask.mask is not None),
-        ("per-row key ranges (segment_ids)", mask.key_range is not None),
+        ("bias or (B, N, T, S) boolean mask", mask.bias is not None or mask.allowed is not None),
+        ("per-row key ranges (segment_ids)", mask.bounds.key_range is not None),
         ("score_mod / mask_mod / soft-cap (dilax.flex_attention)", mask.mods is not None and (
             not mods or any(x is not None for x in (
                 mask.mods.q_pos, mask.mods.kv_pos, mask.mods.batch, mask.mods.heads)))),
@@ -152,8 +153,8 @@ def _refuse_masks(name: str, mask: Mask, *, band_and_keys: bool = False,
 class PallasCore:
     """The Pallas flash kernels (:mod:`pallas_kernels.flash_attention`) on gathered inputs.
 
-    ``interpret``: run the kernels in the Pallas interpreter (CPU tests). Every field of the
-    :class:`Mask` but ``bias``/``mask`` is the kernels' own: key and query lengths, offsets,
+    ``interpret``: run the kernels in the Pallas interpreter (CPU tests). Every part of the
+    :class:`Mask` but a dense bias / mask is the kernels' own: key and query lengths, offsets,
     causality, the band ``window`` (only the tiles that meet it are visited) and the per-key
     ``kv_valid``, and FlexAttention mods (:class:`dilax.core.mods.Mods` on an identity view:
     cap, ``score_mod`` and ``mask_mod`` traced into the kernels, :mod:`pallas_kernels.mods`;
@@ -177,15 +178,16 @@ class PallasCore:
                 tables = dict(block_tables=(m.kv_blocks, m.q_blocks, m.table_block))
         U = len(view.kv_index)
         mask = mask.resolve(B, U, Lk, Lq)
-        kv_len = mask.kv_len if mask.kv_len is not None else jnp.full((B, U), Lk, jnp.int32)
-        q_len = None if mask.q_len is None else jnp.maximum(mask.q_len, 0)
-        masked = mask.window is not None or q_len is not None or mask.kv_valid is not None or (
+        bounds = mask.bounds
+        kv_len = bounds.kv_len if bounds.kv_len is not None else jnp.full((B, U), Lk, jnp.int32)
+        q_len = None if bounds.q_len is None else jnp.maximum(bounds.q_len, 0)
+        masked = bounds.window is not None or q_len is not None or mask.kv_valid is not None or (
             mods is not None)
         return dict(kv_len=jnp.maximum(kv_len, 0),
-                    offsets=jnp.stack([mask.q_offset, mask.k_offset]),
-                    is_causal=mask.is_causal, interpret=self.interpret,
+                    offsets=jnp.stack([bounds.q_offset, bounds.k_offset]),
+                    is_causal=bounds.is_causal, interpret=self.interpret,
                     config=pallas_config(block_sizes, Lq, Lk, d, q.dtype, masked=masked),
-                    window=mask.window, q_len=q_len, kv_valid=mask.kv_valid,
+                    window=bounds.window, q_len=q_len, kv_valid=mask.kv_valid,
                     **({} if mods is None else dict(mods=mods, **tables)))
 
     def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):
@@ -228,8 +230,8 @@ class CudnnCore:
     def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):
         del block_sizes
         _refuse_masks(self.name, mask)
-        if not (isinstance(mask.q_offset, int) and isinstance(mask.k_offset, int)
-                and mask.q_offset == mask.k_offset == 0):
+        offsets = (mask.bounds.q_offset, mask.bounds.k_offset)
+        if not all(isinstance(o, int) and o == 0 for o in offsets):
             raise ValueError("implementation='cudnn' supports no query/key offsets; "
                              "use implementation='xla' or 'pallas'")
         from dilax.core.platform import require_cudnn  # lazy: kernels are optional
@@ -238,15 +240,15 @@ class CudnnCore:
         B, L, U, G, d = qg.shape
         mask = mask.resolve(B, U, k.shape[1])
         dpa = functools.partial(jax.nn.dot_product_attention, scale=float(scale),
-                                is_causal=mask.is_causal, implementation="cudnn",
+                                is_causal=mask.bounds.is_causal, implementation="cudnn",
                                 return_residual=True)
         try:
-            if mask.kv_len is None:
+            if mask.bounds.kv_len is None:
                 out, lse = dpa(qg.reshape(B, L, U * G, d), kg, vg)
             else:  # one key length per (batch row, kv head): fold the kv heads into the batch
                 fold = lambda x: jnp.moveaxis(x, 2, 1).reshape(B * U, L, -1, d)
                 out, lse = dpa(fold(qg), fold(kg), fold(vg),
-                               key_value_seq_lengths=mask.kv_len.reshape(B * U))
+                               key_value_seq_lengths=mask.bounds.kv_len.reshape(B * U))
                 out = jnp.moveaxis(out.reshape(B, U, L, G, d), 1, 2)
                 lse = jnp.moveaxis(lse.reshape(B, U, L, G), 1, 2)
         except NotImplementedError as e:  # jax's cuDNN shape/dtype rules, as a ValueError
@@ -312,10 +314,12 @@ def _attention_bwd(call: _Call, res, cotangents):
     dmask = None
     if mask.bias is not None or mask.mods is not None:
         # the core returned d(bias) and the mods' d(consts) too; other leaves: no cotangent
-        dmask = jax.tree.map(lambda _: None, dataclasses.replace(mask, bias=None, mods=None))
+        dmask = jax.tree.map(lambda _: None, dataclasses.replace(mask, mods=None))
         extra = grads[3:]
         if mask.bias is not None:
-            dmask, extra = dataclasses.replace(dmask, bias=extra[0]), extra[1:]
+            dmask = dataclasses.replace(dmask, arrays=dataclasses.replace(
+                dmask.arrays, bias=extra[0]))
+            extra = extra[1:]
         if mask.mods is not None:
             dmask = dataclasses.replace(dmask, mods=mask.mods.cotangent(extra))
     return (*sum_invariant_axes((q, k, v), grads[:3]), dmask, None)
@@ -382,8 +386,8 @@ def attention_core(
     """
     B, Lq, Hk, G, d = q.shape
     out, lse = attention(q.reshape(B, Lq, Hk * G, d), k, v, view=identity_view(Hk, G),
-                         scale=scale, mask=Mask(kv_len, q_offset, k_offset, bool(is_causal), q_len,
-                                                key_range=key_range, query_range=query_range,
-                                                mods=mods),
+                         scale=scale, mask=Mask(KeyBounds(
+                             kv_len, q_offset, k_offset, bool(is_causal), q_len,
+                             key_range=key_range, query_range=query_range), mods=mods),
                          block_sizes=block_sizes)
     return out.reshape(B, Lq, Hk, G, v.shape[-1]), lse.reshape(B, Lq, Hk, G)  # dv: v's

@@ -34,7 +34,7 @@ def prepare(mask, view) -> Dense | None:
     block at a time: XLA:CPU would otherwise hoist a float32 copy of the whole bias out of
     the loops (the reason for :func:`dilax.core.xla._as_bits`). ``view`` must be an identity
     view (query head ``h`` is the bias's head ``h``)."""
-    if mask.bias is None and mask.mask is None:
+    if mask.bias is None and mask.allowed is None:
         return None
     heads = tuple(range(len(getattr(view, "q_index", ()))))
     if getattr(view, "num_slots", None) != 1 or view.q_index != heads:
@@ -43,7 +43,7 @@ def prepare(mask, view) -> Dense | None:
     bias = mask.bias
     if bias is not None and jnp.issubdtype(bias.dtype, jnp.floating) and bias.dtype.itemsize == 2:
         bias = lax.bitcast_convert_type(bias, jnp.uint16)
-    return Dense(bias, None if mask.bias is None else mask.bias.dtype, mask.mask)
+    return Dense(bias, None if mask.bias is None else mask.bias.dtype, mask.allowed)
 
 
 def band(window):

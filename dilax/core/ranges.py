@@ -1,4 +1,4 @@
-"""Per-row key ranges of the XLA core (:class:`dilax.core.Mask` ``key_range`` /
+"""Per-row key ranges of the XLA core (:class:`dilax.core.KeyBounds` ``key_range`` /
 ``query_range``): the rows' ranges block by block, and the loop bounds that follow them.
 
 A ranged loop does not start at a multiple of the block size: its blocks start at the

@@ -1,4 +1,4 @@
-"""Row-gathered reads and writes of the blockwise XLA core (:class:`~dilax.core.Mask`
+"""Row-gathered reads and writes of the blockwise XLA core (:class:`~dilax.core.RowLayout`
 ``rows``): a sequence whose row ``i`` of virtual kv head ``u`` is position ``rows[b, u, i]``
 of the inputs. The core then reads each block's rows where they lie (one gather of the
 block, no gathered copy of the inputs) and adds gradients into the inputs' own layout (one

@@ -1,4 +1,4 @@
-"""Row tiles of the XLA forward given by a table (:class:`dilax.core.Mask` ``q_tiles``).
+"""Row tiles of the XLA forward given by a table (:class:`dilax.core.RowLayout` ``q_tiles``).
 
 A tile ``[start, end)`` of at most ``block_q`` rows is computed as the ``block_q`` rows
 from ``start`` (shifted back to fit the padded rows); only its own rows are written, so a

@@ -178,16 +178,17 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
     """``(out, lse)`` of the queries of ``view``: ``out (B, Lq, H_out, d)`` in ``out_dtype``
     (default ``q.dtype``), ``lse (B, Lq, H_out)`` float32. ``mask`` must be resolved
     (:meth:`Mask.resolve`) and ``block_sizes`` clipped (:meth:`BlockSizes.clipped`)."""
-    kv_len, q_offset, k_offset, is_causal = mask.kv_len, mask.q_offset, mask.k_offset, \
-        mask.is_causal
-    q_len, window, kv_valid = mask.q_len, mask.window, mask.kv_valid
+    bounds = mask.bounds  # the rows' key intervals (dilax.core.mask.KeyBounds)
+    kv_len, q_offset, k_offset, is_causal = bounds.kv_len, bounds.q_offset, bounds.k_offset, \
+        bounds.is_causal
+    q_len, window, kv_valid = bounds.q_len, bounds.window, mask.kv_valid
     dense = pairwise.prepare(mask, view)  # None without a bias or mask
     mods = mask.mods  # None without score/mask mods (dilax.core.mods)
     if mods is not None:
         MD.check_view(view, mods)
     block_q, block_k = block_sizes.block_q, block_sizes.block_k
     heads_per_step = block_sizes.heads_per_step
-    ranged = mask.key_range is not None
+    ranged = bounds.key_range is not None
     B, Lq = q.shape[:2]
     Lk, d = k.shape[1], v.shape[-1]  # d: the values' head dim (the output's)
     U, G = len(view.kv_index), view.q_per_kv
@@ -196,7 +197,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
     kp, vp, kv_len, kv_valid = _pad_keys(_as_bits(k), _as_bits(v), kv_len, kv_valid,
                                          nk * block_k, U)
     axes = varying_axes(q, k, v, kv_len, q_offset, k_offset, q_len)
-    key_range = RG.pad_range(mask.key_range, nq * block_q)
+    key_range = RG.pad_range(bounds.key_range, nq * block_q)
     gathered = _rows_setup(mask.rows, q, k, v, view, nq * block_q, nk * block_k)
 
     groups = _head_groups(U, G, heads_per_step)
@@ -324,9 +325,10 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
     ``delta = output_delta(out, dout, dlse)``. ``acc``: optional ``(dq, dk, dv)`` in the input
     layouts (e.g. earlier branches' gradients) that the gradients are added into, in float32,
     without buffers of their own."""
-    kv_len, q_offset, k_offset, is_causal = mask.kv_len, mask.q_offset, mask.k_offset, \
-        mask.is_causal
-    q_len, window, kv_valid = mask.q_len, mask.window, mask.kv_valid
+    bounds = mask.bounds  # the rows' key intervals (dilax.core.mask.KeyBounds)
+    kv_len, q_offset, k_offset, is_causal = bounds.kv_len, bounds.q_offset, bounds.k_offset, \
+        bounds.is_causal
+    q_len, window, kv_valid = bounds.q_len, bounds.window, mask.kv_valid
     dense = pairwise.prepare(mask, view)  # None without a bias or mask
     mods = mask.mods
     block_q, block_k = block_sizes.backward
@@ -343,11 +345,11 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
     lsep, deltap = pad_q(lse_safe), pad_q(delta)
     kp, vp, kv_len, kv_valid = _pad_keys(bits(k), bits(v), kv_len, kv_valid, nk * block_k, U)
     axes = varying_axes(q, k, v, kv_len, q_offset, k_offset, dout, delta, q_len)
-    key_range = RG.pad_range(mask.key_range, nq * block_q)
-    query_range = RG.pad_range(mask.query_range, nk * block_k)
+    key_range = RG.pad_range(bounds.key_range, nq * block_q)
+    query_range = RG.pad_range(bounds.query_range, nk * block_k)
     ranged = key_range is not None
     # exact query ranges: the query blocks inside every key's range need no mask at all
-    exact = ranged and mask.query_range_exact and not is_causal and window is None
+    exact = ranged and bounds.query_range_exact and not is_causal and window is None
     gathered = _rows_setup(mask.rows, q, k, v, view, nq * block_q, nk * block_k)
     out_view = view.output_view()  # reads dout, lse, delta (output layout) per block
 

@@ -4,7 +4,7 @@ In branch ``(w, r)`` the query at position ``p`` attends only the keys of its ow
 share its offset class, ``p - r*m`` for ``m = 0 .. (p % w) // r``: at most ``w / r`` keys,
 wherever ``p`` is. A decode call therefore gathers, per row and per branch, exactly those
 windows from the cache (plus ``W + 1`` keys for a local window) and runs them through the one
-attention core (:mod:`dilax.core`) with a :class:`~dilax.core.Mask` whose ``kv_len`` is the
+attention core (:mod:`dilax.core`) with :class:`~dilax.core.KeyBounds` whose ``kv_len`` is the
 number of keys inside the segment; branches are merged by their log-sum-exp
 (:func:`dilax.core.merge_attention_states`). Nothing is proportional to the cache length.
 
@@ -37,7 +37,7 @@ from jax import lax
 from dilax import _validation as V
 from dilax import registry
 from dilax.branch.plan import expand_slots, plan_branch, slot_layout, slot_view
-from dilax.core import XLA, BlockSizes, Mask, identity_view, merge_attention_states
+from dilax.core import XLA, BlockSizes, KeyBounds, Mask, identity_view, merge_attention_states
 from dilax.dilated.settings import DilatedSettings, settings_from_keywords
 from dilax.flex.api import core_mods, prepare_mods, with_sinks
 from dilax.semantics import branch_heads, effective_segment_length
@@ -162,7 +162,7 @@ def _window_branch(q, kc, vc, pos, br: _Branch, scale, mods=None):
         mods_b = None if mods is None else dataclasses.replace(  # positions, not slots
             mods, q_pos=pb.reshape(B, 1), kv_pos=jnp.clip(idx, 0, None).reshape(B, 1, br.m),
             batch=jnp.repeat(jnp.arange(b, dtype=jnp.int32), qb.shape[1]), heads=heads)
-        mask = Mask(kv_len=jnp.broadcast_to(kv_len.reshape(B, 1), (B, len(view.kv_index))),
+        mask = Mask(KeyBounds(jnp.broadcast_to(kv_len.reshape(B, 1), (B, len(view.kv_index)))),
                     mods=mods_b)
         out, lse = XLA.forward(
             qb.reshape(B, 1, h, d), kw.reshape(B, br.m, hk, d), vw.reshape(B, br.m, hk, d),
@@ -205,7 +205,7 @@ def _segment_branch(q, kc, vc, lengths, br: _Branch, scale):
     kv_len = jnp.clip(-(-valid // r), 0, w // r).reshape(b * nseg, len(plan.kv_slots))
     out, lse = XLA.forward(
         slot_layout(qw, plan), slot_layout(kw, plan), slot_layout(vw, plan),
-        view=slot_view(plan, h, hk), mask=Mask(kv_len=kv_len, is_causal=True), scale=scale,
+        view=slot_view(plan, h, hk), mask=Mask(KeyBounds(kv_len, is_causal=True)), scale=scale,
         out_dtype=_F32)
     take = shift[:, None] + jnp.arange(t)[None]
     out = _row_gather(expand_slots(out, plan, n_win, 0.0), take)

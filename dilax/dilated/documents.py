@@ -6,7 +6,7 @@ Inside it, position ``p`` has document position ``p - start``, and every rule of
 queries of offset ``o`` are the positions with ``(p - start) % r == o``; listed in row order
 they form the branch's *document-dilated sequence*, in which every (document, segment) is one
 contiguous run of keys. One core call per branch then reads that sequence with per-row key
-ranges (:class:`dilax.core.Mask` ``key_range``): cost follows the documents' own attended
+ranges (:class:`dilax.core.KeyBounds` ``key_range``): cost follows the documents' own attended
 pairs plus the edges of their runs, never ``n x n``.
 
 :class:`DocumentBranch` is that branch for the one branch runner
@@ -25,7 +25,18 @@ import numpy as np
 
 from dilax.attention_mask import document_bounds
 from dilax.branch.plan import BranchPlan, plan_branch
-from dilax.core import XLA, BlockSizes, Core, Mask, SlotView, attention, static_take
+from dilax.core import (
+    XLA,
+    BlockSizes,
+    Core,
+    KeyBounds,
+    Mask,
+    PairArrays,
+    RowLayout,
+    SlotView,
+    attention,
+    static_take,
+)
 from dilax.core.blocks import default_block_sizes
 from dilax.core.ranges import EMPTY
 
@@ -150,7 +161,7 @@ def offset_table(sel, before, lo, hi, query_lo, query_hi, key_valid) -> OffsetTa
 def run_tiles(start: jax.Array, end: jax.Array, w: int, block: int
               ) -> tuple[jax.Array, jax.Array]:
     """Row tiles ``(start, end)`` int32 ``(b, T)`` of at most ``block`` rows aligned to the
-    runs of branch ``(w, r = 1)`` (:class:`dilax.core.Mask` ``q_tiles``): runs of at least
+    runs of branch ``(w, r = 1)`` (:class:`dilax.core.RowLayout` ``q_tiles``): runs of at least
     ``block / 4`` rows start a tile, and so does every ``block``-th row after such a start;
     shorter runs share tiles. ``T`` bounds the tile count for any documents (unused: empty)."""
     b, n = start.shape
@@ -244,11 +255,13 @@ class DocumentBranch:
             xs = [getattr(t, name) for t in per_u]
             return None if xs[0] is None else jnp.stack(xs, axis=1)  # (b, U, n)
 
-        mask = Mask(is_causal=self.is_causal, kv_valid=stack("key_valid"),
-                    key_range=(stack("key_lo"), stack("key_hi")),
-                    query_range=(stack("query_lo"), stack("query_hi")),
-                    # the runs are symmetric unless lengths cut the key ranges
-                    query_range_exact=q_len is None and kv_len is None)
+        key_valid = stack("key_valid")
+        mask = Mask(KeyBounds(is_causal=self.is_causal,
+                              key_range=(stack("key_lo"), stack("key_hi")),
+                              query_range=(stack("query_lo"), stack("query_hi")),
+                              # the runs are symmetric unless lengths cut the key ranges
+                              query_range_exact=q_len is None and kv_len is None),
+                    None if key_valid is None else PairArrays(kv_valid=key_valid))
         return per_u, mask
 
     def _view(self) -> SlotView:
@@ -289,7 +302,8 @@ class DocumentBranch:
         rows = jnp.minimum(jnp.stack([t.rows for t in per_u], axis=1), self.n - 1)
         p = self.plan
         view = SlotView(1, self.num_heads, self.num_kv_heads, p.q_heads, p.kv_heads)
-        return view, dataclasses.replace(mask, rows=(rows, rows))
+        return view, dataclasses.replace(mask, layout=dataclasses.replace(
+            mask.layout or RowLayout(), rows=(rows, rows)))
 
     def _columns(self, y, per_u, name, fill):
         """Per head (ascending): column ``c`` of ``y (b, L, H', ...)`` gathered by the
@@ -333,7 +347,8 @@ class DocumentBranch:
     def forward(self, q, k, v, aux):
         per_u, mask = self._tables(aux)
         if self._tiled:
-            mask = dataclasses.replace(mask, q_tiles=self._row_tiles(aux))
+            mask = dataclasses.replace(mask, layout=dataclasses.replace(
+                mask.layout or RowLayout(), q_tiles=self._row_tiles(aux)))
         if self._reads_rows:
             return self._forward_rows(q, k, v, per_u, mask)
         p, G = self.plan, self.plan.q_per_kv
@@ -382,7 +397,8 @@ class DocumentBranch:
         are positions of the row) and the query heads (:mod:`dilax.dilated.flex`)."""
         per_u, mask = self._tables(aux)
         if self._tiled:
-            mask = dataclasses.replace(mask, q_tiles=self._row_tiles(aux))
+            mask = dataclasses.replace(mask, layout=dataclasses.replace(
+                mask.layout or RowLayout(), q_tiles=self._row_tiles(aux)))
         p, G = self.plan, self.plan.q_per_kv
         call = dict(scale=self.scale, core=self.core, block_sizes=self._blocks, out_dtype=_F32)
         if self._reads_rows:

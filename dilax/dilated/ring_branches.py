@@ -24,7 +24,17 @@ from jax import lax
 from dilax.branch.plan import BranchPlan, slot_view
 from dilax.branch.plan import plan_branch as _plan_branch
 from dilax.branch.runner import CoreBranch
-from dilax.core import XLA, BlockSizes, Core, Mask, attention, identity_view, static_take
+from dilax.core import (
+    XLA,
+    BlockSizes,
+    Core,
+    KeyBounds,
+    Mask,
+    PairArrays,
+    attention,
+    identity_view,
+    static_take,
+)
 from dilax.core.arrays import dynamic_slice_in_dim, dynamic_update_slice_in_dim, varying_like
 from dilax.dilated.ring_dilate import dilate, undilate, valid_rows
 from dilax.sp.layout import lookup, vblock, vshift
@@ -87,8 +97,8 @@ def _halo_branch(qd, kd, vd, geo: Geometry, n_u, axis_name, scale, is_causal, bl
     kv_len = kv_len.reshape(b * C * s_w, U)
     out, lse = attention(qw.reshape(b * C * s_w, L, U * G, d), kw.reshape(b * C * s_w, L, U, d),
                          vw.reshape(b * C * s_w, L, U, dv), view=identity_view(U, G),
-                         scale=scale, mask=Mask(kv_len, 0, 0, bool(is_causal)), core=core,
-                         block_sizes=block_sizes)
+                         scale=scale, mask=Mask(KeyBounds(kv_len, 0, 0, bool(is_causal))),
+                         core=core, block_sizes=block_sizes)
     out = out.reshape(b, C, s_w * L, U, G, dv)
     lse = lse.reshape(b, C, s_w * L, U, G)
     out = jnp.stack([dynamic_slice_in_dim(out[:, c], F[c] % L, R, axis=1)
@@ -278,8 +288,8 @@ class WindowBranch:
         pos = starts[:, None] + jnp.arange(lk)[None]  # (C, lk)
         valid = (pos[None] >= 0) & (pos[None] < limit[:, None, None])  # (b, C, lk)
         kv_len = jnp.clip(limit[:, None] - starts[None], 0, lk).reshape(b * C, 1)
-        mask = Mask(kv_len, W, 0, self.is_causal, window=W,
-                    kv_valid=valid.reshape(b * C, 1, lk))
+        mask = Mask(KeyBounds(kv_len, W, 0, self.is_causal, window=W),
+                    PairArrays(kv_valid=valid.reshape(b * C, 1, lk)))
         qf = q.reshape(b * C, mc, h, d)
         return attention(qf, kb, vb, view=slot_view(self.plan, h, k.shape[2]),
                          scale=self.scale, mask=mask, core=self.core,

@@ -30,7 +30,7 @@ from jax import lax
 from dilax.attention_mask import AttentionMask
 from dilax.branch.plan import dilated_branches, window_plan
 from dilax.branch.runner import attend_branches
-from dilax.core import Mask, merge_attention_states
+from dilax.core import KeyBounds, Mask, PairArrays, merge_attention_states
 from dilax.core.arrays import cdiv, varying_like
 from dilax.dilated.documents import (
     EMPTY_RANGE,
@@ -120,8 +120,9 @@ class DocumentRingBranch(DocumentBranch):
         if mods is not None:  # the rows' and the visiting keys' global positions (keys[4])
             mods = dataclasses.replace(mods, q_pos=q_pos, kv_pos=keys[4],
                                        heads=tuple(self.plan.q_heads))
-        return Mask(kv_valid=valid, key_range=(at(key_range[0], c_keys), at(key_range[1], c_keys)),
-                    query_range=(at(q_lo, c_here), at(q_hi, c_here)), mods=mods)
+        bounds = KeyBounds(key_range=(at(key_range[0], c_keys), at(key_range[1], c_keys)),
+                           query_range=(at(q_lo, c_here), at(q_hi, c_here)))
+        return Mask(bounds, None if valid is None else PairArrays(kv_valid=valid), mods)
 
     def _positions(self, per_u, m):
         """Global positions ``(b, U, m)`` of the local rows of each virtual kv head (the

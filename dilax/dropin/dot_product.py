@@ -19,7 +19,7 @@ import numpy as np
 from dilax import _validation as V
 from dilax import registry
 from dilax.attention_mask import check_segment_ids, document_bounds
-from dilax.core import Core, Mask, attention, identity_view
+from dilax.core import Core, KeyBounds, Mask, PairArrays, attention, identity_view
 from dilax.dilated.settings import DilatedSettings
 from dilax.flex.api import FlexMods, flex_core, prepare_mods
 from dilax.flex.block_mask import BlockMask
@@ -264,8 +264,9 @@ def _spec(bias, mask, q_len, kv_len, segment_ids, is_causal, window) -> Mask:
     ranges = None
     if segment_ids is not None:  # each row's document, as a key range (both sides)
         ranges = tuple(x[:, None] for x in document_bounds(segment_ids))
-    return Mask(per_row(kv_len), 0, 0, is_causal, per_row(q_len), window, None, bias, mask,
-                ranges, ranges)
+    arrays = None if bias is None and mask is None else PairArrays(bias=bias, allowed=mask)
+    return Mask(KeyBounds(per_row(kv_len), 0, 0, is_causal, per_row(q_len), window, ranges,
+                          ranges), arrays)
 
 
 def _flex(q, k, v, bias, mask, q_len, kv_len, segment_ids, mods: FlexMods, *, scale: float,

@@ -38,6 +38,7 @@ from dilax.core import (
     XLA,
     BlockSizes,
     Core,
+    KeyBounds,
     Mask,
     identity_view,
     merge_attention_states,
@@ -129,7 +130,7 @@ def _pair_forward(cfg: RingConfig, q, k, v, Fq, cq, Fk, ck, ok, n_u=None):
             qq, kk, vv = ops
             o, lse = cfg.core.forward(qq.reshape(b, R, U * G, d), kk, vv,
                                       view=identity_view(U, G),
-                                      mask=Mask(kv_len_b, Fq, k_off, cfg.is_causal),
+                                      mask=Mask(KeyBounds(kv_len_b, Fq, k_off, cfg.is_causal)),
                                       scale=cfg.scale, block_sizes=cfg.block_sizes,
                                       out_dtype=_F32)
             return o.reshape(o_shape), lse.reshape(q.shape[:-1])
@@ -167,7 +168,7 @@ def _pair_backward(cfg: RingConfig, view, q, k, v, lse, dout, delta, Fq, cq, Fk,
         def grads(ops, kv_len_b=kv_len_b, k_off=k_off):
             qq, kk, vv, ll, do, dd, *into = ops
             return cfg.core.backward(qq, kk, vv, view=view,
-                                     mask=Mask(kv_len_b, Fq, k_off, cfg.is_causal),
+                                     mask=Mask(KeyBounds(kv_len_b, Fq, k_off, cfg.is_causal)),
                                      scale=cfg.scale, lse=ll, dout=do, delta=dd,
                                      block_sizes=cfg.block_sizes, grad_dtype=_F32,
                                      acc=tuple(into))
