@@ -86,17 +86,21 @@ def test_softcap_alibi_sinks_causal_lengths_gqa(dtype, interpreted):
 
 def test_document_mask_mod_causal_window_query_lengths(interpreted):
     """A closed-over per-position array (document ids, read at ``q_idx`` and ``kv_idx``) as
-    ``mask_mod``, with the call's own causality, band and query lengths; a query row past
-    its length or with no key left gets 0."""
+    the ``mask_mod`` of a block mask, with the call's own causality, band and query lengths;
+    a query row past its length gets 0."""
     b, n, h, hk, d = 2, 72, 4, 1, 16
     (q, k, v), w, _ = _inputs(b, n, n, h, hk, d, d, seed=22)
     seg = np.repeat(np.array([[0, 1, 2, 3], [5, 5, 7, 5]]), [10, 30, 20, 12], axis=1)
     q_len = jnp.asarray([n, 50], jnp.int32)
 
+    # its per-batch BlockMask of 64-blocks: the mask_mod, and tables for the kernels' loops
+    bm = dilax.create_block_mask(flex.document_mask(jnp.asarray(seg)), b, None, n, n,
+                                 block_size=64)
+
     def fn(q, k, v):
         return dilax.dot_product_attention(
             q, k, v, is_causal=True, local_window_size=(24, 0), query_seq_lengths=q_len,
-            mask_mod=flex.document_mask(jnp.asarray(seg)), implementation="pallas")
+            block_mask=bm, implementation="pallas")
 
     out, grads, kernels = _run(fn, (q, k, v), w)
     assert kernels
