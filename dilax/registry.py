@@ -36,9 +36,10 @@ OPS = ("dilated_branch", "window", "block_sparse", "ring_hop", "decode", "dense"
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 # implementation=None: the first of these that serves a request. cuDNN only for an
 # inference-style forward (create_attention with dtype, head_dim); never the reference.
+# dot_product_attention's None is jax's default, the XLA path (dilax's blockwise core); with
+# FlexAttention's options (beyond jax) it picks as flex_attention does.
 AUTO_ORDER = ("pallas", "xla")
-# dot_product_attention's None is jax's default, the XLA path (dilax's blockwise core)
-_AUTO_ORDER_OF = {"dense": ("xla",)}
+_FLEX_OPS = ("flex", "dense")  # the ops whose Pallas path takes the mods (pallas_kernels.mods)
 
 _WHAT = {"dilated_branch": "a dilated branch", "window": "the local-window branch",
          "block_sparse": "block-sparse attention", "ring_hop": "a ring hop",
@@ -102,8 +103,8 @@ class CoreRequest:
 
 
 def _flex_features(r: CoreRequest, kernel: str, flex: bool = False) -> str | None:
-    # flex: the kernel serves flex_attention's mods (sinks from its lse) with a tile form
-    mods = not (flex and r.op == "flex")
+    # flex: the kernel serves the mods (sinks from its lse) of the _FLEX_OPS with a tile form
+    mods = not (flex and r.op in _FLEX_OPS)
     what = [w for w, f in (("score_mod / soft-cap", r.has_score_mod and mods), ("mask_mod",
             r.has_mask_mod and mods), ("sinks", r.has_sinks and mods), ("dv != d",
             r.value_head_dim not in (None, r.head_dim)), ("flex_attention",
@@ -118,10 +119,6 @@ def _reference(r: CoreRequest) -> str | None:
     if r.op in ("ring_hop", "decode"):
         return (f"the mask-based reference is a whole dense op over (n, n); it has no form "
                 f"for {r.what}")
-    return None
-
-
-def _xla(r: CoreRequest) -> str | None:  # the blockwise XLA core serves every request
     return None
 
 
@@ -206,7 +203,8 @@ def cudnn_head_dim_problem(head_dim: int | None, *, hopper: bool) -> str | None:
     return f"cuDNN needs head_dim % 8 == 0 and <= 128 (256 on Hopper), got head_dim={head_dim}"
 
 
-_RULES = {"reference": _reference, "xla": _xla, "pallas": _pallas, "cudnn": _cudnn}
+# the blockwise XLA core serves every request
+_RULES = {"reference": _reference, "xla": lambda r: None, "pallas": _pallas, "cudnn": _cudnn}
 
 
 def supports(implementation: str, request: CoreRequest) -> str | None:
@@ -279,7 +277,9 @@ def choose(implementation: str | None, request: CoreRequest) -> tuple[str, str]:
     if request.platform is None:
         request = dataclasses.replace(request, platform=current_platform())
     refused = []
-    for name in _AUTO_ORDER_OF.get(request.op, AUTO_ORDER):
+    plain_dense = request.op == "dense" and not (
+        request.has_score_mod or request.has_mask_mod or request.has_sinks)
+    for name in ("xla",) if plain_dense else AUTO_ORDER:
         reason = supports(name, request)
         if reason is None:
             why = "; ".join([f"platform {request.platform!r}"] + refused)
@@ -383,8 +383,7 @@ def table(platform: str | None = None, interpret: bool = False) -> list[tuple[st
 def default_implementation(backend: str | None = None) -> str:
     """What ``implementation=None`` runs for a plain dilated branch on ``backend``
     (:mod:`dilax.registry`): ``"pallas"`` on GPU, ``"xla"`` otherwise."""
-    backend = current_platform() if backend is None else backend
-    return choose(None, CoreRequest("dilated_branch", platform=backend))[0]
+    return resolve_implementation(None, backend=backend)
 
 
 def resolve_implementation(implementation: str | None, *, interpret: bool = False,

@@ -105,9 +105,12 @@ def test_dot_product_mods_errors_and_refusals():
     bm = dilax.create_block_mask(flex.causal_mask, None, None, n, n, block_size=8)
     with pytest.raises(ValueError, match="segment_ids"):
         f(q, k, v, block_mask=bm, segment_ids=jnp.zeros((b, n), jnp.int32))
-    for name, why in (("pallas", "Pallas"), ("cudnn", "cuDNN"), ("reference", "reference")):
+    for name, why in (("cudnn", "cuDNN"), ("reference", "reference")):
         with pytest.raises(ValueError, match=why):
             f(q, k, v, mask_mod=flex.causal_mask, implementation=name)
+    # the Pallas kernels take the mods (tests/test_pallas_dense_mods.py), not a dense bias
+    with pytest.raises(ValueError, match="Pallas flash kernel has no bias or mask operand"):
+        f(q, k, v, jnp.zeros((1, 1, n, n)), mask_mod=flex.causal_mask, implementation="pallas")
     # dv != d alone: the XLA core serves it, cuDNN refuses by name
     vv = jnp.concatenate([v, v], axis=-1)
     out = f(q, k, vv, is_causal=True)
@@ -117,10 +120,10 @@ def test_dot_product_mods_errors_and_refusals():
     with pytest.raises(ValueError, match="dv != d"):
         f(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), vv.astype(jnp.bfloat16),
           implementation="cudnn")
-    for name in ("pallas", "cudnn"):
-        for op in ("dense", "block_sparse"):
-            why = registry.supports(name, registry.CoreRequest(op, has_score_mod=True))
-            assert why is not None and "score_mod" in why
+    for name, op in (("pallas", "block_sparse"), ("cudnn", "dense"), ("cudnn", "block_sparse")):
+        why = registry.supports(name, registry.CoreRequest(op, has_score_mod=True))
+        assert why is not None and "score_mod" in why
+    assert registry.supports("pallas", registry.CoreRequest("dense", has_score_mod=True)) is None
 
 
 @pytest.mark.parametrize("case", ["per_head_causal", "per_head_causal_steps", "shared_lengths"])

@@ -21,7 +21,7 @@ from dilax import registry
 from dilax.attention_mask import check_segment_ids, document_bounds
 from dilax.core import Core, KeyBounds, Mask, PairArrays, attention, identity_view
 from dilax.dilated.settings import DilatedSettings
-from dilax.flex.api import FlexMods, flex_core, prepare_mods
+from dilax.flex.api import FlexMods, choose_core, flex_core, prepare_mods
 from dilax.flex.block_mask import BlockMask
 from dilax.reference import dense_attention
 
@@ -121,10 +121,11 @@ def dot_product_attention(
         their length output 0, keys past theirs get no weight.
       local_window_size: optional int ``w`` or ``(left, right)``: query ``i`` sees keys
         ``i - left <= t <= i + right`` (jax's band; key blocks outside it are skipped).
-      implementation: ``None`` / ``"xla"`` (dilax's blockwise core), ``"pallas"`` (dilax's
-        flash kernels; no bias, mask or band), ``"cudnn"`` (``jax.nn.dot_product_attention``
-        with ``implementation="cudnn"``, as is) or ``"reference"`` (dense mask-based, small
-        sizes).
+      implementation: ``None`` / ``"xla"`` (dilax's blockwise core; with FlexAttention's
+        options ``None`` is :mod:`dilax.registry`'s choice: the Pallas kernels on GPU),
+        ``"pallas"`` (dilax's flash kernels; no bias, mask or segment_ids), ``"cudnn"``
+        (``jax.nn.dot_product_attention`` with ``implementation="cudnn"``, as is) or
+        ``"reference"`` (dense mask-based, small sizes).
       return_residual: also return the log-sum-exp of the logits ``(B, T, N)`` / ``(T, N)``
         in the key's dtype, without gradient (as jax).
       segment_lengths, dilation_rates, mode: dilation settings: given both, the call is
@@ -146,9 +147,10 @@ def dot_product_attention(
         of the query and key); a pair is kept iff ``mask``, causality, the band, lengths,
         documents and ``mask_mod`` all allow it; ``sinks (N,)`` add one logit per head to the
         denominator. ``block_mask`` (:func:`dilax.create_block_mask` for ``(B or 1, N or 1,
-        T, S)``; not with ``segment_ids``) only skips blocks. XLA core only (``None`` /
-        ``"xla"``; the other implementations refuse them with :mod:`dilax.registry`'s
-        reason); not with dilation settings.
+        T, S)``; not with ``segment_ids``) only skips blocks. On the XLA core or the Pallas
+        kernels (mods traced inside them, as :func:`dilax.flex_attention`'s; ``dv == d``, no
+        ``bias``, ``mask`` or ``segment_ids``); ``"cudnn"`` and ``"reference"`` refuse them
+        with :mod:`dilax.registry`'s reason; not with dilation settings.
 
     Returns:
       ``out`` shaped like ``query``, or ``(out, lse)`` with ``return_residual``. A query that
@@ -231,11 +233,12 @@ def dot_product_attention(
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
             local_window_size=local_window_size, implementation="cudnn",
             return_residual=return_residual)
-    core = registry.core(name)  # None: the dense mask-based reference
-    if mods is not None:  # the XLA core with the mods (dilax.flex), the registry's choice
+    if mods is not None:  # the mods on the registry's core (dilax.flex: XLA or Pallas)
+        core = choose_core(implementation, request, mods)
         out, lse = _flex(q, k, v, bias, mask, q_len, kv_len, segment_ids, mods, scale=scale,
-                         is_causal=is_causal, window=window)
+                         is_causal=is_causal, window=window, core=core)
     else:
+        core = registry.core(name)  # None: the dense mask-based reference
         out, lse = _dense(q, k, v, bias, mask, q_len, kv_len, segment_ids, scale=scale,
                           is_causal=is_causal, window=window, core=core)
     out = out.reshape(output_shape)
@@ -270,11 +273,12 @@ def _spec(bias, mask, q_len, kv_len, segment_ids, is_causal, window) -> Mask:
 
 
 def _flex(q, k, v, bias, mask, q_len, kv_len, segment_ids, mods: FlexMods, *, scale: float,
-          is_causal: bool, window: tuple[int, int] | None):
-    """``(out, lse)`` of dense attention with FlexAttention's options on the XLA core
-    (:func:`dilax.flex.api.flex_core`: one implementation of the mods, sinks and cap)."""
+          is_causal: bool, window: tuple[int, int] | None, core: Core):
+    """``(out, lse)`` of dense attention with FlexAttention's options on ``core`` (the XLA
+    core, or the Pallas kernels with the mods traced inside them) through
+    :func:`dilax.flex.api.flex_core`: one implementation of the mods, sinks and cap."""
     spec = _spec(bias, mask, q_len, kv_len, segment_ids, is_causal, window)
-    return flex_core(q, k, v, mods, scale=scale, base=spec)
+    return flex_core(q, k, v, mods, scale=scale, base=spec, core=core)
 
 
 def _reference(q, k, v, bias, mask, q_len, kv_len, scale, is_causal, window,

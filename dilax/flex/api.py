@@ -229,12 +229,26 @@ def flex_attention(
     request = registry.CoreRequest("flex", q.dtype, d, value_head_dim=dv,
                                    interpret=bool(interpret), **mods.request_flags)
     implementation = registry.check_name(implementation, "flex")
+    core = choose_core(implementation, request, mods)
+    out, lse = flex_core(q, k, v, mods, scale=scale, core=core)
+    return (out, lse) if return_residual else out
+
+
+def choose_core(implementation: str | None, request: registry.CoreRequest, mods: FlexMods):
+    """The :class:`dilax.core.Core` that runs a call with ``mods`` (:func:`prepare_mods`):
+    :func:`dilax.registry.choose` for ``request`` (op ``"flex"`` or ``"dense"``, with
+    ``mods.request_flags``), then, when that is the Pallas kernels, again with the reason the
+    mods have no tile form, if any (:func:`pallas_kernels.mods.mod_problem`): an explicit
+    ``"pallas"`` raises it, ``None`` runs the XLA core.
+
+    Raises:
+      ValueError: ``implementation`` cannot serve the request (the registry's reason).
+    """
     name, _ = registry.choose(implementation, request)
     if name == "pallas" and (problem := _kernel_problem(mods)) is not None:
         request = dataclasses.replace(request, mod_problem=problem)
         name, _ = registry.choose(implementation, request)  # explicit: ValueError, why
-    out, lse = flex_core(q, k, v, mods, scale=scale, core=registry.core(name, interpret))
-    return (out, lse) if return_residual else out
+    return registry.core(name, request.interpret)
 
 
 def _kernel_problem(mods: FlexMods) -> str | None:

@@ -180,18 +180,25 @@ def _flash(*, n=8192, h=16, d=64, dtype="bfloat16", causal=True, grad=True, offs
     return build
 
 
-def _flex(mod: str, *, n=4096, h=8, hk=2, d=64, dtype="bfloat16"):
+def _flex(mod: str, *, n=4096, h=8, hk=2, d=64, dtype="bfloat16", dense=False):
     """dilax.flex_attention on the Pallas kernels, fwd+bwd, causal, GQA, with one mod:
     ``"softcap"`` (logits_soft_cap=30), ``"alibi"`` (learnable slopes: their gradient too)
     or ``"documents"`` (a document mask_mod over traced ids (b, n), and-ed with causal;
     ``"documents+blocks"``: with its BlockMask of 128-blocks built in the program, which
-    steers the kernels' loops)."""
+    steers the kernels' loops). ``dense``: the same through
+    ``dilax.dot_product_attention(..., is_causal=True, implementation="pallas")`` (the
+    jax.nn drop-in; ``"softcap"`` or ``"alibi"``)."""
 
     def build():
         import dilax
         from dilax import flex
 
         def attend(q, k, v, extra):
+            if dense:  # the drop-in's own causality, the mod on top
+                kw = (dict(logits_soft_cap=30.0) if mod == "softcap" else
+                      dict(score_mod=flex.alibi(extra)))
+                return dilax.dot_product_attention(q, k, v, is_causal=True,
+                                                   implementation="pallas", **kw)
             kw = dict(mask_mod=flex.causal_mask)
             if mod == "softcap":
                 kw["logits_soft_cap"] = 30.0
@@ -463,6 +470,13 @@ def cases() -> list[Case]:
         for d in (64, 128):
             out.append(Case(f"flex pallas bf16 {what} GQA 8/2 n=4096 d={d} causal fwd+bwd",
                             "flex", _flex(mod, d=d), targets=("h100",),
+                            report=_resources(d, BF16)))
+    # the same kernels under dot_product_attention (op "dense"), the jax.nn drop-in
+    for mod, what in (("softcap", "logits_soft_cap=30"), ("alibi", "ALiBi score_mod, slopes' "
+                                                                     "grad")):
+        for d in (64, 128):
+            out.append(Case(f"dot_product pallas bf16 {what} GQA 8/2 n=4096 d={d} causal "
+                            "fwd+bwd", "flex", _flex(mod, d=d, dense=True), targets=("h100",),
                             report=_resources(d, BF16)))
     out += report_cases()
     return out
