@@ -77,8 +77,10 @@ class XlaCore:
         if block_sizes is None:
             bounds = mask.bounds
             window = None if bounds.window is None else max(0, *pairwise.band(bounds.window))
+            mods = mask.mods
+            scored = mods is not None and (mods.score is not None or mods.soft_cap is not None)
             block_sizes = default_block_sizes(Lq, Lk, len(view.q_index), bool(bounds.is_causal),
-                                              window)
+                                              window, scored)
         return mask.resolve(B, len(view.kv_index), Lk, Lq), block_sizes.clipped(Lq, Lk)
 
     def forward(self, q, k, v, *, view, mask, scale, block_sizes=None, out_dtype=None):
