@@ -48,24 +48,29 @@ def _check(out, grads, want, exp):
     return worst
 
 
-@pytest.mark.parametrize("case", ["causal_lengths", "block_mask"])
+@pytest.mark.parametrize("case", ["causal_lengths", "block_mask", "block_mask_documents"])
 def test_dot_product_softcap_alibi_sinks_dv_gqa(case):
     b, n, s, h, hk, d, dv, cap = 2, 32, 40, 4, 2, 8, 12, 2.0
+    s = n if case == "block_mask_documents" else s  # segment_ids: self-attention
     q, k, v, w, rng = _arrays(b, n, s, h, hk, d, dv, seed=11)
     slopes = jnp.asarray(rng.uniform(0.05, 0.5, h), jnp.float32)
     sinks = jnp.asarray(rng.standard_normal(h), jnp.float32)
     kv_len = jnp.asarray([s, 29], jnp.int32)
     qi, ki = np.arange(n)[:, None], np.arange(s)[None, :]
     allowed = (ki <= qi)[None] & (ki[None] < np.asarray(kv_len)[:, None, None])
-    bm = None
-    if case == "block_mask":  # the causal band |q - kv| <= 9 as a block mask
+    bm, ids = None, None
+    if case != "causal_lengths":  # the causal band |q - kv| <= 9 as a block mask
         band = flex.and_masks(flex.causal_mask, flex.sliding_window(9))
         bm = dilax.create_block_mask(band, None, None, n, s, block_size=8)
         allowed = allowed & (qi - ki <= 9)[None]
+    if case == "block_mask_documents":  # AND packed documents (the core's key ranges)
+        ids = np.cumsum(rng.random((b, n)) < 0.2, axis=1).astype(np.int32)
+        allowed = allowed & (ids[:, :, None] == ids[:, None, :])
+        ids = jnp.asarray(ids)
 
     def fn(q, k, v, slopes, sinks):
         return dilax.dot_product_attention(
-            q, k, v, is_causal=bm is None, key_value_seq_lengths=kv_len,
+            q, k, v, is_causal=bm is None, key_value_seq_lengths=kv_len, segment_ids=ids,
             score_mod=flex.alibi(slopes), block_mask=bm, sinks=sinks, logits_soft_cap=cap)
 
     out, grads = _grads(fn, (q, k, v, slopes, sinks), w)
@@ -102,9 +107,6 @@ def test_dot_product_mods_errors_and_refusals():
         f(q, k, v, block_mask=bm)
     with pytest.raises(ValueError, match="score_mod is not supported with dilation"):
         f(q, k, v, score_mod=flex.soft_cap(2.0), segment_lengths=(8,), dilation_rates=(1,))
-    bm = dilax.create_block_mask(flex.causal_mask, None, None, n, n, block_size=8)
-    with pytest.raises(ValueError, match="segment_ids"):
-        f(q, k, v, block_mask=bm, segment_ids=jnp.zeros((b, n), jnp.int32))
     for name, why in (("cudnn", "cuDNN"), ("reference", "reference")):
         with pytest.raises(ValueError, match=why):
             f(q, k, v, mask_mod=flex.causal_mask, implementation=name)

@@ -50,7 +50,9 @@ def range_mask(rng, k_start, block_k, floor=None):
 
 def rows_from(rng, start, floor):
     """Rows ``start ..`` of ``rng`` with the rows before ``floor`` emptied (rows a shifted
-    last block read again)."""
+    last block read again; ``None``: none)."""
+    if floor is None:
+        return rng
     lo, hi = rng
     return lo, jnp.where(start + lax.iota(jnp.int32, hi.shape[-1]) >= floor, hi, 0)
 

@@ -245,7 +245,7 @@ def forward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: B
             def body(j, carry):
                 m, l, acc = carry
                 if starts is not None:  # a block table (dilax.core.mods.Mods.kv_blocks)
-                    k0 = starts[j] * block_k
+                    k0, floor = starts[j] * block_k, None  # whole blocks: nothing read twice
                 elif base is None:
                     k0 = j * block_k
                 else:
@@ -402,7 +402,7 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
                 dk, dv, dq, *db = carry
                 db, dc = db[:len(db0)], db[len(db0):]
                 if starts is not None:  # a block table (dilax.core.mods.Mods.q_blocks)
-                    q0 = starts[qi] * block_q
+                    q0, floor = starts[qi] * block_q, None  # whole blocks: nothing read twice
                 elif q_base is None:
                     q0 = qi * block_q
                 else:

@@ -211,10 +211,6 @@ def dot_product_attention(
                              "settings (segment_lengths, dilation_rates) yet; use "
                              "dilax.flex_attention or call without them")
     mods = prepare_mods("dot_product_attention", B, N, T, S, **flex)
-    if block_mask is not None and segment_ids is not None:
-        raise ValueError("dot_product_attention: block_mask and segment_ids together are not "
-                         "supported; put the documents into the mask_mod "
-                         "(dilax.flex.document_mask) instead")
     if dilated:
         out = _dilated(q, k, v, bias, mask, q_len, kv_len, window, return_residual,
                        segment_lengths, dilation_rates, mode, is_causal, scale, implementation,
