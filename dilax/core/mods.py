@@ -285,6 +285,17 @@ def grad_result(dc, mods) -> tuple:
     return tuple(g.astype(jnp.result_type(c)) for g, c in zip(dc, diff))
 
 
+def column_split(mods, block_k: int) -> int:
+    """How many backward key columns of ``block_k`` make one key block of the tables (1
+    without ``table_block``: the tables are in the core's blocks)."""
+    if mods.table_block is None or mods.table_block[1] == block_k:
+        return 1
+    if mods.table_block[1] % block_k:
+        raise ValueError(f"the backward key block {block_k} must divide the block tables' key "
+                         f"block {mods.table_block[1]}")
+    return mods.table_block[1] // block_k
+
+
 def table_loops(tables, b, i):
     """``((starts, count, apply_mask), ...)`` of block ``i`` of batch row ``b`` from
     ``(full_idx, full_cnt, part_idx, part_cnt)``: whole blocks first, then partial ones."""

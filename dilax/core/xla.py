@@ -459,7 +459,9 @@ def backward(q, k, v, *, view: SlotView, mask: Mask, scale: float, block_sizes: 
         carry = mark_varying(axes, jnp.zeros((U, block_k, d), _F32),
                              jnp.zeros((U, block_k, v.shape[-1]), _F32)) + (dq, *db, *dc)
         if mods is not None and mods.q_blocks is not None:  # whole blocks, then partial
-            for starts, count, with_mod in MD.table_loops(mods.q_blocks, bi, kj):
+            # a key column narrower than the tables' key block reads its block's row
+            for starts, count, with_mod in MD.table_loops(mods.q_blocks, bi,
+                                                          kj // MD.column_split(mods, block_k)):
                 carry = lax.fori_loop(0, count, make_body(True, with_mod, starts), carry)
         elif inner is not None:
             carry = lax.fori_loop(0, inner[0], make_body(True), carry)

@@ -151,6 +151,16 @@ def flex_core(q, k, v, mods: FlexMods, *, scale: float, base: Mask | None = None
     return _flex(q, k, v, mods_core, mods.sinks, base, float(scale), blocks, core)
 
 
+def _backward_key_block(block_k: int, mods) -> int:
+    """The XLA backward's key block under a block mask: 128-key columns of the tables' blocks
+    when a mod is evaluated per element (its tile is one more live beside s, p, dp and ds;
+    narrow columns keep them in cache, as :func:`dilax.core.default_block_sizes` does for
+    ``scored`` calls), else the tables' own."""
+    fns = mods is not None and (mods.score is not None or mods.mask is not None
+                                or mods.soft_cap is not None)
+    return 128 if fns and block_k > 128 and block_k % 128 == 0 else block_k
+
+
 def with_sinks(out, lse, sinks, dtype):
     """``(out, lse)`` of a core result ``out (..., h, dv)`` float32 and ``lse (..., h)`` with
     one sink logit per head ``sinks (h,)`` added to the denominator (gradients through
@@ -274,7 +284,8 @@ def _positive(x, name: str, op: str = "flex_attention") -> float:
 @functools.partial(jax.jit, static_argnums=(6, 7, 8))
 def _flex(q, k, v, mods, sinks, base, scale, blocks, core):
     hk, h = k.shape[2], q.shape[2]
-    sizes = None if blocks is None else BlockSizes(*blocks, *blocks)
+    sizes = None if blocks is None else BlockSizes(*blocks, blocks[0], _backward_key_block(
+        blocks[1], mods))
     spec = Mask(mods=mods) if base is None else dataclasses.replace(base, mods=mods)
     out, lse = attention(q, k, v, view=identity_view(hk, h // hk), scale=scale, mask=spec,
                          core=core, block_sizes=sizes, out_dtype=None if sinks is None else _F32)
