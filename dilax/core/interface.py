@@ -115,13 +115,13 @@ def pallas_config(block_sizes: BlockSizes | None, len_q: int, len_k: int, head_d
 
 
 def _drop_invalid_rows(out, lse, view, mask, len_q):
-    """``out = 0``, ``lse = -inf`` on query rows at or past ``mask.bounds.q_len`` (output layout):
+    """``out = 0``, ``lse = -inf`` on query rows at or past the bounds' ``q_len`` (output layout):
     for kernels without a query-length mask. The backward then recomputes ``p = 0`` on those
     rows from ``lse = -inf``, so their gradient is exactly 0 too."""
     if mask.bounds.q_len is None:
         return out, lse
     B, U = out.shape[0], len(view.kv_index)
-    q_len = mask.resolve(B, U, len_q, len_q).q_len
+    q_len = mask.resolve(B, U, len_q, len_q).bounds.q_len
     valid = lax.iota(jnp.int32, out.shape[1])[None, :, None] < q_len[:, None, :]  # (B, L, U)
     valid = view.ungather_out(
         jnp.broadcast_to(valid[..., None], (*valid.shape, view.q_per_kv)))
