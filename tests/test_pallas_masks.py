@@ -132,3 +132,21 @@ def test_pallas_core_takes_every_mask_field_but_a_dense_bias():
     assert out.shape == q.shape and lse.shape == q.shape[:3]
     with pytest.raises(ValueError, match="bias"):
         call(Mask(arrays=PairArrays(bias=jnp.zeros((1, 1, 32, 32)))))
+
+
+def test_rows_past_query_lengths_dropped_for_kernels_without_them():
+    """The cuDNN core (GPU only) applies query lengths to its result: rows at or past
+    ``q_len`` get ``out = 0`` and ``lse = -inf``; checked here on CPU, against the lengths."""
+    from dilax.core.interface import _drop_invalid_rows
+
+    B, L, H = 2, 6, 2
+    out = jnp.ones((B, L, H, 4))
+    lse = jnp.zeros((B, L, H))
+    q_len = jnp.array([[4], [0]])
+    got, got_lse = _drop_invalid_rows(out, lse, identity_view(1, H),
+                                      Mask(KeyBounds(q_len=q_len)), L)
+    keep = np.arange(L)[None, :] < np.array([4, 0])[:, None]  # (B, L)
+    np.testing.assert_array_equal(np.asarray(got), np.where(keep[..., None, None], 1.0, 0.0)
+                                  * np.ones((B, L, H, 4)))
+    np.testing.assert_array_equal(np.asarray(got_lse),
+                                  np.where(keep[..., None], 0.0, -np.inf) * np.ones((B, L, H)))
