@@ -23,6 +23,19 @@ B, H, HK, D, MAX = 2, 4, 2, 8, 40
 WS, RS, W = (8, 16), (1, 2), 3
 
 
+def _prefill_chunk_token(q, k, v, t0, kw):
+    """Decodes ``q, k, v (B, L, .., D)`` as a prefill of ``t0`` positions, a chunk up to
+    ``L - 1`` and one token: the outputs concatenated ``(B, L, H, D)`` and the cache."""
+    L = q.shape[1]
+    cache = dilax.KVCache.init(B, MAX, HK, D)
+    outs = []
+    for lo, hi in ((0, t0), (t0, L - 1), (L - 1, L)):
+        out, cache = dilax.dilated_attention_decode(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi],
+                                                    cache, WS, RS, **kw)
+        outs.append(np.asarray(out))
+    return np.concatenate(outs, axis=1), cache
+
+
 def test_decode_softcap_alibi_documents_sinks_window():
     rng = np.random.default_rng(0)
     L, t0 = 19, 13  # a prefill chunk of 13 positions, then a chunk of 5 and one token
@@ -33,17 +46,11 @@ def test_decode_softcap_alibi_documents_sinks_window():
     ids[0, 6:], ids[1, 15:] = 1, 1  # a document boundary before and inside the chunks
     kw = dict(local_window=W, score_mod=flex.alibi(slopes), logits_soft_cap=CAP, sinks=sinks,
               mask_mod=flex.document_mask(jnp.asarray(ids)))
-    cache = dilax.KVCache.init(B, MAX, HK, D)
-    outs = []
-    for lo, hi in ((0, t0), (t0, L - 1), (L - 1, L)):
-        out, cache = dilax.dilated_attention_decode(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi],
-                                                    cache, WS, RS, **kw)
-        outs.append(np.asarray(out))
+    got, cache = _prefill_chunk_token(q, k, v, t0, kw)
     doc = ids[:, :L]
     w = dilated_counts(L, H, WS, RS, "mixture", True, W)[None] * (
         doc[:, :, None] == doc[:, None, :])[:, None]
     want = oracle(q, k, v, w, slopes, sinks, np.zeros((B, L, H, D)))[0]
-    got = np.concatenate(outs, axis=1)
     assert_scaled_close(got, want, 1e-5)
     print(f"decode with mods: max |err| {np.max(np.abs(got - want)):.1e}")
     assert np.asarray(cache.lengths).tolist() == [L, L]
@@ -71,13 +78,7 @@ def test_decode_grouped_softcap_alibi_documents_sinks():
     ids[0, 4:], ids[1, 12:] = 1, 1
     kw = dict(mode="grouped", score_mod=flex.alibi(slopes), logits_soft_cap=CAP, sinks=sinks,
               mask_mod=flex.document_mask(jnp.asarray(ids)))
-    cache = dilax.KVCache.init(B, MAX, HK, D)
-    outs = []
-    for lo, hi in ((0, t0), (t0, L - 1), (L - 1, L)):
-        out, cache = dilax.dilated_attention_decode(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi],
-                                                    cache, WS, RS, **kw)
-        outs.append(np.asarray(out))
-    got = np.concatenate(outs, axis=1)
+    got, cache = _prefill_chunk_token(q, k, v, t0, kw)
     whole = np.asarray(dilax.dilated_attention(q, k, v, WS, RS, is_causal=True, **kw))
     doc = ids[:, :L]
     w = dilated_counts(L, H, WS, RS, "grouped", True, None)[None] * (

@@ -161,10 +161,10 @@ def _band():
 @pytest.mark.parametrize("op", ["dilated", "block_sparse"])
 def test_ring_softcap_alibi_sinks_documents_causal(op):
     """Forward and gradients (q, k, v, the ALiBi slopes, the sinks) on two document layouts
-    (data: one program per op)."""
+    (data: one program per op), with ``v``'s own head dim ``dv = d + 8``."""
     fn = _dilated_per_device if op == "dilated" else _block_sparse_whole_mesh
     for layout in (0, 1):
-        q, k, v, g, slopes, sinks = _data(layout)
+        q, k, v, g, slopes, sinks = _data_dv(layout)
         ids = _ids(layout)
         got = _run(fn, (q, k, v, g, slopes, sinks, jnp.asarray(ids)))
         if op == "dilated":  # segment_ids: every document computed alone
@@ -221,15 +221,15 @@ def _block_sparse_plain(q, k, v, slopes, sinks, ids):
         sequence_parallel=dilax.SequenceParallel(_mesh(), "sp"))
 
 
-_DV_CASES = {"dilated": _dilated_plain, "block_sparse": _block_sparse_plain,
-             "dilated_mods": _dilated_per_device, "block_sparse_mods": _block_sparse_whole_mesh}
+# with mods: test_ring_softcap_alibi_sinks_documents_causal (its v has dv too)
+_DV_CASES = {"dilated": _dilated_plain, "block_sparse": _block_sparse_plain}
 
 
 @pytest.mark.parametrize("op", list(_DV_CASES))
 def test_ring_value_head_dim(op):
-    """``v (b, n, hk, dv)`` with ``dv = d + 8`` on the rings: the output and the values'
-    buffers and accumulators travel with ``dv``. Forward and gradients (q, k, v; with the
-    mods also the slopes and sinks) against the float64 oracle."""
+    """``v (b, n, hk, dv)`` with ``dv = d + 8`` on the rings without mods (a local, a halo
+    and a ring branch, a window, key lengths): the output and the values' buffers and
+    accumulators travel with ``dv``. Forward and gradients against the float64 oracle."""
     q, k, v, g, slopes, sinks = _data_dv(4)
     ids = _ids(1)
     got = _run(_DV_CASES[op], (q, k, v, g, slopes, sinks, jnp.asarray(ids)))
@@ -237,17 +237,11 @@ def test_ring_value_head_dim(op):
     keys = (np.arange(N)[None] < np.asarray(KV_LEN)[:, None])[:, None, None]  # (b, 1, 1, n)
     if op == "dilated":
         w = dilated_counts(N, H, WS_DV, RS_DV, "mixture", True, W_DV)[None] * keys
-    elif op == "block_sparse":
-        w = PATTERN.expanded_mask(N, True)[None] * keys
-    elif op == "dilated_mods":
-        w = _dilated_counts(ids, packed=True)
     else:
-        w = PATTERN.expanded_mask(N, True)[None] * _same_doc(ids) * _band()
-    if op.endswith("_mods"):
-        _check(got, oracle(q, k, v, w, slopes, sinks, g), f"{op} dv={DV}")
-    else:  # no mods: no soft-cap, no slopes, no sink; out, dq, dk, dv only
-        want = oracle(q, k, v, w, np.zeros(H), np.full(H, -1e30), g, cap=None)
-        _check(got, want[:4], f"{op} dv={DV}")
+        w = PATTERN.expanded_mask(N, True)[None] * keys
+    # no mods: no soft-cap, no slopes, no sink; out, dq, dk, dv only
+    want = oracle(q, k, v, w, np.zeros(H), np.full(H, -1e30), g, cap=None)
+    _check(got, want[:4], f"{op} dv={DV}")
 
 
 def test_ring_value_head_dim_pallas_refused():

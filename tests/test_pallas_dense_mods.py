@@ -18,6 +18,7 @@ import pytest
 import dilax
 from dilax import flex, registry
 from tests.test_flex import _inputs, oracle
+from tests.test_pallas_mods import _run  # out, grads, whether kernels ran
 from tests.tolerance import FP32, HALF, assert_scaled_close
 
 _CORE = registry.core
@@ -27,20 +28,6 @@ _CORE = registry.core
 def interpreted(monkeypatch):
     """The Pallas kernels of every registry choice run in the Pallas interpreter (CPU)."""
     monkeypatch.setattr(registry, "core", lambda name, interpret=False: _CORE(name, True))
-
-
-def _run(fn, args, w):
-    """``out``, the gradients of ``sum(out * w)`` w.r.t. every argument (one program) and
-    whether that program runs Pallas kernels."""
-    def loss(*a):
-        out = fn(*a)
-        return jnp.sum(out.astype(jnp.float32) * w), out
-
-    grad = jax.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True)
-    kernels = "pallas_call" in str(jax.make_jaxpr(grad)(*args))
-    (_, out), grads = jax.jit(grad)(*args)
-    as_np = lambda x: np.asarray(x.astype(jnp.float32))  # noqa: E731
-    return as_np(out), [as_np(g) for g in grads], kernels
 
 
 def _check(got, want, tol):
