@@ -76,29 +76,30 @@ def pytest_unconfigure(config):
         shutil.rmtree(owned, ignore_errors=True)
 
 # Test modules by cost, largest first: seconds per module (call + setup) measured in a `make
-# test` run with --durations=0 (2026-11-28, after this round's new modules). `make test` runs
+# test` run with --durations=0 (2026-11-28, after this round's new modules; re-sorted at the end
+# of the FlexAttention round). `make test` runs
 # `--dist loadfile --no-loadscope-reorder`, so whole modules go to the two workers in this
 # order; longest first keeps their finishing times close, and the cheap modules at the end
 # fill the gaps (a costly module left out of this list would start last and keep one worker
 # busy alone: add new modules by their cost). Modules not listed (each under ~2 s) follow in
 # their usual order.
 _COSTLIEST_MODULES = (
-    "test_dilated.py", "test_ring.py", "test_notebooks.py", "test_pallas.py", "test_readme.py",
-    "test_block_sparse.py", "test_strict_modes.py", "test_ring_documents.py",
-    "test_documents.py", "test_quality.py", "test_numerics.py", "test_ring_pallas.py",
-    "test_request.py", "test_lengths.py", "test_ring_lengths.py", "test_positions.py",
-    "test_registry.py", "test_flex_bench.py", "test_sequence_parallel.py", "test_decode.py",
-    "test_train_cli.py", "test_nn.py", "test_models.py", "test_dot_product.py",
-    "test_flex_dilated.py", "test_flex_ring.py", "test_flex_ops.py",
-    "test_train_resume.py", "test_block_sparse_ring_pallas.py", "test_train_interrupts.py",
-    "test_train.py", "test_pallas_masks.py", "test_pallas_mods.py", "test_pallas_dense_mods.py",
-    "test_flex.py", "test_block_sparse_ring.py",
-    "test_batch_dims.py", "test_train_packed.py", "test_packed_lm.py", "test_benchmarks_gpu.py",
-    "test_ring_multiprocess.py", "test_attention_fn_flax.py", "test_empty_batch.py",
-    "test_token_ids.py", "test_ring_plan.py", "test_block_sparse_lengths.py",
-    "test_decode_pallas.py", "test_nan_inputs.py", "test_lazy_subpackages.py",
-    "test_fuzz_sparse.py", "test_imports.py", "test_migration.py", "test_dilated_memory.py",
-    "test_decode_overflow.py", "test_factory.py", "test_flex_decode.py", "test_fuzz_dilated.py",
+    "test_dilated.py", "test_ring.py", "test_notebooks.py", "test_pallas.py",
+    "test_flex_ring.py", "test_readme.py", "test_strict_modes.py", "test_ring_documents.py",
+    "test_block_sparse.py", "test_flex_dilated.py", "test_documents.py", "test_quality.py",
+    "test_numerics.py", "test_lengths.py", "test_nn.py", "test_request.py",
+    "test_ring_pallas.py", "test_train_cli.py", "test_sequence_parallel.py",
+    "test_ring_lengths.py", "test_models.py", "test_positions.py", "test_decode.py",
+    "test_train.py", "test_dot_product.py", "test_pallas_masks.py", "test_flex_ops.py",
+    "test_registry.py", "test_flex.py", "test_attention_fn_flax.py",
+    "test_block_sparse_ring.py", "test_train_interrupts.py", "test_block_sparse_ring_pallas.py",
+    "test_pallas_dense_mods.py", "test_train_resume.py", "test_pallas_mods.py",
+    "test_ring_plan.py", "test_ring_multiprocess.py", "test_flex_bench.py",
+    "test_batch_dims.py", "test_train_packed.py", "test_flex_decode.py", "test_empty_batch.py",
+    "test_imports.py", "test_packed_lm.py", "test_nan_inputs.py", "test_lazy_subpackages.py",
+    "test_decode_pallas.py", "test_fuzz_sparse.py", "test_token_ids.py",
+    "test_benchmarks_gpu.py", "test_block_sparse_lengths.py", "test_decode_overflow.py",
+    "test_fuzz_dilated.py", "test_factory.py", "test_migration.py", "test_dilated_memory.py",
 )
 
 

@@ -14,6 +14,8 @@ One compiled program per case, two data sets for the gradient cases.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,13 +112,19 @@ def _dilated_counts(ids, packed: bool):
     return w
 
 
-def _run(fn, args):
-    """``out`` and the gradients of ``sum(out * g)`` w.r.t. q, k, v, slopes, sinks."""
+@functools.cache
+def _grad_program(fn):
+    """One jitted program per op function, so that new data reuses its compile."""
     def loss(q, k, v, g, slopes, sinks, ids):
         out = fn(q, k, v, slopes, sinks, ids)
         return jnp.sum(out * g), out
 
-    return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 4, 5), has_aux=True))(*args)
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 4, 5), has_aux=True))
+
+
+def _run(fn, args):
+    """``out`` and the gradients of ``sum(out * g)`` w.r.t. q, k, v, slopes, sinks."""
+    return _grad_program(fn)(*args)
 
 
 def _check(got, want, name):
