@@ -147,7 +147,7 @@ def dot_product_attention(
         of the query and key); a pair is kept iff ``mask``, causality, the band, lengths,
         documents and ``mask_mod`` all allow it; ``sinks (N,)`` add one logit per head to the
         denominator. ``block_mask`` (:func:`dilax.create_block_mask` for ``(B or 1, N or 1,
-        T, S)``; not with ``segment_ids``) only skips blocks. On the XLA core or the Pallas
+        T, S)``; with ``segment_ids`` too) only skips blocks. On the XLA core or the Pallas
         kernels (mods traced inside them, as :func:`dilax.flex_attention`'s; ``dv == d``, no
         ``bias``, ``mask`` or ``segment_ids``); ``"cudnn"`` and ``"reference"`` refuse them
         with :mod:`dilax.registry`'s reason; not with dilation settings.
